@@ -1,0 +1,68 @@
+"""Attention masks as pure functions returning boolean ``[q, k]`` arrays.
+
+True means "query i may attend to key j". Sizes are static Python ints, so
+the masks are built once per compiled shape.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["causal", "blockwise_causal", "same_segment", "causal_by_position"]
+
+
+def _check_size(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def causal(q_len: int, k_len: int | None = None):
+    """Bottom-right aligned causal mask ``[q_len, k_len]``.
+
+    Query i sees key j iff ``j ≤ i + (k_len − q_len)``: the queries are the
+    last ``q_len`` of the ``k_len`` keys, which serves a block of queries over
+    cached keys.
+    """
+    q_len = _check_size("q_len", q_len)
+    k_len = q_len if k_len is None else _check_size("k_len", k_len)
+    if k_len < q_len:
+        raise ValueError(f"k_len ({k_len}) must be ≥ q_len ({q_len}): the queries are the "
+                         "last q_len keys")
+    i = jnp.arange(q_len)[:, None]
+    j = jnp.arange(k_len)[None, :]
+    return j <= i + (k_len - q_len)
+
+
+def blockwise_causal(length: int, block: int):
+    """Blockwise causal mask ``[length, length]`` (paper §3.3).
+
+    Query i sees key j iff ``j ≤ i`` and ``j ≥ (⌊i/block⌋ − 1)·block``: its own
+    block and the one before. ``block`` is half the training length, so no
+    query ever sees a key farther than the training length.
+    """
+    length = _check_size("length", length)
+    block = _check_size("block", block)
+    i = jnp.arange(length)[:, None]
+    j = jnp.arange(length)[None, :]
+    return (j <= i) & (j >= (i // block - 1) * block)
+
+
+def same_segment(q_segment_ids, k_segment_ids):
+    """``[..., q, k]``: True where both tokens are in the same packed document.
+
+    Segment id 0 marks padding, which attends to nothing and is seen by nothing.
+    """
+    q_segment_ids, k_segment_ids = jnp.asarray(q_segment_ids), jnp.asarray(k_segment_ids)
+    same = q_segment_ids[..., :, None] == k_segment_ids[..., None, :]
+    return same & (q_segment_ids[..., :, None] > 0)
+
+
+def causal_by_position(q_positions, k_positions):
+    """``[..., q, k]``: True where the key's position is not after the query's.
+
+    With window-relative positions this is how a block step over cached keys
+    expresses the causal and blockwise patterns without materialising them.
+    """
+    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    return k_positions[..., None, :] <= q_positions[..., :, None]

@@ -1,0 +1,195 @@
+"""Position encodings as pure functions of (x, positions).
+
+Shapes follow JAX's attention convention: ``x`` is ``[..., seq, heads,
+head_dim]`` and ``positions`` are integers broadcastable to ``[..., seq]``.
+Angles and scales are computed in float32 whatever the input dtype; results
+come back in the input's dtype.
+
+XPOS (Sun et al. 2022, arXiv 2212.10554, §3.2, eq. 5-6) rotates the pair
+``(2i, 2i+1)`` of a query at position m by ``m·θ_i`` and multiplies it by
+``ζ_i^(m/b)``; a key at position n is rotated by ``n·θ_i`` and multiplied by
+``ζ_i^(-n/b)``. Then ``q'_m · k'_n`` depends only on ``m - n`` and, for
+``m ≥ n``, decays with the distance. The pair layout is the interleaved one of
+the reference implementation (microsoft/torchscale), so the same q, k and
+positions give the same attention scores there and here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["xpos", "rope", "alibi_slopes", "alibi_bias", "sinusoidal", "xpos_decay_base",
+           "max_safe_position"]
+
+# ln of the largest finite value of each result dtype; see max_safe_position.
+_LOG_MAX = {
+    jnp.dtype(jnp.float16): math.log(65504.0),
+    jnp.dtype(jnp.bfloat16): math.log(3.38e38),
+    jnp.dtype(jnp.float32): math.log(3.40e38),
+}
+
+
+def xpos_decay_base(head_dim: int, gamma: float = 0.4) -> np.ndarray:
+    """ζ_i = (2i/d + γ) / (1 + γ) for i = 0 … d/2 − 1 (float32, shape [d/2])."""
+    _check_head_dim(head_dim)
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    return ((2.0 * i / head_dim + gamma) / (1.0 + gamma)).astype(np.float32)
+
+
+def max_safe_position(scale_base: float = 512.0, gamma: float = 0.4, dtype=jnp.float32,
+                      margin: float = 1e3) -> float:
+    """Largest |position| at which a key scale ζ_0^(-|p|/b) stays finite in ``dtype``.
+
+    The key scale grows as ``(1/ζ_0)^(p/b)`` with ``1/ζ_0 = (1+γ)/γ`` (3.5 for
+    γ = 0.4); ``margin`` leaves room for the magnitude of the key itself. For
+    b = 512 this is about 1,700 (3.3·b) for float16 and 33,000 (65·b) for
+    float32/bfloat16 —
+    and because only ``m − n`` matters, callers keep positions small (window
+    relative or centred) so they never get near it.
+    """
+    dtype = jnp.dtype(dtype)
+    log_growth = math.log((1.0 + gamma) / gamma)
+    return (_LOG_MAX.get(dtype, _LOG_MAX[jnp.dtype(jnp.float32)]) - math.log(margin)) \
+        * scale_base / log_growth
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary encodings, got {head_dim}; "
+                         "choose d_model/num_heads even")
+
+
+def _check_positions(x, positions):
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers, got dtype {positions.dtype}; "
+                         "pass token indices, e.g. jnp.arange(seq)")
+    if x.ndim < 3:
+        raise ValueError(f"x must be [..., seq, heads, head_dim], got shape {x.shape}")
+    lead = x.shape[:-2]
+    try:
+        ok = np.broadcast_shapes(positions.shape, lead) == lead
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's "
+                         f"[..., seq] = {lead}; give one position per token")
+    return positions
+
+
+def _rotate(x, positions, theta: float, log_scale_per_position=None):
+    """Rotates interleaved pairs by positions·θ_i and multiplies by an optional scale.
+
+    ``log_scale_per_position`` is ``[d/2]`` float32: the pair i is multiplied by
+    ``exp(positions · log_scale[i])``.
+    """
+    head_dim = x.shape[-1]
+    _check_head_dim(head_dim)
+    positions = _check_positions(x, positions)
+    half = head_dim // 2
+    inv_freq = jnp.asarray(theta ** (-2.0 * np.arange(half) / head_dim), jnp.float32)
+    pos = positions.astype(jnp.float32)[..., None, None]  # [..., seq, 1, 1]
+    angle = pos * inv_freq  # [..., seq, 1, d/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if log_scale_per_position is not None:
+        scale = jnp.exp(pos * log_scale_per_position)
+        cos, sin = cos * scale, sin * scale
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def xpos(x, positions, *, scale_base: float = 512.0, theta: float = 10000.0,
+         gamma: float = 0.4, downscale: bool = False):
+    """XPOS (paper eq. 5-6): rotary encoding with per-dimension exponential decay.
+
+    Args:
+      x: ``[..., seq, heads, head_dim]``, any float dtype; head_dim even.
+      positions: integers broadcastable to ``[..., seq]``.
+      scale_base: b; queries are scaled by ``ζ_i^(p/b)``, keys by ``ζ_i^(-p/b)``.
+        Must match between training and inference. ``inf`` gives RoPE (ζ^0 = 1).
+      theta: rotation base; θ_i = theta^(-2i/d).
+      gamma: ζ_i = (2i/d + γ)/(1 + γ).
+      downscale: False for queries, True for keys.
+
+    Returns:
+      ``x`` encoded, same shape and dtype.
+
+    Safe range: the key scale grows like ``3.5^(|p|/b)`` (γ = 0.4), so |p| must
+    stay below ``max_safe_position(scale_base, gamma, dtype)`` — about 3.3·b for
+    float16 results and 65·b for float32/bfloat16 (keys of magnitude ≤ 1000). Scores depend only on
+    ``m − n``, so callers shift both position sets to keep |p| small: lexjax's
+    model uses window-relative positions under blockwise attention and centred
+    positions otherwise.
+    """
+    head_dim = x.shape[-1]
+    _check_head_dim(head_dim)
+    if not scale_base > 0:
+        raise ValueError(f"scale_base must be positive, got {scale_base}")
+    log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
+    if downscale:
+        log_zeta = -log_zeta
+    return _rotate(x, positions, theta, log_zeta[None, :])
+
+
+def rope(x, positions, *, theta: float = 10000.0):
+    """Rotary position embedding (Su et al. 2021): XPOS with ζ = 1.
+
+    Same shapes, pair layout and numerics as :func:`xpos`; no decay, so any
+    integer position that float32 represents exactly is safe.
+    """
+    return _rotate(x, positions, theta)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes m_h = 2^(-8h/H), h = 1..H (Press et al. 2022).
+
+    When H is not a power of two, the first 2^⌊log2 H⌋ slopes are those of that
+    power of two and the rest are every other slope of the next power of two,
+    as in the ALiBi paper's reference code.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    base = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(base)
+    if base < num_heads:
+        slopes += power_of_two(2 * base)[0::2][: num_heads - base]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(num_heads: int, q_positions, k_positions):
+    """ALiBi logit bias ``-m_h · (i − j)`` → ``[..., heads, q, k]`` float32.
+
+    ``q_positions`` ``[..., q]`` and ``k_positions`` ``[..., k]`` are integers.
+    Only meaningful under a causal mask (for j > i the bias is positive).
+    """
+    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    for name, p in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not jnp.issubdtype(p.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got dtype {p.dtype}")
+    distance = (q_positions[..., :, None] - k_positions[..., None, :]).astype(jnp.float32)
+    slopes = jnp.asarray(alibi_slopes(num_heads))
+    return -slopes[:, None, None] * distance[..., None, :, :]
+
+
+def sinusoidal(positions, dim: int):
+    """Absolute sinusoidal embedding (Vaswani et al. 2017) → ``[..., dim]`` float32.
+
+    Interleaved: ``PE[p, 2i] = sin(p·10000^(-2i/d))``, ``PE[p, 2i+1] = cos(…)``.
+    """
+    if dim % 2:
+        raise ValueError(f"sinusoidal embedding dim must be even, got {dim}")
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    inv_freq = jnp.asarray(10000.0 ** (-2.0 * np.arange(dim // 2) / dim), jnp.float32)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(*positions.shape, dim)

@@ -1,0 +1,86 @@
+"""Attention resolution (paper §3.1, eq. 3 and 11) and expected-score curves (eq. 8)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lexjax.positions import xpos_decay_base
+
+__all__ = ["attention_resolution", "expected_scores", "xpos_expectation"]
+
+
+def attention_resolution(s):
+    """R(s) of paper eq. 3 over the last axis of ``s`` (expected scores by distance).
+
+    ``R(s) = Σ_i e^{s[i]} (e^{s[i]} − e^{s[i+1]}) / (Σ_i e^{s[i]})²``.
+
+    Convention at the last term: s[N+1] does not exist, so the numerator runs
+    over i = 0 … N−1 (the differences that are defined) while the denominator
+    runs over all i = 0 … N. R is invariant to adding a constant to s, which is
+    used to compute it without overflow.
+    """
+    s = jnp.asarray(s, jnp.float32)
+    if s.shape[-1] < 2:
+        raise ValueError(f"attention_resolution needs at least 2 distances, got {s.shape[-1]}")
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    numerator = jnp.sum(e[..., :-1] * (e[..., :-1] - e[..., 1:]), axis=-1)
+    return numerator / jnp.square(jnp.sum(e, axis=-1))
+
+
+def expected_scores(scores, mask=None):
+    """Mean pre-softmax score at each distance n = i − j (paper eq. 11).
+
+    Args:
+      scores: ``[..., q, k]``; query i stands at key position ``i + k − q``
+        (bottom-right aligned, as :func:`lexjax.masks.causal`).
+      mask: optional boolean ``[..., q, k]``; only True entries are averaged
+        (e.g. the blockwise pattern, or padding removed).
+
+    Returns:
+      ``[..., k]`` float32: entry n is the mean of ``scores[i, j]`` over pairs
+      with ``i + k − q − j = n``; NaN where no pair has that distance.
+    """
+    scores = jnp.asarray(scores, jnp.float32)
+    q_len, k_len = scores.shape[-2:]
+    if k_len < q_len:
+        raise ValueError(f"scores must be [..., q, k] with k ≥ q, got {scores.shape}")
+    distance = (jnp.arange(q_len)[:, None] + (k_len - q_len)) - jnp.arange(k_len)[None, :]
+    valid = distance >= 0
+    if mask is not None:
+        valid = valid & jnp.asarray(mask, bool)
+    valid = jnp.broadcast_to(valid, scores.shape)
+    flat_distance = jnp.broadcast_to(jnp.where(distance >= 0, distance, k_len), scores.shape)
+    lead = scores.shape[:-2]
+    flat_scores = jnp.where(valid, scores, 0.0).reshape(-1, q_len * k_len)
+    flat_valid = valid.reshape(-1, q_len * k_len).astype(jnp.float32)
+    flat_distance = flat_distance.reshape(-1, q_len * k_len)
+
+    def per_row(values, weights, ids):
+        total = jax.ops.segment_sum(values, ids, num_segments=k_len + 1)[:k_len]
+        count = jax.ops.segment_sum(weights, ids, num_segments=k_len + 1)[:k_len]
+        return jnp.where(count > 0, total / jnp.maximum(count, 1.0), jnp.nan)
+
+    means = jax.vmap(per_row)(flat_scores, flat_valid, flat_distance)
+    return means.reshape(*lead, k_len)
+
+
+def xpos_expectation(distances, head_dim: int, *, scale_base: float = 512.0,
+                     theta: float = 10000.0, gamma: float | None = 0.4):
+    """Expected XPOS score at each distance (paper eq. 8), the curves of Figure 1.
+
+    ``g[n] = Σ_i cos(n·θ_i) · ζ_i^(n/b)`` with θ_i = theta^(-2i/d),
+    ζ_i = (2i/d + γ)/(1 + γ). ``gamma=None`` (ζ = 1) gives RoPE's curve, which
+    oscillates; XPOS's decays smoothly.
+    """
+    distances = jnp.asarray(distances, jnp.float32)
+    half = head_dim // 2
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    inv_freq = jnp.asarray(theta ** (-2.0 * np.arange(half) / head_dim), jnp.float32)
+    terms = jnp.cos(distances[..., None] * inv_freq)
+    if gamma is not None:
+        log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma)))
+        terms = terms * jnp.exp(distances[..., None] / scale_base * log_zeta)
+    return jnp.sum(terms, axis=-1)
