@@ -134,6 +134,34 @@ def test_changed_files_are_refused_until_overwrite(tmp_path):
     assert len(data.load_source("textfiles", "train", data_dir, pattern)) >= 1
 
 
+class _ForeignCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Stands in for a TFDS catalog dataset (e.g. pg19) prepared as ArrayRecord elsewhere."""
+
+    name = "foreign_corpus"
+    VERSION = tfds.core.Version("2.0.0")
+
+    def _info(self):
+        features = {"content": tfds.features.Text(), "label": tfds.features.Scalar(np.int64)}
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(6)}
+
+    def _generate_examples(self, count):
+        for i in range(count):
+            yield i, {"content": f"book {i}", "label": i}
+
+
+def test_other_prepared_datasets_load_through_tfds_data_source(tmp_path):
+    _ForeignCorpus(data_dir=tmp_path, file_format="array_record").download_and_prepare()
+    source = data.load_source("foreign_corpus", "train", tmp_path, text_feature="content")
+    assert sorted(source[i] for i in range(len(source))) == [f"book {i}".encode() for i in range(6)]
+    assert len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content")) == 3
+    with pytest.raises(ValueError, match="text_feature= one of"):
+        data.load_source("foreign_corpus", "train", tmp_path)
+    assert "tensorflow" not in sys.modules
+
+
 def test_bad_input_says_what_to_change(tmp_path):
     with pytest.raises(ValueError, match="matches no files") as e:
         data.load_source("textfiles", "train", tmp_path, str(tmp_path / "nothing" / "*.txt"))

@@ -33,6 +33,7 @@ Any other TFDS dataset (e.g. 'pg19') is read through the same
 `data_dir` (e.g. `tfds build pg19 --file_format=array_record --data_dir=...`).
 """
 
+import functools
 import glob
 import hashlib
 import os
@@ -220,13 +221,13 @@ def prepare(
     if name == "python_stdlib":
         if files is not None:
             raise ValueError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
-        make = lambda: PythonStdlib(data_dir=data_dir, max_files=max_files)
+        make = functools.partial(PythonStdlib, data_dir=data_dir, max_files=max_files)
     elif name == "textfiles":
         if max_files is not None:
             raise ValueError("max_files= applies to 'python_stdlib' only; narrow the files= glob instead")
         if files is not None:
             glob_files(files)  # Fail on a bad glob before touching data_dir.
-        make = lambda: TextFiles(data_dir=data_dir, files=files)
+        make = functools.partial(TextFiles, data_dir=data_dir, files=files)
     else:
         raise ValueError(f"prepare() builds {BUILDER_NAMES}, not {name!r}; prepare other datasets with `tfds build`")
 
