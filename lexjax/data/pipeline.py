@@ -1,0 +1,154 @@
+"""grain pipelines: packed, shuffled, sharded training batches and evaluation documents.
+
+Packing convention (the model and its tests rely on it). Each document is
+d = [BOS, bytes..., EOS]; its training pair is inputs = d[:-1], targets =
+d[1:]. The pair is cut into chunks of at most `seq_len` tokens, and chunks are
+packed first-fit into rows of exactly `seq_len`. A batch is a dict of int32
+numpy arrays, each [batch_size, seq_len] (batch_size per process):
+
+- `inputs`, `targets`: token ids; 0 at padding;
+- `segment_ids`: 1, 2, 3, ... for the chunks of a row, 0 at padding;
+- `positions`: 0, 1, 2, ... restarting at every chunk, 0 at padding.
+
+Within a segment targets[t] == inputs[t + 1]. A long document continues in
+another row as a new segment whose positions start at 0 again, so attention
+never crosses a row boundary and the model never sees positions >= seq_len.
+"""
+
+from collections.abc import Iterator, Sequence
+
+from absl import flags
+import grain
+import numpy as np
+
+from lexjax.data import tokenizer
+
+# Bounded so that set_state() and a 2-core machine do not pay for hundreds of
+# prefetched documents; reading and tokenizing a document is cheap.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)
+
+
+def as_document(document: str | bytes | np.ndarray) -> np.ndarray:
+    """Returns int32 ids [BOS, bytes..., EOS]; raw text is encoded, ids pass through."""
+    if isinstance(document, (str, bytes)):
+        return tokenizer.encode_document(document)
+    return np.asarray(document, dtype=np.int32)
+
+
+# Transforms live at module level so grain worker processes can unpickle them.
+class _Tokenize(grain.transforms.Map):
+
+    def map(self, document):
+        return as_document(document)
+
+
+class _ChunkPairs(grain.experimental.FlatMapTransform):
+    """Splits a document into {'inputs', 'targets'} chunks of at most seq_len tokens."""
+
+    max_fan_out = 2**31 - 1  # Only bounds FlatMapMapDataset; unused on an IterDataset.
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def flat_map(self, document):
+        inputs, targets = document[:-1], document[1:]
+        return [
+            {"inputs": inputs[i:i + self.seq_len], "targets": targets[i:i + self.seq_len]}
+            for i in range(0, len(inputs), self.seq_len)
+        ]
+
+
+class _RenamePacked(grain.transforms.Map):
+    """Keeps one copy of grain's per-feature segment ids/positions (they agree)."""
+
+    def map(self, row):
+        return {
+            "inputs": row["inputs"],
+            "targets": row["targets"],
+            "segment_ids": row["inputs_segment_ids"],
+            "positions": row["inputs_positions"],
+        }
+
+
+def make_train_iterator(
+    source: Sequence,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_epochs: int | None = None,
+    worker_count: int = 0,
+) -> grain.DatasetIterator:
+    """Returns a checkpointable iterator of packed batches (see module docstring).
+
+    Args:
+      source: random-access documents (`len` and `[i]`), each raw text (str or
+        bytes, e.g. `load_source(...)`) or ids from `encode_document`.
+      seq_len: row length.
+      batch_size: rows per batch on this process.
+      seed: seeds the document shuffle (different each epoch) and the order in
+        which packed rows leave a packing window; 0 <= seed < 2**32.
+      shard_index, shard_count: this process reads only documents
+        shard_index, shard_index + shard_count, ... (use jax.process_index()
+        and jax.process_count()).
+      num_epochs: passes over the shard; None repeats forever. A last
+        incomplete batch is dropped.
+      worker_count: grain worker processes for background prefetch; 0 runs
+        in-process. Batches are deterministic for a given worker_count but
+        differ between counts (packing is stateful and runs per worker).
+
+    `it.get_state()` / `it.set_state(state)` resume exactly: a restored
+    iterator yields the batches an uninterrupted one would.
+    """
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len=} {batch_size=}")
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index=} {shard_count=}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs must be >= 1 or None, got {num_epochs}")
+    ds = grain.MapDataset.source(source)[shard_index::shard_count]
+    if len(ds) == 0:
+        raise ValueError(
+            f"shard {shard_index} of {shard_count} has no documents ({len(source)} in the "
+            "source); use fewer shards or a larger split"
+        )
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(_Tokenize())
+    ds = ds.to_iter_dataset(_READ_OPTIONS)
+    ds = grain.experimental.FlatMapIterDataset(ds, _ChunkPairs(seq_len))
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds,
+        length_struct={"inputs": seq_len, "targets": seq_len},
+        num_packing_bins=batch_size,
+        seed=seed,
+        shuffle_bins=True,
+    )
+    ds = ds.map(_RenamePacked()).batch(batch_size, drop_remainder=True)
+    if worker_count > 0:
+        # grain reads its absl flags when starting workers; a notebook or a
+        # program without absl.app.run has not parsed them, so use defaults.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    return iter(ds)
+
+
+def eval_documents(
+    source: Sequence, max_docs: int | None = None, min_len: int = 0
+) -> Iterator[np.ndarray]:
+    """Yields int32 documents [BOS, bytes..., EOS] in source order.
+
+    Documents shorter than `min_len` tokens (BOS and EOS included) are skipped;
+    at most `max_docs` documents are yielded.
+    """
+    yielded = 0
+    for index in range(len(source)):
+        if max_docs is not None and yielded >= max_docs:
+            return
+        document = as_document(source[index])
+        if len(document) >= min_len:
+            yielded += 1
+            yield document

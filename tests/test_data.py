@@ -1,0 +1,355 @@
+"""lexjax.data: tokenizer, TF-less TFDS builders, grain packing pipeline."""
+
+import collections
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from lexjax import data
+from lexjax.data import builders
+
+SEQ_LEN = 32
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("text", ["", "hello", "héllo wörld ✓ 𝄞", "a\nb\tc\0d"])
+def test_tokenizer_round_trip(text):
+    ids = data.encode(text)
+    assert ids.dtype == np.int32
+    assert data.decode(ids) == text
+    document = data.encode_document(text)
+    assert document.dtype == np.int32
+    assert document[0] == data.BOS and document[-1] == data.EOS
+    np.testing.assert_array_equal(document[1:-1], ids)
+    assert data.decode(document) == text
+
+
+def test_tokenizer_keeps_every_byte_including_invalid_utf8():
+    every_byte = bytes(range(256)) + b"\xff\xfe\xc3"
+    ids = data.encode(every_byte)
+    assert bytes(ids.astype(np.uint8)) == every_byte
+    assert data.decode(data.encode(b"ok\xffok")) == "ok\ufffdok"
+    assert data.encode(b"").shape == (0,)
+    np.testing.assert_array_equal(data.encode_document(b""), [data.BOS, data.EOS])
+    assert data.VOCAB_SIZE == 258 and max(data.BOS, data.EOS) < data.VOCAB_SIZE
+
+
+# ---------------------------------------------------------------- builders
+
+
+def _write_corpus(root, count):
+    """Writes `count` text files, renaming until every split has at least one."""
+    os.makedirs(os.path.join(root, "sub"), exist_ok=True)
+    names, i = [], 0
+    while len(names) < count or {builders.split_of(n) for n in names} != set(data.SPLITS):
+        name = f"sub/doc{i:03d}.txt" if i % 3 else f"doc{i:03d}.txt"
+        names.append(name)
+        i += 1
+    for n, name in enumerate(names):
+        text = f"document {name}\n" + "lorem ipsum " * (n % 7) + "\xe9\n"
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(text.encode("utf-8") + (b"\xff" if n % 5 == 0 else b""))
+    return sorted(names)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small textfiles corpus, built once into its own data dir."""
+    root = str(tmp_path_factory.mktemp("corpus"))
+    names = _write_corpus(root, 30)
+    data_dir = str(tmp_path_factory.mktemp("tfds"))
+    pattern = os.path.join(root, "**", "*.txt")
+    data.prepare("textfiles", data_dir, pattern)
+    return {"root": root, "names": names, "data_dir": data_dir, "pattern": pattern}
+
+
+def test_textfiles_write_array_record_and_read_back_without_tensorflow(corpus):
+    version_dir = os.path.join(corpus["data_dir"], "textfiles", "1.0.0")
+    assert glob.glob(os.path.join(version_dir, "textfiles-train.array_record-*"))
+    seen = {}
+    for split in data.SPLITS:
+        records = tfds.data_source("textfiles", split=split, data_dir=corpus["data_dir"])
+        for i in range(len(records)):
+            example = records[i]
+            path = example["path"].decode()
+            assert builders.split_of(path) == split
+            seen[path] = example["text"]
+    assert sorted(seen) == corpus["names"]
+    for path, text in seen.items():
+        with open(os.path.join(corpus["root"], path), "rb") as f:
+            assert text == f.read()
+    assert "tensorflow" not in sys.modules
+
+
+def test_text_source_is_raw_bytes(corpus):
+    source = data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"])
+    assert len(source) == sum(builders.split_of(n) == "train" for n in corpus["names"])
+    assert all(isinstance(source[i], bytes) for i in range(len(source)))
+    assert "tensorflow" not in sys.modules
+
+
+def test_split_is_stable_disjoint_and_roughly_90_5_5():
+    paths = [f"pkg{i // 50}/module_{i}.py" for i in range(4000)]
+    first = [builders.split_of(p) for p in paths]
+    assert first == [builders.split_of(p) for p in paths]
+    counts = collections.Counter(first)
+    assert set(counts) == set(data.SPLITS)
+    assert 0.87 < counts["train"] / len(paths) < 0.93
+    assert 0.03 < counts["validation"] / len(paths) < 0.07
+    # Pinned: SHA-256 buckets do not depend on the run, machine or PYTHONHASHSEED.
+    assert [builders.split_of(p) for p in ("os.py", "m30.py", "asyncio/tasks.py")] == [
+        "validation", "test", "train"
+    ]
+
+
+def test_python_stdlib_builds_once_and_reuses(tmp_path):
+    source = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
+    array_records = glob.glob(str(tmp_path / "python_stdlib" / "1.0.0" / "*.array_record-*"))
+    mtimes = {p: os.stat(p).st_mtime_ns for p in array_records}
+    root, relpaths = builders.stdlib_files(12)
+    assert len(source) == sum(builders.split_of(p) == "train" for p in relpaths)
+    assert all(not part.startswith("site-packages") for p in relpaths for part in p.split("/"))
+    source_again = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
+    assert len(source_again) == len(source)
+    assert {p: os.stat(p).st_mtime_ns for p in array_records} == mtimes
+    assert "tensorflow" not in sys.modules
+
+
+def test_changed_files_are_refused_until_overwrite(tmp_path):
+    root, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+    names = _write_corpus(str(root), 5)
+    pattern = str(root / "**" / "*.txt")
+    data.prepare("textfiles", data_dir, pattern)
+    (root / names[0]).write_bytes(b"edited")
+    with pytest.raises(ValueError, match="overwrite=True"):
+        data.load_source("textfiles", "train", data_dir, pattern)
+    data.prepare("textfiles", data_dir, pattern, overwrite=True)
+    assert len(data.load_source("textfiles", "train", data_dir, pattern)) >= 1
+
+
+class _ForeignCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Stands in for a TFDS catalog dataset (e.g. pg19) prepared as ArrayRecord elsewhere."""
+
+    name = "foreign_corpus"
+    VERSION = tfds.core.Version("2.0.0")
+
+    def _info(self):
+        features = {"content": tfds.features.Text(), "label": tfds.features.Scalar(np.int64)}
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(6)}
+
+    def _generate_examples(self, count):
+        for i in range(count):
+            yield i, {"content": f"book {i}", "label": i}
+
+
+def test_other_prepared_datasets_load_through_tfds_data_source(tmp_path):
+    _ForeignCorpus(data_dir=tmp_path, file_format="array_record").download_and_prepare()
+    source = data.load_source("foreign_corpus", "train", tmp_path, text_feature="content")
+    assert sorted(source[i] for i in range(len(source))) == [f"book {i}".encode() for i in range(6)]
+    assert len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content")) == 3
+    with pytest.raises(ValueError, match="text_feature= one of"):
+        data.load_source("foreign_corpus", "train", tmp_path)
+    assert "tensorflow" not in sys.modules
+
+
+def test_bad_input_says_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match="matches no files") as e:
+        data.load_source("textfiles", "train", tmp_path, str(tmp_path / "nothing" / "*.txt"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="tfds build pg19 --file_format=array_record"):
+        data.load_source("pg19", "train", tmp_path)
+    with pytest.raises(ValueError, match="pass files="):
+        data.load_source("textfiles", "train", tmp_path)
+
+
+def test_unknown_split_and_feature(corpus):
+    with pytest.raises(ValueError, match="Unknown split"):
+        data.load_source("textfiles", "training", corpus["data_dir"])
+    with pytest.raises(ValueError, match="text_feature"):
+        data.load_source("textfiles", "train", corpus["data_dir"], text_feature="body")
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def _documents(count=80):
+    """Distinct documents of varied length; some longer than SEQ_LEN."""
+    return [f"<{i}>" + "xyz!" * (i % 19) for i in range(count)]
+
+
+def _chunks(documents, seq_len=SEQ_LEN):
+    """All (inputs, targets) chunks of the packing convention, as tuples."""
+    chunks = collections.Counter()
+    for text in documents:
+        d = data.encode_document(text)
+        for start in range(0, len(d) - 1, seq_len):
+            chunks[tuple(d[:-1][start:start + seq_len]), tuple(d[1:][start:start + seq_len])] += 1
+    return chunks
+
+
+def _segments(batch):
+    """Yields (inputs, targets, positions) of every packed segment in a batch."""
+    for row in range(batch["inputs"].shape[0]):
+        segment_ids = batch["segment_ids"][row]
+        for segment in np.unique(segment_ids[segment_ids > 0]):
+            where = segment_ids == segment
+            yield batch["inputs"][row][where], batch["targets"][row][where], batch["positions"][row][where]
+
+
+def _take(iterator, count):
+    return [next(iterator) for _ in range(count)]
+
+
+def _assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
+
+
+def test_batch_shapes_and_dtypes():
+    batch = next(data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=4, seed=0))
+    assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
+    for value in batch.values():
+        assert isinstance(value, np.ndarray)
+        assert value.shape == (4, SEQ_LEN) and value.dtype == np.int32
+
+
+def test_pipeline_is_deterministic_for_a_seed():
+    make = lambda seed: data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=4, seed=seed)
+    _assert_batches_equal(_take(make(7), 6), _take(make(7), 6))
+    other = _take(make(8), 6)
+    assert any(not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(_take(make(7), 6), other))
+
+
+def test_packing_convention():
+    documents = _documents()
+    expected = _chunks(documents)
+    seen = collections.Counter()
+    for batch in data.make_train_iterator(documents, seq_len=SEQ_LEN, batch_size=3, seed=1, num_epochs=1):
+        padding = batch["segment_ids"] == 0
+        assert not batch["inputs"][padding].any() and not batch["targets"][padding].any()
+        assert not batch["positions"][padding].any()
+        for row in batch["segment_ids"]:
+            used = row[row > 0]
+            # Segments are numbered 1, 2, 3, ... left to right, padding only at the end.
+            np.testing.assert_array_equal(np.unique(used), np.arange(1, used.max() + 1))
+            assert np.all(np.diff(used) >= 0) and not row[len(used):].any()
+        for inputs, targets, positions in _segments(batch):
+            np.testing.assert_array_equal(positions, np.arange(len(inputs)))
+            np.testing.assert_array_equal(targets[:-1], inputs[1:])
+            seen[tuple(inputs), tuple(targets)] += 1
+    # Every segment is a chunk of some document, cut at a multiple of seq_len
+    # (so a document continuing past a row restarts at position 0), none twice.
+    assert not seen - expected
+    assert sum(seen.values()) > 0.8 * sum(expected.values())
+
+
+def test_long_document_continues_as_new_segments():
+    document = data.encode_document("a" * (3 * SEQ_LEN + 5))
+    batches = list(data.make_train_iterator(
+        [document], seq_len=SEQ_LEN, batch_size=1, seed=0, num_epochs=1
+    ))
+    assert len(batches) == 4
+    for i, batch in enumerate(batches):
+        start = i * SEQ_LEN
+        length = min(SEQ_LEN, len(document) - 1 - start)
+        np.testing.assert_array_equal(batch["inputs"][0, :length], document[:-1][start:start + length])
+        np.testing.assert_array_equal(batch["targets"][0, :length], document[1:][start:start + length])
+        np.testing.assert_array_equal(batch["positions"][0, :length], np.arange(length))
+        np.testing.assert_array_equal(batch["segment_ids"][0, :length], 1)
+        assert not batch["segment_ids"][0, length:].any()
+
+
+def _document_ids(iterator):
+    ids = set()
+    for batch in iterator:
+        for inputs, _, positions in _segments(batch):
+            if positions[0] == 0 and inputs[0] == data.BOS:
+                ids.add(data.decode(inputs).split(">")[0])
+    return ids
+
+
+def test_shards_are_disjoint_and_cover_the_source():
+    documents = _documents(40)
+    shards = [
+        _document_ids(data.make_train_iterator(
+            documents, seq_len=SEQ_LEN, batch_size=1, seed=3, shard_index=i, shard_count=2, num_epochs=1
+        ))
+        for i in range(2)
+    ]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    assert shards[0] | shards[1] == {f"<{i}" for i in range(40)}
+
+
+@pytest.mark.parametrize("taken", [0, 1, 3, 7])
+def test_resume_equals_uninterrupted(taken):
+    make = lambda: data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=3, seed=5)
+    iterator = make()
+    _take(iterator, taken)
+    state = json.loads(json.dumps(iterator.get_state()))  # Checkpoints store it as JSON.
+    uninterrupted = _take(iterator, 5)
+    resumed = make()
+    resumed.set_state(state)
+    _assert_batches_equal(_take(resumed, 5), uninterrupted)
+
+
+def test_epochs_are_reshuffled_and_finite():
+    documents = _documents(30)
+    batches = list(data.make_train_iterator(documents, seq_len=SEQ_LEN, batch_size=1, seed=2, num_epochs=2))
+    segments = [(tuple(inputs), tuple(targets)) for b in batches for inputs, targets, _ in _segments(b)]
+    once = _chunks(documents)
+    assert collections.Counter(segments) == once + once
+    half = sum(once.values())
+    assert segments[:half] != segments[half:]
+
+
+def test_bad_pipeline_arguments():
+    with pytest.raises(ValueError, match="shard_index"):
+        data.make_train_iterator(_documents(), seq_len=8, batch_size=2, seed=0, shard_index=2, shard_count=2)
+    with pytest.raises(ValueError, match="no documents"):
+        data.make_train_iterator(["one"], seq_len=8, batch_size=2, seed=0, shard_index=1, shard_count=2)
+
+
+def test_pipeline_reads_a_prepared_dataset(corpus):
+    source = data.load_source("textfiles", "train", corpus["data_dir"])
+    batch = next(data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0))
+    assert batch["inputs"].shape == (2, SEQ_LEN)
+    assert batch["inputs"][0, 0] == data.BOS
+    assert "tensorflow" not in sys.modules
+
+
+def test_eval_documents():
+    documents = ["", "ab", "abcdef", "abcdefgh"]
+    all_documents = list(data.eval_documents(documents))
+    assert [len(d) for d in all_documents] == [2, 4, 8, 10]
+    np.testing.assert_array_equal(all_documents[1], data.encode_document("ab"))
+    long_ones = list(data.eval_documents(documents, max_docs=1, min_len=8))
+    assert len(long_ones) == 1 and data.decode(long_ones[0]) == "abcdef"
+
+
+@pytest.mark.slow
+def test_worker_processes_resume_exactly():
+    make = lambda: data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=2, seed=4, worker_count=2)
+    iterator = make()
+    _take(iterator, 3)
+    state = iterator.get_state()
+    uninterrupted = _take(iterator, 3)
+    iterator.close()
+    resumed = make()
+    resumed.set_state(state)
+    try:
+        _assert_batches_equal(_take(resumed, 3), uninterrupted)
+    finally:
+        resumed.close()
