@@ -6,7 +6,7 @@ decay, bfloat16 compute. On a TPU pod slice or a GPU host (``-1`` fills the
 data axis with every device; use sharding=fsdp for large meshes):
 
     python train.py --config=configs/paper.py --workdir=gs://BUCKET/lex-paper \
-        --config.data.name=scientific_papers/arxiv --config.data.text_key=article
+        --config.data.name=scientific_papers/arxiv --config.data.text_feature=article
 
 Position variants for the paper's comparison: ``--config.model.position=``
 ``xpos`` (LEX), ``rope``, ``alibi``, ``sinusoidal``.

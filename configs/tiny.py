@@ -33,7 +33,7 @@ def get_config() -> config_dict.ConfigDict:
         name="python_stdlib",  # python_stdlib | textfiles | any TFDS dataset in ArrayRecord form
         files=config_dict.placeholder(str),
         data_dir=config_dict.placeholder(str),
-        text_key="text",
+        text_feature="text",
         worker_count=0,
     ))
     c.optim = config_dict.ConfigDict(dict(
@@ -44,7 +44,7 @@ def get_config() -> config_dict.ConfigDict:
     c.sharding = "tensor"      # logical-axis preset: data | fsdp | tensor
     c.train_len = 256
     c.batch_size = 16
-    c.num_train_steps = 300
+    c.num_train_steps = 200
     c.checkpoint_every = 100
     c.keep_checkpoints = 3
     c.eval_every = 100

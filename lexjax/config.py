@@ -50,7 +50,7 @@ class DataConfig:
     name: str = "python_stdlib"
     files: str | None = None
     data_dir: str | None = None
-    text_key: str = "text"
+    text_feature: str = "text"
     worker_count: int = 0
 
 

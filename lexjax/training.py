@@ -319,7 +319,7 @@ def _validation_batches(config: Config, count: int):
     """A fixed list of validation batches (this process's rows), the same at every eval."""
     from lexjax import data as data_lib
     source = data_lib.load_source(config.data.name, "validation", data_dir=config.data.data_dir,
-                                  files=config.data.files, text_key=config.data.text_key)
+                                  files=config.data.files, text_feature=config.data.text_feature)
     it = data_lib.make_train_iterator(
         source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
         seed=0, shard_index=jax.process_index(), shard_count=jax.process_count())
@@ -354,7 +354,7 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
     say = log if is_main else (lambda _: None)
     trainer = Trainer(config)
     source = data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
-                                  files=config.data.files, text_key=config.data.text_key)
+                                  files=config.data.files, text_feature=config.data.text_feature)
     data_iter = data_lib.make_train_iterator(
         source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
         seed=config.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
