@@ -136,6 +136,9 @@ class Decoder(nn.Module):
                              name="position_embed", embedding_init=nn.with_logical_partitioning(
                                  nn.initializers.normal(0.02), ("positions", "embed")))
             x_BxTxD = x_BxTxD + table(positions_BxT)
+        # A zero no-op unless the "perturbations" collection is passed: lets tests
+        # take gradients with respect to each token's input vector.
+        x_BxTxD = self.perturb("embedded", x_BxTxD)
 
         if cache is None:
             mask = masks.causal(T)

@@ -337,14 +337,15 @@ def _check_workdir(workdir: str) -> None:
 
 
 def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
-          progress: bool = True) -> dict[str, Any]:
+          progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
 
     Resumes from the latest good checkpoint in ``workdir/checkpoints`` (state
     and data-iterator position), so an interrupted run continues with exactly
     the batches it would have seen. SIGTERM / Ctrl-C finish the current step,
     save and return. A non-finite loss raises :class:`TrainingError` naming the
-    step; that state is never saved.
+    step; that state is never saved. ``stop_after`` ends this invocation after
+    that many steps, exactly as a SIGTERM would (used to test resumption).
     """
     from lexjax import checkpoint as ckpt_lib
     from lexjax import data as data_lib
@@ -365,7 +366,7 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
     try:
         state, step = _restore_or_init(trainer, checkpointer, data_iter, config, say)
         return _loop(trainer, checkpointer, data_iter, state, step, config, workdir, say,
-                     progress and is_main)
+                     progress and is_main, stop_after)
     finally:
         checkpointer.close()
 
@@ -390,7 +391,7 @@ def _restore_or_init(trainer, checkpointer, data_iter, config, say):
 
 
 def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config, workdir,
-          say, show_progress) -> dict[str, Any]:
+          say, show_progress, stop_after) -> dict[str, Any]:
     total = config.num_train_steps
     writer = _MetricsWriter(workdir, jax.process_index() == 0)
     bar = _Progress(total, step, show_progress)
@@ -449,6 +450,8 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
                     writer.write(step, {"val_loss": summary["val_loss"]})
                 if boundary:
                     save(step)
+                if stop_after is not None and step - summary["start_step"] >= stop_after:
+                    stop.signal_name = stop.signal_name or "stop_after"
             if pending:
                 flush()
             if saved_step != step:
