@@ -1,0 +1,229 @@
+"""Checkpoints round-trip, move between meshes, and refuse damaged steps."""
+
+import logging
+import pathlib
+import shutil
+
+import grain
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lexjax.checkpoint import Checkpointer, CheckpointError
+
+ROWS = 512  # big enough that OCDBT keeps the arrays in data files, not b-tree nodes
+
+
+def mesh_of(n):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def make_state(mesh, seed=0, rows=ROWS):
+  rng = np.random.default_rng(seed)
+  params = {
+      "w": rng.standard_normal((rows, 16)).astype(np.float32),
+      "b": np.zeros((16,), np.float32),
+      # Random integers do not compress, so their bytes appear verbatim on disk.
+      "counts": rng.integers(0, 2**31, (rows, 16), dtype=np.int32),
+  }
+  spec = {"w": P("data"), "b": P(), "counts": P("data")}
+  params = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in params.items()}
+  opt_state = optax.adam(1e-3).init(params)
+  return {"params": params, "opt": opt_state, "step": jnp.int32(seed)}
+
+
+def abstract(state, mesh, spec_for=lambda path: None):
+  def leaf(path, x):
+    spec = spec_for(jax.tree_util.keystr(path)) if x.ndim else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec or P()))
+  return jax.tree_util.tree_map_with_path(leaf, state)
+
+
+def assert_same(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+  """A directory with good steps 1 and 2 (different values), made once."""
+  path = tmp_path_factory.mktemp("two_steps") / "ckpt"
+  mesh = mesh_of(8)
+  ckpt = Checkpointer(path, keep=None)
+  for step in (1, 2):
+    ckpt.save(step, make_state(mesh, seed=step), config={"seed": step})
+  ckpt.close()
+  return path
+
+
+def fresh_copy(two_steps, tmp_path):
+  target = tmp_path / "ckpt"
+  shutil.copytree(two_steps, target)
+  return target
+
+
+def data_files_holding(step_dir, value):
+  """Files under step_dir/state whose bytes contain a slice of `value`."""
+  needle = np.ascontiguousarray(value[ROWS // 2 : ROWS // 2 + 8]).tobytes()
+  hits = []
+  for f in sorted(pathlib.Path(step_dir, "state").rglob("*")):
+    if f.is_file() and (at := f.read_bytes().find(needle)) >= 0:
+      hits.append((f, at))
+  assert hits, "array bytes not found verbatim in any file"
+  return hits
+
+
+def test_round_trip_is_exact(tmp_path):
+  mesh = mesh_of(8)
+  state = make_state(mesh)
+  ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+  assert ckpt.save(5, state, config={"model": {"d": 16}})
+  restored, config, step = ckpt.restore(abstract_state=abstract(state, mesh))
+  assert (step, config) == (5, {"model": {"d": 16}})
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  assert_same(restored, state)
+  assert ckpt.restore_config() == {"model": {"d": 16}}
+  ckpt.close()
+
+
+def test_restore_onto_another_mesh(tmp_path):
+  state = make_state(mesh_of(8))
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  ckpt.save(1, state)
+  ckpt.wait()
+  small = mesh_of(2)
+  spec_for = lambda name: P(None, "data") if name.endswith("['w']") else None
+  target = abstract(state, small, spec_for)
+  restored, _, _ = ckpt.restore(abstract_state=target)
+  assert_same(restored, state)
+  jax.tree.map(lambda x, t: (x.sharding == t.sharding) or pytest.fail(f"{x.sharding} != {t.sharding}"), restored, target)
+  assert restored["params"]["w"].sharding.spec == P(None, "data")
+  assert len(restored["params"]["w"].sharding.device_set) == 2
+  ckpt.close()
+
+
+def test_keep_n_deletes_only_the_oldest(tmp_path):
+  mesh = mesh_of(8)
+  ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+  for step in range(1, 5):
+    ckpt.save(step, make_state(mesh, rows=8))
+  ckpt.wait()
+  assert ckpt.all_steps() == [3, 4]
+  ckpt.close()
+
+
+def test_async_save_then_wait(tmp_path):
+  mesh = mesh_of(8)
+  state = make_state(mesh)
+  ckpt = Checkpointer(tmp_path / "ckpt", async_save=True)
+  ckpt.save(10, state)
+  ckpt.wait()
+  assert ckpt.latest_step() == 10
+  reopened = Checkpointer(tmp_path / "ckpt")
+  restored, _, step = reopened.restore(abstract_state=abstract(state, mesh))
+  assert step == 10
+  assert_same(restored, state)
+  ckpt.close()
+  reopened.close()
+
+
+def test_resumed_iterator_continues_identically(tmp_path):
+  def make_iter():
+    return iter(grain.MapDataset.range(100).shuffle(seed=0).batch(4).to_iter_dataset())
+
+  mesh = mesh_of(8)
+  state = make_state(mesh, rows=8)
+  it = make_iter()
+  for _ in range(3):
+    next(it)
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  ckpt.save(3, state, data_iter=it)
+  expected = [next(it).tolist() for _ in range(5)]
+  ckpt.wait()
+  resumed = make_iter()
+  ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
+  assert [next(resumed).tolist() for _ in range(5)] == expected
+  ckpt.close()
+
+
+def truncate(step_dir, value):
+  for f, _ in data_files_holding(step_dir, value):
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def delete(step_dir, value):
+  for f, _ in data_files_holding(step_dir, value):
+    f.unlink()
+
+
+def flip_byte(step_dir, value):
+  for f, at in data_files_holding(step_dir, value):
+    data = bytearray(f.read_bytes())
+    data[at + 5] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, why", [(truncate, ""), (delete, ""), (flip_byte, "checksum")])
+def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
+  path = fresh_copy(two_steps, tmp_path)
+  mesh = mesh_of(8)
+  state2 = make_state(mesh, seed=2)
+  damage(path / "2", np.asarray(state2["params"]["counts"]))
+  ckpt = Checkpointer(path, keep=None)
+  with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+    restored, config, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+  assert (step, config) == (1, {"seed": 1})
+  assert_same(restored, make_state(mesh, seed=1))
+  lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+  assert len(lines) == 1 and "step 2 " in lines[0] and "falling back to step 1" in lines[0]
+  assert why in lines[0]
+  assert ckpt.all_steps() == [1, 2]  # fallback deletes nothing
+  ckpt.close()
+
+
+def test_error_mode_raises_on_damage(two_steps, tmp_path):
+  path = fresh_copy(two_steps, tmp_path)
+  mesh = mesh_of(8)
+  state2 = make_state(mesh, seed=2)
+  flip_byte(path / "2", np.asarray(state2["params"]["counts"]))
+  ckpt = Checkpointer(path, on_corrupt="error")
+  with pytest.raises(CheckpointError, match="step 2 .*damaged: checksum mismatch"):
+    ckpt.restore(abstract_state=abstract(state2, mesh))
+  ckpt.close()
+
+
+def test_gc_keeps_the_last_good_step(two_steps, tmp_path):
+  path = fresh_copy(two_steps, tmp_path)
+  mesh = mesh_of(8)
+  flip_byte(path / "2", np.asarray(make_state(mesh, seed=2)["params"]["counts"]))
+  ckpt = Checkpointer(path, keep=1)
+  ckpt.wait()
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.save(3, make_state(mesh, seed=3))
+  ckpt.wait()
+  assert ckpt.all_steps() == [3]
+  ckpt.close()
+
+
+def test_other_model_shape_is_refused(two_steps, tmp_path):
+  mesh = mesh_of(8)
+  ckpt = Checkpointer(fresh_copy(two_steps, tmp_path))
+  other = make_state(mesh, rows=64)
+  with pytest.raises(CheckpointError, match="different model shape.*new workdir"):
+    ckpt.restore(abstract_state=abstract(other, mesh))
+  ckpt.close()
+
+
+def test_bad_directories_are_reported(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.raises(CheckpointError, match="cannot create checkpoint directory"):
+    Checkpointer(blocker / "ckpt")
+  with pytest.raises(CheckpointError, match="does not exist"):
+    Checkpointer(tmp_path / "missing", read_only=True)
+  ckpt = Checkpointer(tmp_path / "empty")
+  with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    ckpt.restore(abstract_state={})
+  ckpt.close()
