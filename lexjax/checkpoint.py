@@ -164,6 +164,7 @@ class Checkpointer:
     self.verify_before_delete = verify_before_delete
     self.read_only = read_only
     self._verified: dict[int, bool] = {}
+    self._saved: set[int] = set()
     self._check_directory()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,
@@ -245,22 +246,23 @@ class Checkpointer:
   ) -> bool:
     """Starts saving `state` (and the iterator position, config) as `step`.
 
-    The caller decides when to save; every call saves, except that an
-    existing complete `step` is kept (returns False) unless `force`. Steps
-    newer than `step` — left by a run that resumed from an older step after
-    a fallback — and a replaced `step` are moved to DIR/superseded/, never
-    deleted. Returns True when a save was started.
+    The caller decides when to save; every call saves, except a second save
+    of the same `step` by this object (e.g. a final save right after a
+    periodic one), which is skipped unless `force`. Existing steps at or
+    after `step` come from another history (a run that resumed from an
+    older step, say after a fallback): they are moved to DIR/superseded/,
+    never deleted. Returns True when a save was started.
     """
     if self.read_only:
       raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
     step = int(step)
     self._manager.wait_until_finished()
-    existing = [s for s in self._all_step_dirs() if s >= step]
-    if step in self.all_steps() and not force:
-      log.info("checkpoint step %d already exists in %s; not saved again", step, self.directory)
+    if step in self._saved and not force:
+      log.info("checkpoint step %d was already saved to %s; not saved again", step, self.directory)
       return False
-    if existing:
-      self._supersede(existing)
+    later = [s for s in self._all_step_dirs() if s >= step]
+    if later:
+      self._supersede(later)
     self._collect_garbage()
 
     integrity: dict[str, Any] = {
@@ -291,6 +293,7 @@ class Checkpointer:
       raise CheckpointError(
           f"saving checkpoint step {step} to {self.directory} failed: {_first_line(e)}"
       ) from e
+    self._saved = {s for s in self._saved if s < step} | {step}
     return True
 
   def wait(self) -> None:
@@ -313,7 +316,7 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def _supersede(self, steps: list[int]) -> None:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     aside = self.directory / "superseded"
     if jax.process_index() == 0:
       aside.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,10 @@ import pytest
 
 from lexjax.checkpoint import Checkpointer, CheckpointError
 
+# Orbax leaves un-awaited read coroutines behind when tensorstore fails on a
+# damaged file; that is the failure under test, not a leak of ours.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 ROWS = 512  # big enough that OCDBT keeps the arrays in data files, not b-tree nodes
 
 
@@ -226,4 +230,55 @@ def test_bad_directories_are_reported(tmp_path):
   ckpt = Checkpointer(tmp_path / "empty")
   with pytest.raises(CheckpointError, match="no complete checkpoint"):
     ckpt.restore(abstract_state={})
+  ckpt.close()
+
+
+def test_steps_without_commit_or_integrity_are_incomplete(two_steps, tmp_path):
+  path = fresh_copy(two_steps, tmp_path)
+  shutil.rmtree(path / "2" / "integrity")
+  shutil.copytree(path / "1", path / "3.orbax-checkpoint-tmp-1234")  # a save cut short
+  ckpt = Checkpointer(path, read_only=True)
+  assert ckpt.all_steps() == [1]
+  assert ckpt.latest_step() == 1
+  ckpt.close()
+
+
+def test_damaged_iterator_state_falls_back(tmp_path, caplog):
+  mesh = mesh_of(8)
+  state = make_state(mesh, rows=8)
+  it = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  for step in (1, 2):
+    next(it)
+    ckpt.save(step, state, data_iter=it)
+  ckpt.wait()
+  saved = tmp_path / "ckpt" / "2" / "data_iter" / "process_0-of-1.json"
+  saved.write_text(saved.read_text().replace('"next_index": 2', '"next_index": 7'))
+  resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+  with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+    _, _, step = ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
+  assert step == 1 and next(resumed).tolist() == [4, 5, 6, 7]
+  assert "step 2 " in caplog.text and "data iterator state checksum mismatch" in caplog.text
+  ckpt.close()
+
+
+def test_resuming_before_a_damaged_step_moves_it_aside(two_steps, tmp_path):
+  path = fresh_copy(two_steps, tmp_path)
+  mesh = mesh_of(8)
+  state2 = make_state(mesh, seed=2)
+  flip_byte(path / "2", np.asarray(state2["params"]["counts"]))
+  ckpt = Checkpointer(path, keep=None)
+  _, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+  assert step == 1
+  assert ckpt.save(2, state2)
+  ckpt.wait()
+  assert ckpt.all_steps() == [1, 2]
+  assert [p.name.split("-")[0] for p in (path / "superseded").iterdir()] == ["2"]
+  restored, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+  assert step == 2
+  assert_same(restored, state2)
+  assert not ckpt.save(2, state2)  # saved by this object already
+  assert ckpt.save(2, state2, force=True)
+  ckpt.wait()
+  assert len(list((path / "superseded").iterdir())) == 2
   ckpt.close()
