@@ -6,7 +6,8 @@ holds four items::
   DIR/<step>/
     _CHECKPOINT_METADATA, commit_success.txt   orbax bookkeeping
     state/       StandardSave of the state pytree (OCDBT + zarr)
-    data_iter/   process_<i>-of-<n>.json, one per process (grain's layout)
+    data_iter/   process_<i>-of-<n>.json, one per process (grain's layout;
+                 restoring it needs the same number of processes)
     config/      metadata: the config dict as JSON
     integrity/   metadata: JSON with a sha256 of every state leaf and of
                  every process's iterator state

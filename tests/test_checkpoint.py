@@ -1,8 +1,10 @@
 """Checkpoints round-trip, move between meshes, and refuse damaged steps."""
 
 import logging
+import os
 import pathlib
 import shutil
+import sys
 
 import grain
 import jax
@@ -25,18 +27,31 @@ def mesh_of(n):
   return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
 
-def make_state(mesh, seed=0, rows=ROWS):
+def host_params(seed=0, rows=ROWS):
   rng = np.random.default_rng(seed)
-  params = {
+  return {
       "w": rng.standard_normal((rows, 16)).astype(np.float32),
       "b": np.zeros((16,), np.float32),
       # Random integers do not compress, so their bytes appear verbatim on disk.
       "counts": rng.integers(0, 2**31, (rows, 16), dtype=np.int32),
   }
+
+
+def make_state(mesh, seed=0, rows=ROWS):
   spec = {"w": P("data"), "b": P(), "counts": P("data")}
-  params = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in params.items()}
-  opt_state = optax.adam(1e-3).init(params)
-  return {"params": params, "opt": opt_state, "step": jnp.int32(seed)}
+  params = {
+      k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec[k]), lambda i, v=v: v[i])
+      for k, v in host_params(seed, rows).items()
+  }
+  state = {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.int32(seed)}
+
+  def global_array(x):  # as a jitted train step would leave it, also with several processes
+    if isinstance(x.sharding, NamedSharding):
+      return x
+    value = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i: value[i])
+
+  return jax.tree.map(global_array, state)
 
 
 def abstract(state, mesh, spec_for=lambda path: None):
@@ -47,7 +62,14 @@ def abstract(state, mesh, spec_for=lambda path: None):
 
 
 def assert_same(a, b):
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+  from jax.experimental import multihost_utils
+
+  def host(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(host(x), host(y)), a, b)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +196,7 @@ def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
   path = fresh_copy(two_steps, tmp_path)
   mesh = mesh_of(8)
   state2 = make_state(mesh, seed=2)
-  damage(path / "2", np.asarray(state2["params"]["counts"]))
+  damage(path / "2", host_params(2)["counts"])
   ckpt = Checkpointer(path, keep=None)
   with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
     restored, config, step = ckpt.restore(abstract_state=abstract(state2, mesh))
@@ -191,7 +213,7 @@ def test_error_mode_raises_on_damage(two_steps, tmp_path):
   path = fresh_copy(two_steps, tmp_path)
   mesh = mesh_of(8)
   state2 = make_state(mesh, seed=2)
-  flip_byte(path / "2", np.asarray(state2["params"]["counts"]))
+  flip_byte(path / "2", host_params(2)["counts"])
   ckpt = Checkpointer(path, on_corrupt="error")
   with pytest.raises(CheckpointError, match="step 2 .*damaged: checksum mismatch"):
     ckpt.restore(abstract_state=abstract(state2, mesh))
@@ -201,7 +223,7 @@ def test_error_mode_raises_on_damage(two_steps, tmp_path):
 def test_gc_keeps_the_last_good_step(two_steps, tmp_path):
   path = fresh_copy(two_steps, tmp_path)
   mesh = mesh_of(8)
-  flip_byte(path / "2", np.asarray(make_state(mesh, seed=2)["params"]["counts"]))
+  flip_byte(path / "2", host_params(2)["counts"])
   ckpt = Checkpointer(path, keep=1)
   ckpt.wait()
   assert ckpt.all_steps() == [1, 2]
@@ -266,7 +288,7 @@ def test_resuming_before_a_damaged_step_moves_it_aside(two_steps, tmp_path):
   path = fresh_copy(two_steps, tmp_path)
   mesh = mesh_of(8)
   state2 = make_state(mesh, seed=2)
-  flip_byte(path / "2", np.asarray(state2["params"]["counts"]))
+  flip_byte(path / "2", host_params(2)["counts"])
   ckpt = Checkpointer(path, keep=None)
   _, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
   assert step == 1
@@ -282,3 +304,66 @@ def test_resuming_before_a_damaged_step_moves_it_aside(two_steps, tmp_path):
   ckpt.wait()
   assert len(list((path / "superseded").iterdir())) == 2
   ckpt.close()
+
+
+
+def run_two_process_resume(process_id, port, path):
+  """One of two processes: save per-process iterator state, damage, resume."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  from jax.experimental import multihost_utils
+
+  def make_iter():
+    return iter(grain.MapDataset.range(100)[process_id::2].batch(2).to_iter_dataset())
+
+  mesh = mesh_of(4)
+  it = make_iter()
+  for _ in range(process_id + 1):  # the processes stand at different positions
+    next(it)
+  ckpt = Checkpointer(path, keep=None)
+  ckpt.save(1, make_state(mesh, seed=1), data_iter=it)
+  expected = [next(it).tolist() for _ in range(3)]
+  ckpt.save(2, make_state(mesh, seed=2), data_iter=it)
+  ckpt.wait()
+  if process_id == 0:
+    flip_byte(pathlib.Path(path, "2"), host_params(2)["counts"])
+  multihost_utils.sync_global_devices("damaged")
+
+  other = jax.make_mesh((2, 2), ("data", "model"))
+  spec_for = lambda name: P("model") if name.endswith("['w']") else None
+  resumed = make_iter()
+  restored, _, step = ckpt.restore(
+      abstract_state=abstract(make_state(mesh, seed=1), other, spec_for), data_iter=resumed
+  )
+  assert step == 1
+  assert [next(resumed).tolist() for _ in range(3)] == expected
+  assert_same(restored, make_state(mesh, seed=1))
+  ckpt.close()
+  print(f"process {process_id} resumed correctly", flush=True)
+
+
+@pytest.mark.slow
+def test_two_processes_resume_each_their_own_iterator(tmp_path):
+  import socket
+  import subprocess
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = pathlib.Path(__file__).parent.parent
+  path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": path}
+  procs = [
+      subprocess.Popen(
+          [sys.executable, __file__, str(i), str(port), str(tmp_path / "ckpt")],
+          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      )
+      for i in range(2)
+  ]
+  outputs = [p.communicate(timeout=120)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0 and f"process {i} resumed correctly" in out, out[-3000:]
+
+
+if __name__ == "__main__":
+  run_two_process_resume(int(sys.argv[1]), sys.argv[2], sys.argv[3])
