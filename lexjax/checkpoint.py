@@ -286,7 +286,7 @@ class Checkpointer:
       }
       items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
     if config is not None:
-      items[_CONFIG] = ocp.args.JsonSave(dict(config))
+      items[_CONFIG] = ocp.args.JsonSave(config.to_dict() if hasattr(config, "to_dict") else dict(config))
     items[_INTEGRITY] = ocp.args.JsonSave(integrity)
     try:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
