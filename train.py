@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,6 +26,7 @@ _WORKDIR = flags.DEFINE_string("workdir", os.path.join("runs", "tiny"),
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from lexjax import cli
     return cli.run_training(_CONFIG.value, _WORKDIR.value)
 

@@ -1,0 +1,97 @@
+"""The decoder: causality (also across packed documents), caches, layer options, over-fitting."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lexjax.model import Decoder, init_cache
+from tests.helpers import packed_batch, small_config
+
+POSITIONS = ["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
+
+
+def _init(config, length=16):
+    model = Decoder(config.model)
+    params = model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    return model, nn.unbox(params)
+
+
+def _input_jacobian(model, params, batch, t, row=0):
+    """d logits[row, t, :] / d (input vector of every token), summed over features."""
+    tokens = jnp.asarray(batch["inputs"][row:row + 1])
+    positions = jnp.asarray(batch["positions"][row:row + 1])
+    segments = jnp.asarray(batch["segment_ids"][row:row + 1])
+    variables = model.init(jax.random.key(1), tokens, positions, segments)
+    perturbations = jax.tree_util.tree_map(jnp.zeros_like, variables["perturbations"])
+
+    def logit_sum(pert):
+        logits, _ = model.apply({"params": params, "perturbations": pert}, tokens, positions,
+                                segments)
+        return jnp.sum(logits[0, t] * jnp.arange(logits.shape[-1]))
+
+    grads = jax.grad(logit_sum)(perturbations)["embedded"]
+    return np.asarray(jnp.sum(jnp.abs(grads[0]), axis=-1))
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_no_gradient_from_future_or_other_documents(position):
+    config = small_config(**{"model.position": position})
+    model, params = _init(config)
+    batch = packed_batch(np.random.default_rng(3), 1, 16)
+    batch["segment_ids"][0] = [1] * 6 + [2] * 7 + [3] * 3  # a boundary at 6 and at 13
+    batch["positions"][0] = [*range(6), *range(7), *range(3)]
+    for t in (3, 6, 10, 15):
+        influence = _input_jacobian(model, params, batch, t)
+        seg = batch["segment_ids"][0]
+        allowed = (np.arange(16) <= t) & (seg == seg[t])
+        assert np.all(influence[~allowed] == 0.0), (t, influence)
+        assert np.all(influence[allowed] > 0.0), (t, influence)
+
+
+@pytest.mark.parametrize("position", ["xpos", "alibi", "learned"])
+def test_cached_block_step_equals_full_forward(position):
+    """Tokens T/2..T−1 attending to cached keys of 0..T/2−1 give the full forward's logits."""
+    config = small_config(**{"model.position": position})
+    model, params = _init(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 16)), jnp.int32)
+    full, kv = model.apply({"params": params}, tokens)
+    cache = {"k": kv["k"][:, :, :8], "v": kv["v"][:, :, :8],
+             "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
+             "valid": jnp.ones((2, 8), bool)}
+    second, _ = model.apply({"params": params}, tokens[:, 8:],
+                            jnp.broadcast_to(jnp.arange(8, 16), (2, 8)), cache=cache)
+    np.testing.assert_allclose(second, full[:, 8:], rtol=1e-5, atol=1e-5)
+    empty = init_cache(config.model, 2, 8)
+    first, _ = model.apply({"params": params}, tokens[:, :8],
+                           jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=empty)
+    np.testing.assert_allclose(first, full[:, :8], rtol=1e-5, atol=1e-5)
+
+
+def test_scan_and_remat_match_the_unrolled_layers():
+    base = small_config()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 258, (2, 16)), jnp.int32)
+    model, params = _init(base)
+    expected, _ = model.apply({"params": params}, tokens)
+    for overrides in ({"model.scan_layers": True}, {"model.scan_layers": True, "model.remat": True},
+                      {"model.remat": True}):
+        config = small_config(**overrides)
+        m = Decoder(config.model)
+        p = params
+        if config.model.scan_layers:  # same weights, stacked on a leading layer axis
+            layers = [params[f"layer_{i}"] for i in range(config.model.num_layers)]
+            p = {k: v for k, v in params.items() if not k.startswith("layer_")}
+            p["layers"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+        got, _ = m.apply({"params": p}, tokens)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_logits_and_params():
+    config = small_config(**{"model.dtype": "bfloat16"})
+    model, params = _init(config)
+    chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32), params))
+    logits, _ = model.apply({"params": params}, jnp.zeros((1, 16), jnp.int32))
+    assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))

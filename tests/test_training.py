@@ -1,0 +1,169 @@
+"""Training: over-fitting, sharded meshes equal one device, resume equals uninterrupted."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lexjax import checkpoint as ckpt_lib
+from lexjax import config as cfg
+from lexjax.training import Trainer, train
+from tests.helpers import packed_batch, small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_steps(trainer, batches):
+    state = trainer.init_state()
+    losses = []
+    with jax.set_mesh(trainer.mesh):
+        for b in batches:
+            state, metrics = trainer.train_step(state, trainer.global_batch(b))
+            losses.append(float(metrics["loss"]))
+    return jax.device_get(state.params), losses
+
+
+def test_tiny_model_overfits_one_batch():
+    config = small_config(**{"num_train_steps": 80, "optim.warmup_steps": 5,
+                             "optim.learning_rate": 1e-2, "mesh.data": 1})
+    batch = packed_batch(np.random.default_rng(0), 8, 16)
+    _, losses = _run_steps(Trainer(config, jax.devices()[:1]), [batch] * 80)
+    assert losses[-1] < 0.25 * losses[0], losses[::10]
+
+
+MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 2, 4), "tensor")]
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(3)]
+    config = small_config(**{"mesh.data": 1})
+    return batches, _run_steps(Trainer(config, jax.devices()[:1]), batches)
+
+
+@pytest.mark.parametrize("shape,preset", MESHES)
+def test_sharded_meshes_match_one_device(one_device_run, shape, preset):
+    """Same losses and parameters after 3 steps, up to float32 summation order (1e-5)."""
+    batches, (params_1, losses_1) = one_device_run
+    config = small_config(**{"mesh.data": shape[0], "mesh.fsdp": shape[1],
+                             "mesh.tensor": shape[2], "sharding": preset})
+    trainer = Trainer(config)
+    assert dict(trainer.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
+    params_n, losses_n = _run_steps(trainer, batches)
+    np.testing.assert_allclose(losses_n, losses_1, rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           params_n, params_1)
+
+
+def test_optimizer_state_is_sharded_like_the_params():
+    trainer = Trainer(small_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
+    state = trainer.init_state()
+    adam = state.opt_state[1][0]
+    kernel = state.params["layer_0"]["mlp_in"]["kernel"]
+    assert adam.mu["layer_0"]["mlp_in"]["kernel"].sharding == kernel.sharding
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+
+
+def _textfiles(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]
+    for i in range(40):
+        text = " ".join(rng.choice(words, size=int(rng.integers(20, 200))))
+        (corpus / f"doc{i}.txt").write_text(text)
+    return str(corpus / "*.txt")
+
+
+def _train_config(tmp_path, **overrides):
+    values = {"data.name": "textfiles", "data.files": _textfiles(tmp_path),
+              "data.data_dir": str(tmp_path / "tfds"), "num_train_steps": 6,
+              "checkpoint_every": 3, "eval_every": 3}
+    values.update(overrides)
+    return small_config(**values)
+
+
+def _losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def _final_params(workdir, config):
+    trainer = Trainer(config)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    ckpt.close()
+    return jax.device_get(state.params), step
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """6 steps in one run == 3 steps, a restart, 3 more: same losses and parameters, exactly."""
+    config = _train_config(tmp_path)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(config, straight, log=lambda _: None, progress=False)
+    first = train(config, resumed, log=lambda _: None, progress=False, stop_after=3)
+    assert first["step"] == 3
+    second = train(config, resumed, log=lambda _: None, progress=False)
+    assert second["start_step"] == 3 and second["step"] == 6
+    assert _losses(straight) == _losses(resumed)
+    (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
+    assert s1 == s2 == 6
+    jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_restore_onto_another_device_count(tmp_path):
+    config = _train_config(tmp_path, **{"num_train_steps": 2, "checkpoint_every": 2,
+                                        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    params_8, _ = _final_params(workdir, config)
+    small = cfg.from_configdict({**cfg.to_dict(config), "mesh": {"data": 2, "fsdp": 1,
+                                                               "tensor": 1}})
+    trainer = Trainer(small, jax.devices()[:2])
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    ckpt.close()
+    assert step == 2 and len(state.params["embed"]["embedding"].sharding.device_set) == 2
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.params), params_8)
+
+
+def _train_cli(*args, env_extra=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("flag,expected", [
+    ("--config.model.num_heads=3", "model.num_heads=3 does not divide model.d_model=256"),
+    ("--config.model.position=relative", "model.position='relative' is unknown"),
+    ("--config.model.d_model=248", "head_dim = d_model/num_heads = 31 is odd"),
+    ("--config.mesh.tensor=3", "mesh (-1, 1, 3) cannot fill 1 devices"),
+    ("--config.data.name=textfiles", "data.name=textfiles needs data.files"),
+])
+def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
+    extra = ["--config.model.num_heads=8"] if "d_model=248" in flag else []
+    result = _train_cli(f"--workdir={tmp_path}", flag, *extra,
+                        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_train_program_end_to_end(tmp_path):
+    workdir = tmp_path / "run"
+    result = _train_cli(
+        f"--workdir={workdir}", "--config.num_train_steps=2", "--config.model.num_layers=1",
+        "--config.model.d_model=32", "--config.model.mlp_dim=64", "--config.train_len=32",
+        "--config.model.max_len=32", "--config.batch_size=8", "--config.eval_batches=1",
+        "--config.data.name=textfiles", f"--config.data.files={_textfiles(tmp_path)}",
+        f"--config.data.data_dir={tmp_path / 'tfds'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"next: python eval.py --workdir={workdir}" in result.stdout
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu"} <= set(records[0])
+    assert any((workdir / "tensorboard").iterdir())
