@@ -1,0 +1,167 @@
+"""Attention against an explicit float64 softmax over the paper's encodings."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from lexjax import attention, masks, positions
+from tests import paper
+
+B, TQ, TK, H, D = 2, 4, 6, 2, 8
+
+
+def _qkv(seed, q_len=TQ, k_len=TK):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape).astype(np.float32)
+                 for shape in ((B, q_len, H, D), (B, k_len, H, D), (B, k_len, H, D)))
+
+
+def _reference(q, k, v, q_pos, k_pos, position, mask):
+    """Encode with the paper's equations at the given (un-shifted) positions, then
+    an explicit masked softmax."""
+    q_pos, k_pos = np.broadcast_to(q_pos, q.shape[:2]), np.broadcast_to(k_pos, k.shape[:2])
+    bias = None
+    if position == "xpos":
+        q, k = paper.xpos(q, q_pos), paper.xpos(k, k_pos, downscale=True)
+    elif position == "rope":
+        q, k = paper.rope(q, q_pos), paper.rope(k, k_pos)
+    elif position == "alibi":
+        slopes = np.asarray(paper.alibi_slopes(H))
+        bias = -slopes[None, :, None, None] * (q_pos[:, None, :, None] - k_pos[:, None, None, :])
+    return paper.attention(q, k, v, logit_bias=bias, mask=mask)
+
+
+def _padded_causal_mask():
+    """Causal over TK tokens, with padding (segment 0) at the end of both examples."""
+    pos = np.arange(TK, dtype=np.int32)
+    segments = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 2, 2, 2, 0]], np.int32)
+    mask = (masks.causal_by_position(pos, pos)[None, None]
+            & masks.same_segment(segments, segments)[:, None])
+    return pos, mask
+
+
+class MultiheadAttentionTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("xpos", "rope", "alibi", "none")
+    def test_matches_explicit_softmax_with_mask(self, position):
+        q, k, v = _qkv(0)
+        # Queries are the last 4 of 6 tokens at positions 20 …; the second example has
+        # a padded key (segment 0) on top of the causal pattern.
+        k_pos = np.arange(20, 20 + TK, dtype=np.int32)
+        q_pos = k_pos[TK - TQ:]
+        segments = np.array([[1] * TK, [0] + [1] * (TK - 1)], np.int32)
+        mask = (masks.causal_by_position(q_pos, k_pos)[None, None]
+                & masks.same_segment(segments[:, TK - TQ:], segments)[:, None])
+        run = self.variant(functools.partial(attention.multihead_attention, position=position))
+        out, logits = run(q, k, v, q_pos, k_pos, mask=mask)
+        want_out, want_logits = _reference(q, k, v, q_pos, k_pos, position, np.asarray(mask))
+        self.assertEqual(out.shape, (B, TQ, H, D))
+        self.assertEqual(logits.shape, (B, H, TQ, TK))
+        np.testing.assert_allclose(np.asarray(logits, np.float64), want_logits,
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=1e-5)
+
+    @parameterized.parameters("xpos", "rope")
+    def test_per_example_positions(self, position):
+        q, k, v = _qkv(1, TK, TK)
+        pos = np.array([np.arange(TK), np.arange(TK) * 3 + 100], np.int32)
+        mask = masks.causal_by_position(pos, pos)[:, None]
+        out, logits = attention.multihead_attention(q, k, v, pos, pos, position=position,
+                                                    mask=mask)
+        want_out, want_logits = _reference(q, k, v, pos, pos, position, np.asarray(mask))
+        np.testing.assert_allclose(np.asarray(logits, np.float64), want_logits,
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=1e-5)
+
+    @parameterized.parameters((jnp.float32, 100_000), (jnp.float16, 5_000))
+    def test_xpos_far_positions_stay_finite(self, dtype, offset):
+        # Absolute positions past where 3.5^(p/b) overflows (≈ 141·b = 72k in float32,
+        # ≈ 8.9·b = 4.5k in float16): scores depend only on m − n, so attention at
+        # positions offset + … must equal attention at the same small positions.
+        q, k, v = (jnp.asarray(a, dtype) for a in _qkv(5))
+        k_pos = np.arange(TK, dtype=np.int32)
+        q_pos = k_pos[TK - TQ:]
+        mask = masks.causal(TQ, TK)
+        near = attention.multihead_attention(q, k, v, q_pos, k_pos, position="xpos", mask=mask)
+        far = attention.multihead_attention(q, k, v, q_pos + offset, k_pos + offset,
+                                            position="xpos", mask=mask)
+        for got, want in zip(far, near):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            self.assertTrue(np.all(np.isfinite(got)))
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+    def test_alibi_bias_enters_the_logits(self):
+        # The ALiBi logits are the plain logits plus −m_h·(i − j), head by head.
+        q, k, v = _qkv(2)
+        k_pos = np.arange(TK, dtype=np.int32)
+        q_pos = k_pos[TK - TQ:]
+        _, plain = attention.multihead_attention(q, k, v, q_pos, k_pos, position="none")
+        _, alibi = attention.multihead_attention(q, k, v, q_pos, k_pos, position="alibi")
+        plain, alibi = np.asarray(plain), np.asarray(alibi)
+        slopes = paper.alibi_slopes(H)
+        for h in range(H):
+            for i in range(TQ):
+                for j in range(TK):
+                    np.testing.assert_allclose(alibi[:, h, i, j] - plain[:, h, i, j],
+                                               -slopes[h] * (q_pos[i] - k_pos[j]), atol=1e-5)
+        np.testing.assert_array_equal(
+            attention.logit_bias(q_pos, k_pos, H, position="alibi")[0],
+            positions.alibi_bias(H, q_pos, k_pos))
+        self.assertIsNone(attention.logit_bias(q_pos, k_pos, H, position="xpos"))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_fully_masked_rows_are_finite(self):
+        # A padding query sees no key. Its output is finite (uniform weights: the mean
+        # of v) and the other rows are those of the explicit softmax.
+        q, k, v = _qkv(3, TK, TK)
+        pos, mask = _padded_causal_mask()
+        run = self.variant(functools.partial(attention.multihead_attention, position="xpos"))
+        out, logits = run(q, k, v, pos, pos, mask=mask)
+        self.assertTrue(np.all(np.isfinite(out)))
+        self.assertTrue(np.all(np.isfinite(logits)))
+        np.testing.assert_allclose(out[0, 4], v[0].mean(axis=0), rtol=1e-5, atol=1e-6)
+        want_out, _ = _reference(q, k, v, pos, pos, "xpos", np.asarray(mask))
+        np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=1e-5)
+
+    def test_gradients_through_fully_masked_rows_are_finite(self):
+        q, k, v = _qkv(3, TK, TK)
+        pos, mask = _padded_causal_mask()
+
+        def loss(q, k, v):
+            out, _ = attention.multihead_attention(q, k, v, pos, pos, position="xpos",
+                                                   mask=mask)
+            return jnp.sum(out)
+
+        for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v):
+            self.assertTrue(np.all(np.isfinite(grad)))
+
+    @parameterized.parameters("xpos", "rope", "alibi")
+    def test_block_step_equals_blockwise_mask(self, position):
+        # Paper §3.3 as the evaluation scan runs it: block b's queries attend to
+        # [block b − 1, block b] at window-relative positions; this reproduces the full
+        # sequence under blockwise_causal at absolute positions, because relative
+        # encodings only see m − n.
+        length, w = 12, 4
+        rng = np.random.default_rng(4)
+        q, k, v = (rng.standard_normal((1, length, H, D)).astype(np.float32) for _ in range(3))
+        pos = np.arange(length, dtype=np.int32)
+        run = jax.jit(functools.partial(attention.multihead_attention, position=position))
+        full, _ = run(q, k, v, pos, pos, mask=masks.blockwise_causal(length, w)[None, None])
+        for b in range(1, length // w):
+            window = slice((b - 1) * w, (b + 1) * w)
+            q_window_pos = np.arange(w, 2 * w, dtype=np.int32)
+            k_window_pos = np.arange(2 * w, dtype=np.int32)
+            step, _ = run(q[:, b * w:(b + 1) * w], k[:, window], v[:, window],
+                          q_window_pos, k_window_pos,
+                          mask=masks.causal_by_position(q_window_pos, k_window_pos))
+            np.testing.assert_allclose(step, full[:, b * w:(b + 1) * w], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"block {b}")
+
+
+if __name__ == "__main__":
+    absltest.main()

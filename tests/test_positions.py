@@ -1,0 +1,314 @@
+"""Position encodings against the paper's equations (tests/paper.py, float64)."""
+
+import functools
+import math
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from lexjax import positions
+from tests import paper
+
+
+def _normal(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _pair_norms(x):
+    """|x| of each rotated pair (2i, 2i+1): ``[..., d/2]``."""
+    x = np.asarray(x, np.float64)
+    return np.linalg.norm(x.reshape(*x.shape[:-1], -1, 2), axis=-1)
+
+
+def _encode(kind, q, k, q_pos, k_pos, scale_base=512.0):
+    if kind == "rope":
+        return positions.rope(q, q_pos), positions.rope(k, k_pos)
+    return (positions.xpos(q, q_pos, scale_base=scale_base),
+            positions.xpos(k, k_pos, scale_base=scale_base, downscale=True))
+
+
+class XposEquationTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("query", False), ("key", True))
+    def test_matches_equations_in_float64(self, downscale):
+        # Small b so the decay ζ_i^(±p/b) is far from 1 at these positions.
+        x = _normal(0, (2, 5, 3, 8))
+        pos = np.random.default_rng(1).integers(-40, 41, size=(2, 5)).astype(np.int32)
+        encode = self.variant(functools.partial(positions.xpos, scale_base=64.0,
+                                                downscale=downscale))
+        got = encode(x, pos)
+        want = paper.xpos(x, pos, scale_base=64.0, downscale=downscale)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_rope_matches_equations_in_float64(self):
+        x = _normal(2, (2, 6, 2, 16))
+        pos = np.arange(6, dtype=np.int32) * 37
+        got = self.variant(positions.rope)(x, pos)
+        np.testing.assert_allclose(np.asarray(got, np.float64), paper.rope(x, pos),
+                                   rtol=1e-5, atol=1e-5)
+
+    def test_infinite_scale_base_is_rope(self):
+        # ζ_i^(p/∞) = ζ_i^0 = 1 for every pair and position: no decay at all.
+        x = _normal(3, (2, 7, 2, 16))
+        pos = np.arange(-3, 4, dtype=np.int32) * 100
+        rope = positions.rope(x, pos)
+        np.testing.assert_array_equal(positions.xpos(x, pos, scale_base=math.inf), rope)
+        np.testing.assert_array_equal(
+            positions.xpos(x, pos, scale_base=math.inf, downscale=True), rope)
+
+
+class RelativePositionTest(chex.TestCase):
+    """q'_m · k'_n depends only on m − n (paper §3.2), and for XPOS decays with it."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(
+        ("xpos", 1000), ("xpos", -1000), ("rope", 1000), ("rope", -5000))
+    def test_scores_depend_only_on_distance(self, kind, shift):
+        q, k = _normal(4, (1, 8, 2, 16)), _normal(5, (1, 8, 2, 16))
+        q_pos, k_pos = np.arange(8, dtype=np.int32), np.arange(8, dtype=np.int32)[::-1] * 3
+        encode = self.variant(functools.partial(_encode, kind))
+        scores = paper.scores(*encode(q, k, q_pos, k_pos))
+        shifted = paper.scores(*encode(q, k, q_pos + shift, k_pos + shift))
+        # The float32 angle p·θ_i is rounded to half an ulp: ≤ 2.5e-4 rad at |p·θ_i| ≤
+        # 5000 (the XPOS scales ζ^(±p/b) round to ~1e-7 relative). A score is a sum over
+        # pairs of |q_i||k_i|·cos(…)·scale, so we allow 5e-4·Σ_i |q_i||k_i| (the
+        # scores' own scale) between the two; observed: ≤ 2.2e-5.
+        bound = 5e-4 * np.einsum("bqhi,bkhi->bhqk", _pair_norms(q), _pair_norms(k))
+        self.assertTrue(np.all(np.abs(scores - shifted) <= bound),
+                        f"max |Δ| / bound = {np.max(np.abs(scores - shifted) / bound):.3g}")
+        # And both equal the float64 scores of the paper's equations.
+        if kind == "xpos":
+            want = paper.scores(paper.xpos(q, q_pos), paper.xpos(k, k_pos, downscale=True))
+        else:
+            want = paper.scores(paper.rope(q, q_pos), paper.rope(k, k_pos))
+        self.assertTrue(np.all(np.abs(scores - want) <= bound))
+
+    def test_xpos_scores_stay_under_a_decaying_envelope(self):
+        # Pair i of q'_m · k'_n is |q_i||k_i|·cos(…)·ζ_i^((m−n)/b): for m ≥ n every
+        # score is bounded by E(m−n) = Σ_i |q_i||k_i| ζ_i^((m−n)/b), which decreases
+        # strictly with the distance (every ζ_i < 1).
+        d, b, length = 16, 64.0, 400
+        q, k = _normal(6, (1, 1, 1, d)), _normal(7, (1, length, 1, d))
+        q_pos, k_pos = np.array([length - 1], np.int32), np.arange(length, dtype=np.int32)
+        q_enc, k_enc = _encode("xpos", q, k, q_pos, k_pos, scale_base=b)
+        distance = (length - 1) - np.arange(length)
+        score = paper.scores(q_enc, k_enc)[0, 0, 0]
+        zeta = (2.0 * np.arange(d // 2) / d + paper.GAMMA) / (1.0 + paper.GAMMA)
+        envelope = np.sum(_pair_norms(q)[0, 0, 0] * _pair_norms(k)[0, :, 0]
+                          * zeta ** (distance[:, None] / b), axis=-1)
+        self.assertTrue(np.all(np.abs(score) <= envelope * (1 + 1e-5)))
+        # The envelope at distance 399 = 6.2·b is a small fraction of the one at 0.
+        self.assertLess(envelope[0] / envelope[-1], 0.35)
+
+    def test_xpos_scores_of_ones_are_the_expected_curve_and_decay(self):
+        # With q = k = 1 each pair contributes 2·cos(nθ_i)·ζ_i^(n/b), so the score at
+        # distance n is exactly 2·g[n] of paper eq. 8, and decays like Figure 1: the
+        # maximum over each window of b distances is below that of the window before.
+        d, b, length = 128, 512.0, 4096
+        ones_q, ones_k = np.ones((1, 1, 1, d), np.float32), np.ones((1, length, 1, d), np.float32)
+        q_enc, k_enc = _encode("xpos", ones_q, ones_k, np.array([length - 1], np.int32),
+                               np.arange(length, dtype=np.int32), scale_base=b)
+        score = paper.scores(q_enc, k_enc)[0, 0, 0][::-1]  # index = distance m − n
+        want = np.array([2 * paper.expected_xpos_score(n, d, scale_base=b) for n in range(length)])
+        np.testing.assert_allclose(score, want, rtol=1e-4, atol=1e-3)
+        window_max = score.reshape(-1, int(b)).max(axis=-1)
+        self.assertTrue(np.all(np.diff(window_max) < 0), window_max)
+        self.assertGreater(score.min(), 0.0)
+
+
+class XposBroadcastTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_positions_seq_and_batch_seq(self):
+        x = _normal(8, (3, 5, 2, 8))
+        pos = np.array([4, -2, 0, 9, 30], np.int32)
+        encode = self.variant(positions.xpos)
+        by_seq = encode(x, pos)
+        by_batch_seq = encode(x, np.tile(pos, (3, 1)))
+        by_one_seq = encode(x, pos[None])
+        np.testing.assert_array_equal(by_seq, by_batch_seq)
+        np.testing.assert_array_equal(by_seq, by_one_seq)
+        np.testing.assert_allclose(np.asarray(by_seq, np.float64), paper.xpos(x, pos),
+                                   rtol=1e-5, atol=1e-5)
+
+    def test_batch_positions_differ_per_row(self):
+        x = _normal(9, (2, 4, 1, 8))
+        pos = np.array([[0, 1, 2, 3], [10, 20, 30, 40]], np.int32)
+        got = positions.xpos(x, pos, downscale=True)
+        for row in range(2):
+            np.testing.assert_array_equal(
+                got[row], positions.xpos(x[row], pos[row], downscale=True))
+        np.testing.assert_allclose(np.asarray(got, np.float64),
+                                   paper.xpos(x, pos, downscale=True), rtol=1e-5, atol=1e-5)
+
+
+class LowPrecisionTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        # Unit roundoff u of the result dtype (8 and 11 significand bits).
+        ("bfloat16", jnp.bfloat16, 2.0 ** -8),
+        ("float16", jnp.float16, 2.0 ** -11),
+    )
+    def test_finite_and_close_to_float32_inside_the_safe_range(self, dtype, unit_roundoff):
+        b = 512.0
+        limit = int(positions.max_safe_position(b, dtype=dtype))
+        # Both signs: queries grow for p < 0 and keys for p > 0.
+        pos = np.array([-limit, -limit // 2, -1, 0, 1, limit // 3, limit], np.int32)
+        q = jnp.asarray(_normal(10, (2, 7, 2, 32)), dtype)
+        k = jnp.asarray(_normal(11, (2, 7, 2, 32)), dtype)
+        encode = self.variant(functools.partial(_encode, "xpos", scale_base=b))
+        q_low, k_low = encode(q, k, pos, pos)
+        self.assertEqual(q_low.dtype, dtype)
+        self.assertEqual(k_low.dtype, dtype)
+        self.assertTrue(np.all(np.isfinite(np.asarray(q_low, np.float32))))
+        self.assertTrue(np.all(np.isfinite(np.asarray(k_low, np.float32))))
+        # Reference: the same (already rounded) inputs encoded in float32.
+        q32, k32 = encode(q.astype(jnp.float32), k.astype(jnp.float32), pos, pos)
+        # Each output element is the float32 value rounded once, |δ| ≤ u, so the score
+        # error is ≤ Σ |q_j||k_j|·(2u + u²) ≤ |q'||k'|·(2u + u²) (Cauchy–Schwarz);
+        # we allow |q'||k'|·4u, plus 1e-6 for float16 subnormals.
+        low, ref = paper.scores(q_low, k_low), paper.scores(q32, k32)
+        bound = 4 * unit_roundoff * np.einsum(
+            "bqh,bkh->bhqk", np.linalg.norm(np.asarray(q32, np.float64), axis=-1),
+            np.linalg.norm(np.asarray(k32, np.float64), axis=-1)) + 1e-6
+        self.assertTrue(np.all(np.abs(low - ref) <= bound),
+                        f"max |Δ| / bound = {np.max(np.abs(low - ref) / bound):.3g}")
+
+    @parameterized.parameters(jnp.float32, jnp.bfloat16, jnp.float16)
+    def test_result_dtype_is_input_dtype(self, dtype):
+        x = jnp.ones((1, 3, 1, 4), dtype)
+        pos = jnp.arange(3)
+        self.assertEqual(positions.xpos(x, pos).dtype, dtype)
+        self.assertEqual(positions.xpos(x, pos, downscale=True).dtype, dtype)
+        self.assertEqual(positions.rope(x, pos).dtype, dtype)
+
+    @parameterized.parameters(jnp.float16, jnp.bfloat16, jnp.float32)
+    def test_safe_range_holds_keys_up_to_magnitude_1000(self, dtype):
+        # max_safe_position leaves a margin of 1000 for the key itself: a pair of norm
+        # ≤ 1000 (elements 700) stays finite at ± the limit, for queries and keys.
+        limit = int(positions.max_safe_position(512.0, dtype=dtype))
+        x = jnp.full((1, 2, 1, 8), 700.0, dtype)
+        pos = np.array([-limit, limit], np.int32)
+        for downscale in (False, True):
+            encoded = np.asarray(positions.xpos(x, pos, downscale=downscale), np.float32)
+            self.assertTrue(np.all(np.isfinite(encoded)), (dtype, downscale, encoded))
+
+    def test_float16_overflows_beyond_the_safe_range(self):
+        # DESIGN.md: 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
+        encoded = positions.xpos(jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512]),
+                                 downscale=True)
+        self.assertTrue(np.isinf(np.asarray(encoded, np.float32)).any())
+
+
+class AlibiTest(chex.TestCase):
+
+    def test_slopes_power_of_two(self):
+        np.testing.assert_array_equal(positions.alibi_slopes(8),
+                                      [2.0 ** -h for h in range(1, 9)])
+
+    @parameterized.parameters(1, 2, 3, 4, 6, 12, 16, 24)
+    def test_slopes_match_reference_interpolation(self, num_heads):
+        np.testing.assert_allclose(positions.alibi_slopes(num_heads),
+                                   paper.alibi_slopes(num_heads), rtol=1e-6)
+
+    def test_slopes_six_heads_by_hand(self):
+        # The 4 slopes of H = 4 (2^-2, 2^-4, 2^-6, 2^-8), then every other slope of
+        # H = 8 (2^-1, 2^-3, …): the first two of those.
+        np.testing.assert_array_equal(positions.alibi_slopes(6),
+                                      [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8,
+                                       2.0 ** -1, 2.0 ** -3])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bias_is_minus_slope_times_distance(self):
+        q_pos, k_pos = np.array([3, 4, 5], np.int32), np.array([0, 1, 2, 3, 4, 5], np.int32)
+        bias = self.variant(positions.alibi_bias, static_argnums=0)(4, q_pos, k_pos)
+        self.assertEqual(bias.shape, (4, 3, 6))
+        self.assertEqual(bias.dtype, jnp.float32)
+        bias = np.asarray(bias)
+        slopes = paper.alibi_slopes(4)
+        for h in range(4):
+            for i in range(3):
+                for j in range(6):
+                    self.assertAlmostEqual(float(bias[h, i, j]),
+                                           -slopes[h] * (q_pos[i] - k_pos[j]), places=6)
+
+    def test_bias_with_batch_positions(self):
+        q_pos = np.array([[0, 1], [10, 11]], np.int32)
+        k_pos = np.array([[0, 1, 2], [9, 10, 11]], np.int32)
+        bias = positions.alibi_bias(3, q_pos, k_pos)
+        self.assertEqual(bias.shape, (2, 3, 2, 3))
+        for row in range(2):
+            np.testing.assert_array_equal(bias[row],
+                                          positions.alibi_bias(3, q_pos[row], k_pos[row]))
+
+
+class SinusoidalTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_values(self):
+        pos, dim = np.array([[0, 1, 7], [100, 2000, 3]], np.int32), 10
+        got = self.variant(positions.sinusoidal, static_argnums=1)(pos, dim)
+        self.assertEqual(got.shape, (2, 3, dim))
+        want = np.zeros((2, 3, dim))
+        for idx in np.ndindex(2, 3):
+            for i in range(dim // 2):
+                angle = pos[idx] / 10000.0 ** (2.0 * i / dim)
+                want[idx + (2 * i,)] = math.sin(angle)
+                want[idx + (2 * i + 1,)] = math.cos(angle)
+        # float32 angles near 2000 rad are off by ~1e-4 rad.
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-4)
+
+
+class BadArgumentsTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("xpos_odd_head_dim", lambda: positions.xpos(jnp.ones((1, 2, 1, 5)), jnp.arange(2)),
+         "head_dim must be even"),
+        ("rope_odd_head_dim", lambda: positions.rope(jnp.ones((1, 2, 1, 7)), jnp.arange(2)),
+         "head_dim must be even"),
+        ("decay_base_odd_head_dim", lambda: positions.xpos_decay_base(3), "head_dim must be even"),
+        ("float_positions", lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2.0)),
+         "positions must be integers"),
+        ("rope_float_positions",
+         lambda: positions.rope(jnp.ones((1, 2, 1, 4)), np.array([0.0, 1.0])),
+         "positions must be integers"),
+        ("positions_too_long", lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.arange(4)),
+         r"positions of shape \(4,\) do not broadcast"),
+        ("positions_wrong_batch",
+         lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.zeros((3, 3), jnp.int32)),
+         r"positions of shape \(3, 3\) do not broadcast"),
+        ("positions_extra_axis",
+         lambda: positions.rope(jnp.ones((3, 1, 4)), jnp.zeros((2, 3), jnp.int32)),
+         "do not broadcast"),
+        ("x_without_heads", lambda: positions.xpos(jnp.ones((3, 4)), jnp.arange(3)),
+         r"x must be \[..., seq, heads, head_dim\]"),
+        ("zero_scale_base",
+         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=0.0),
+         "scale_base must be positive"),
+        ("negative_scale_base",
+         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=-512.0),
+         "scale_base must be positive"),
+        ("nan_scale_base",
+         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=math.nan),
+         "scale_base must be positive"),
+        ("sinusoidal_odd_dim", lambda: positions.sinusoidal(jnp.arange(3), 5),
+         "dim must be even"),
+        ("sinusoidal_float_positions", lambda: positions.sinusoidal(jnp.arange(3.0), 4),
+         "positions must be integers"),
+        ("alibi_no_heads", lambda: positions.alibi_slopes(0), "num_heads must be positive"),
+        ("alibi_float_positions",
+         lambda: positions.alibi_bias(2, jnp.arange(2.0), jnp.arange(2)),
+         "q_positions must be integers"),
+    )
+    def test_raises_value_error(self, call, message):
+        with self.assertRaisesRegex(ValueError, message):
+            call()
+
+
+if __name__ == "__main__":
+    absltest.main()
