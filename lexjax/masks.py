@@ -6,15 +6,21 @@ the masks are built once per compiled shape.
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 
 __all__ = ["causal", "blockwise_causal", "same_segment", "causal_by_position"]
 
 
 def _check_size(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    try:
+        size = operator.index(value)  # Python and numpy integers, not floats or bools
+    except TypeError:
+        size = None
+    if size is None or isinstance(value, bool) or size < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return size
 
 
 def causal(q_len: int, k_len: int | None = None):
