@@ -380,3 +380,121 @@ def perplexity(model: Decoder, params, documents: Sequence[np.ndarray],
             results.append(PerplexityResult(mode, length, math.exp(nll), nll, count,
                                             len(documents), time.perf_counter() - start))
     return results
+
+
+# --------------------------------------------------------------------------- resolution
+
+@dataclasses.dataclass(frozen=True)
+class ResolutionResult:
+    mode: str               # "bca" | "full"
+    length: int
+    per_layer: tuple        # R of paper eq. 3 for each layer
+    mean: float             # mean over layers
+    expected_scores: tuple  # per layer, s[n] for n = 0 … max distance (eq. 11)
+    documents: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_dense_scores(model: Decoder):
+    """``(params, inputs [B, N]) → [L, N, N]``: causal pre-softmax scores averaged
+    over texts and heads (the average is taken on the device to keep L×B×H×N² off it)."""
+
+    def run(params, inputs_BxN):
+        _, intermediates = model.apply({"params": params}, inputs_BxN,
+                                       mutable=["intermediates"])
+        return jnp.mean(_layer_scores(intermediates), axis=(1, 2))
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_window_scores(model: Decoder, block: int):
+    """``(params, inputs [B, n·w]) → [n, L, W, 2W]``: each BCA window's scores
+    (queries: its block; keys: [previous block, its block]) averaged over texts and heads."""
+
+    def run(params, inputs_BxN):
+        B, N = inputs_BxN.shape
+        n = N // block
+        blocks = (inputs_BxN.reshape(B, n, block).swapaxes(0, 1), jnp.arange(n, dtype=jnp.int32))
+
+        def step(carry, xs):
+            tokens_BxW, index = xs
+            _, carry, scores = block_step(model, params, carry, tokens_BxW, index,
+                                          capture_scores=True)
+            return carry, jnp.mean(scores, axis=(1, 2))
+
+        return jax.lax.scan(step, empty_carry(model.config, B, block), blocks)[1]
+
+    return jax.jit(run)
+
+
+def _distance_counts(mask_QxK: np.ndarray) -> np.ndarray:
+    """Number of True pairs at each distance n = i + K − Q − j (bottom-right aligned)."""
+    q, k = mask_QxK.shape
+    distance = np.arange(q)[:, None] + (k - q) - np.arange(k)[None, :]
+    return np.bincount(distance[mask_QxK], minlength=k)[:k]
+
+
+def _pooled_expected_scores(scores_list, masks_list):
+    """Per-distance means pooled over score sets ``[L, Q, K]`` (same K) with masks ``[Q, K]``.
+
+    Each set's means come from :func:`lexjax.resolution.expected_scores`; sets
+    are combined weighted by how many pairs they have at each distance.
+    Returns ``[L, D]`` for the distances 0 … D−1 that occur.
+    """
+    total, count = 0.0, 0
+    for scores, mask in zip(scores_list, masks_list):
+        counts = _distance_counts(mask)
+        means = np.nan_to_num(np.asarray(res_lib.expected_scores(scores, mask)))
+        total, count = total + means * counts, count + counts
+    last = np.nonzero(count)[0].max() + 1
+    return total[:, :last] / np.maximum(count[:last], 1)
+
+
+def measure_resolution(model: Decoder, params, tokens_BxN, *, block: int,
+                       mode: str) -> ResolutionResult:
+    """Attention resolution per layer (paper eq. 3) from measured scores (eq. 11).
+
+    ``s[n]`` is the pre-softmax score of query i and key i − n averaged over
+    queries, heads and texts (the rows of ``tokens_BxN``, all of length N), for
+    every pair the mode lets attend:
+
+    - ``"full"``: every pair j ≤ i of one causal forward over positions 0 … N−1
+      (n = 0 … N−1);
+    - ``"bca"``: every pair inside a BCA window — a block's queries against the
+      previous block and their own causal prefix, as the block scan scores them
+      (n = 0 … 2w−1; pairs at one distance from all windows are pooled).
+
+    R is then :func:`lexjax.resolution.attention_resolution` of each layer's s.
+    """
+    if mode not in MODES:
+        raise EvaluationError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    _check_block(block)
+    tokens_BxN = jnp.asarray(tokens_BxN, jnp.int32)
+    B, n = tokens_BxN.shape
+    if n < 2:
+        raise EvaluationError(f"resolution needs at least 2 tokens, got {n}")
+    if mode == "full":
+        check_full_length(model.config, n)
+        scores = np.asarray(_compiled_dense_scores(model)(params, tokens_BxN))
+        mask = np.tril(np.ones((n, n), bool))
+        curves = _pooled_expected_scores([scores], [mask])
+    else:
+        windows = np.asarray(_compiled_window_scores(model, block)(
+            params, _pad_to(tokens_BxN, block)))
+        q = np.arange(block)[:, None]
+        k = np.arange(2 * block)[None, :]
+        score_sets, mask_sets = [], []
+        for b in range(windows.shape[0]):
+            previous = (k < block) & (b > 0)
+            current = (k >= block) & (k - block <= q)
+            real = (b * block + q < n) & (b * block + k - block < n)  # padding never counts
+            score_sets.append(windows[b])
+            mask_sets.append(np.asarray(previous | (current & real)) & (b * block + q < n))
+        curves = _pooled_expected_scores(score_sets, mask_sets)
+    per_layer = np.asarray(res_lib.attention_resolution(curves))
+    return ResolutionResult(mode, n, tuple(float(r) for r in per_layer),
+                            float(per_layer.mean()), tuple(map(tuple, curves.tolist())), B)
