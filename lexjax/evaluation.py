@@ -286,21 +286,21 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
 # --------------------------------------------------------------------------- perplexity
 
 def segments(documents: Sequence[np.ndarray], length: int, max_length: int) -> np.ndarray:
-    """``[docs · max_length/length, length + 1]`` int32: the paper's segments.
+    """``[docs · ⌊max_length/length⌋, length + 1]`` int32: the paper's segments.
 
     The first ``max_length + 1`` tokens of each document give ``max_length``
-    targets, split into runs of ``length``; a segment carries its ``length``
-    inputs and the one token after them (consecutive segments share it).
+    targets, split into runs of ``length`` (a remainder shorter than
+    ``length`` is left out); a segment carries its ``length`` inputs and the
+    one token after them (consecutive segments share it).
     """
-    if length < 1 or max_length % length:
-        raise EvaluationError(f"length {length} must be positive and divide the largest "
-                              f"length {max_length}")
+    if not 1 <= length <= max_length:
+        raise EvaluationError(f"length {length} must be in 1 … {max_length}")
     rows = []
     for doc in documents:
         if len(doc) < max_length + 1:
             raise EvaluationError(f"a document of {len(doc)} tokens is shorter than "
                                   f"max_length + 1 = {max_length + 1}")
-        for start in range(0, max_length, length):
+        for start in range(0, max_length - length + 1, length):
             rows.append(np.asarray(doc[start:start + length + 1], np.int32))
     return np.stack(rows) if rows else np.zeros((0, length + 1), np.int32)
 
@@ -338,7 +338,8 @@ def perplexity(model: Decoder, params, documents: Sequence[np.ndarray],
 
     Args:
       documents: int32 token arrays, each at least ``max(lengths) + 1`` long.
-      lengths: evaluated lengths; each must divide the largest.
+      lengths: evaluated lengths (see :func:`segments` for one that does not
+        divide the largest).
       block: w = train_len/2; the full mode uses it as its query chunk too.
       tokens_per_batch: segments are batched up to this many tokens per call.
       progress: called as ``progress(done, total, label)`` after each batch
@@ -357,7 +358,7 @@ def perplexity(model: Decoder, params, documents: Sequence[np.ndarray],
     if "full" in modes:
         for length in lengths:
             check_full_length(model.config, length)
-    total = len(documents) * max_length * len(lengths) * len(modes)
+    total = len(documents) * sum(max_length // n * n for n in lengths) * len(modes)
     done = 0
     results = []
     for mode in modes:
