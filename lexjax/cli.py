@@ -10,7 +10,7 @@ import sys
 
 from lexjax.config import ConfigError, from_configdict
 
-__all__ = ["run_training", "fail", "parse_lengths", "load_run", "run_eval"]
+__all__ = ["run_training", "fail"]
 
 
 def fail(message: str, code: int = 1):
@@ -40,7 +40,7 @@ def run_training(configdict, workdir: str) -> int:
 
 # --------------------------------------------------------------------------- eval.py
 
-def parse_lengths(values, train_len: int) -> list[int] | None:
+def parse_lengths(values) -> list[int] | None:
     """``--lengths`` strings → sorted positive ints; None or empty → None (the default)."""
     if not values:
         return None
@@ -94,12 +94,13 @@ def _documents(config, eval_files: str | None, say):
     """(name, documents as token arrays) of the held-out text: the files of
     ``--eval_files`` or the run dataset's ``test`` split (``validation`` where
     the dataset has no test split)."""
+    import os
+
     from lexjax import data as data_lib
     from lexjax.data.builders import glob_files
 
     if eval_files:
         root, relpaths = glob_files(eval_files)
-        import os
         docs = []
         for rel in relpaths:
             with open(os.path.join(root, rel), "rb") as f:
@@ -178,7 +179,7 @@ def run_eval(workdir: str, *, lengths=None, bca: str = "both", eval_files: str |
     if max_docs < 1:
         fail(f"--max_docs={max_docs} must be positive", 2)
     try:
-        requested = parse_lengths(lengths, 0)
+        requested = parse_lengths(lengths)
     except ValueError as e:
         fail(str(e), 2)
     try:
@@ -292,8 +293,14 @@ def _run_resolution(config, params, model, documents, modes, max_docs, where, ou
     for mode in modes:
         for length in (train_len, longest):
             tokens = np.stack([d[:length] for d in chosen])
-            results.append(evaluation.measure_resolution(model, params, tokens,
-                                                         block=config.block, mode=mode))
+            try:
+                results.append(evaluation.measure_resolution(model, params, tokens,
+                                                             block=config.block, mode=mode))
+            except evaluation.EvaluationError as e:
+                if len(modes) == 1:
+                    raise
+                print(f"note: no resolution at length {length} without BCA: {e}",
+                      file=sys.stderr, flush=True)
     print("\nattention resolution (paper eq. 3 with eq. 11)\n")
     print(reports.resolution_table(results, config.model.position))
     reports.write_json(os.path.join(out_dir, "resolution.json"),

@@ -95,7 +95,7 @@ def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
              + " | mean |", "|" + "---|" * (layers + 3)]
     for r in results:
         lines.append(f"| {position} {_MODE_NAMES[r.mode]} | {r.length} | "
-                     + " | ".join(f"{x:.4f}" for x in r.per_layer) + f" | {r.mean:.4f} |")
+                     + " | ".join(f"{x:.3g}" for x in r.per_layer) + f" | {r.mean:.3g} |")
     return "\n".join(lines)
 
 
