@@ -41,7 +41,11 @@ def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
 
 
 def perplexity_json(results: Sequence[PerplexityResult], *, train_len: int, **extra) -> dict:
-    """``{"train_len", "results": [{"mode", "length", "perplexity", "tokens", "documents", ...}]}``."""
+    """``{"train_len", "results": [{"mode", "length", "perplexity", "tokens", "documents", ...}]}``.
+
+    ``seconds`` (and ``tokens_per_second``) are wall time including each
+    shape's compilation; ``bench/eval_throughput.py`` measures steady speed.
+    """
     rows = []
     for r in results:
         row = {"mode": r.mode, "length": r.length, "perplexity": r.perplexity,
