@@ -18,11 +18,18 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def run_training(configdict, workdir: str) -> int:
+def run_training(configdict, workdir: str, cluster=None) -> int:
+    """Trains from a config; ``cluster`` (a ``distributed.ClusterOptions``) joins a
+    multi-process run first. Only process 0 prints the summary."""
+    from lexjax import distributed
     try:
         config = from_configdict(configdict)
+        distributed.initialize(cluster or distributed.ClusterOptions())
     except ConfigError as e:
         fail(str(e), 2)
+    except distributed.DistributedError as e:
+        fail(str(e))
+    import jax
     from lexjax import checkpoint, training
     try:
         summary = training.train(config, workdir)
@@ -30,7 +37,11 @@ def run_training(configdict, workdir: str) -> int:
         fail(str(e), 2)
     except (training.TrainingError, checkpoint.CheckpointError, ValueError, OSError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    if summary.get("stopped_by") is None:
+    if jax.process_index() != 0:
+        return 0
+    if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
+        print(f"already trained {summary['step']} steps; checkpoint: {summary['checkpoint_dir']}")
+    elif summary.get("stopped_by") is None:
         print(f"trained {summary['step']} steps: loss {summary.get('loss', float('nan')):.4f}, "
               f"validation loss {summary.get('val_loss', float('nan')):.4f}")
         print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")

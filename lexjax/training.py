@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, ConfigError, to_dict
 from lexjax.model import Decoder, count_params
@@ -171,10 +172,10 @@ class Trainer:
                 weight = jnp.maximum(weight, 1.0)
                 loss = loss / weight
                 grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
-            if poison >= 0:
-                loss = jnp.where(state.step == poison, jnp.nan, loss)
-                grads = jax.tree_util.tree_map(
-                    lambda g: jnp.where(state.step == poison, jnp.nan, g), grads)
+            if poison >= 0:  # steps count from 1, as in metrics.jsonl and errors
+                poisoned = state.step + 1 == poison
+                loss = jnp.where(poisoned, jnp.nan, loss)
+                grads = jax.tree_util.tree_map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
             grad_norm = optax.global_norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -430,9 +431,26 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
         checkpointer.save(s, state, data_iter=data_iter, config=to_dict(config))
         saved_step = s
 
+    def stop_requested() -> bool:
+        """Whether to stop after this step.
+
+        Steps and saves are collective, so with several processes all must stop
+        at the same step, also when only one got the signal: they agree at the
+        log and checkpoint steps, where the host waits for the devices anyway.
+        """
+        local = stop.signal_name is not None
+        if jax.process_count() == 1:
+            return local
+        if step % config.log_every and step % config.checkpoint_every:
+            return False
+        if distributed.any_process(local):
+            stop.signal_name = stop.signal_name or "a signal to another process"
+            return True
+        return False
+
     with _StopFlag() as stop, jax.set_mesh(trainer.mesh):
         try:
-            while step < total and stop.signal_name is None:
+            while step < total and not stop_requested():
                 batch = trainer.global_batch(next(data_iter))
                 state, metrics = trainer.train_step(state, batch)
                 step += 1
