@@ -6,6 +6,8 @@ exit status (2 for configuration errors), never as a traceback.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from lexjax.config import ConfigError, from_configdict
@@ -18,10 +20,23 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+class _NoOrbaxErrors(logging.Filter):
+    """Drops orbax's ERROR logs (tracebacks from its background write threads).
+
+    The same failure reaches the Checkpointer as an exception at the next save or
+    wait, and the user sees it once, as one line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def run_training(configdict, workdir: str, cluster=None) -> int:
     """Trains from a config; ``cluster`` (a ``distributed.ClusterOptions``) joins a
     multi-process run first. Only process 0 prints the summary."""
     from lexjax import distributed
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NoOrbaxErrors())
     try:
         config = from_configdict(configdict)
         distributed.initialize(cluster or distributed.ClusterOptions())

@@ -361,13 +361,16 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
         source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
         seed=config.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
         worker_count=config.data.worker_count)
+    # Read now, not at the first evaluation: a corpus without a validation split
+    # must fail before training, not after eval_every steps of it.
+    val_batches = _validation_batches(config, config.eval_batches)
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=config.keep_checkpoints,
                                          on_corrupt=config.on_corrupt_checkpoint)
     try:
         state, step = _restore_or_init(trainer, checkpointer, data_iter, config, say)
-        return _loop(trainer, checkpointer, data_iter, state, step, config, workdir, say,
-                     progress and is_main, stop_after)
+        return _loop(trainer, checkpointer, data_iter, val_batches, state, step, config,
+                     workdir, say, progress and is_main, stop_after)
     finally:
         checkpointer.close()
 
@@ -391,15 +394,14 @@ def _restore_or_init(trainer, checkpointer, data_iter, config, say):
     return state, int(step)
 
 
-def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config, workdir,
-          say, show_progress, stop_after) -> dict[str, Any]:
+def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, config: Config,
+          workdir, say, show_progress, stop_after) -> dict[str, Any]:
     total = config.num_train_steps
     writer = _MetricsWriter(workdir, jax.process_index() == 0)
     bar = _Progress(total, step, show_progress)
     tokens_per_step = config.batch_size * config.train_len
     peak, _ = mfu_peak_flops()
     flops = flops_per_token(config)
-    val_batches = None
     pending: list[tuple[int, dict]] = []
     last = {"time": time.perf_counter(), "step": step}
     summary: dict[str, Any] = {"start_step": step}
@@ -459,8 +461,6 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
                 if step % config.log_every == 0 or boundary or step % config.eval_every == 0:
                     flush()
                 if step % config.eval_every == 0 or step == total:
-                    if val_batches is None:
-                        val_batches = _validation_batches(config, config.eval_batches)
                     sums = [trainer.eval_step(state.params, trainer.global_batch(b))
                             for b in val_batches]
                     nll, weight = map(sum, zip(*jax.device_get(sums)))
