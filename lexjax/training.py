@@ -8,6 +8,7 @@ the rules table change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -412,6 +413,8 @@ def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, c
         values = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, values):
             if not bool(m["finite"]):
+                with contextlib.suppress(RuntimeError):  # a failed write is reported by close()
+                    checkpointer.wait()  # so the message names a finished checkpoint
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
                     f"without saving that state (last checkpoint: step "

@@ -52,7 +52,7 @@ def train_args(workdir, files, data_dir, **overrides) -> list[str]:
 
 
 def env(devices: int, cache_dir) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
             "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
