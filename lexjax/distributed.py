@@ -136,6 +136,9 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
             f"could not join the multi-process run via {where} within "
             f"{options.initialization_timeout_s}s ({reason}); start every process with the "
             "same --coordinator_address and --num_processes, and distinct --process_id") from e
+    # One collective while every process is here: CPU (gloo) contexts are set up on
+    # first use and give up after 30 s if a peer is late, e.g. still building data.
+    any_process(False)
     return how or "jax auto-detection"
 
 

@@ -356,6 +356,13 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda _: None)
     trainer = Trainer(config)
+    if jax.process_count() > 1:
+        # Process 0 builds a dataset first, so processes sharing a data_dir never
+        # write it at the same time; the others then load (or build their own copy).
+        if is_main:
+            data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
+                                 files=config.data.files, text_feature=config.data.text_feature)
+        distributed.any_process(False)
     source = data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
                                   files=config.data.files, text_feature=config.data.text_feature)
     data_iter = data_lib.make_train_iterator(
