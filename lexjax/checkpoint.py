@@ -44,6 +44,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from etils import epath
@@ -134,6 +135,20 @@ def _first_line(e: BaseException, limit: int = 240) -> str:
   lines = str(e).strip().splitlines()
   text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
   return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _write_failure(e: BaseException) -> str:
+  """Why a write failed, in words: the OS error tensorstore names (e.g. "No space
+  left on device"), else the innermost exception's first line."""
+  text = str(e)
+  seen = {id(e)}
+  while (cause := e.__cause__ or e.__context__) is not None and id(cause) not in seen:
+    seen.add(id(cause))
+    e = cause
+    text = str(e)
+  if m := re.search(r":\s*([^:\[]+?)\s*\[os_error_code", text):
+    return m.group(1)
+  return _first_line(e)
 
 
 class Checkpointer:
@@ -257,7 +272,7 @@ class Checkpointer:
     if self.read_only:
       raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
     step = int(step)
-    self._manager.wait_until_finished()
+    self._finish_writes()
     if step in self._saved and not force:
       log.info("checkpoint step %d was already saved to %s; not saved again", step, self.directory)
       return False
@@ -299,13 +314,21 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the last save is finalized, then collects garbage."""
-    self._manager.wait_until_finished()
-    try:
-      self._manager.check_for_errors()
-    except Exception as e:
-      raise CheckpointError(f"writing a checkpoint to {self.directory} failed: {_first_line(e)}") from e
+    self._finish_writes()
     if not self.read_only:
       self._collect_garbage()
+
+  def _finish_writes(self) -> None:
+    """Waits for the background write of the last save; raises if it failed."""
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:
+      step = f" step {max(self._saved)}" if self._saved else ""
+      raise CheckpointError(
+          f"writing checkpoint{step} to {self.directory} failed: {_write_failure(e)};"
+          " free space or fix the directory, then restart (older checkpoints are kept)"
+      ) from e
 
   def close(self) -> None:
     self.wait()

@@ -8,6 +8,7 @@ the rules table change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, ConfigError, to_dict
 from lexjax.model import Decoder, count_params
@@ -171,10 +173,10 @@ class Trainer:
                 weight = jnp.maximum(weight, 1.0)
                 loss = loss / weight
                 grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
-            if poison >= 0:
-                loss = jnp.where(state.step == poison, jnp.nan, loss)
-                grads = jax.tree_util.tree_map(
-                    lambda g: jnp.where(state.step == poison, jnp.nan, g), grads)
+            if poison >= 0:  # steps count from 1, as in metrics.jsonl and errors
+                poisoned = state.step + 1 == poison
+                loss = jnp.where(poisoned, jnp.nan, loss)
+                grads = jax.tree_util.tree_map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
             grad_norm = optax.global_norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -354,19 +356,29 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda _: None)
     trainer = Trainer(config)
+    if jax.process_count() > 1:
+        # Process 0 builds a dataset first, so processes sharing a data_dir never
+        # write it at the same time; the others then load (or build their own copy).
+        if is_main:
+            data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
+                                 files=config.data.files, text_feature=config.data.text_feature)
+        distributed.any_process(False)
     source = data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
                                   files=config.data.files, text_feature=config.data.text_feature)
     data_iter = data_lib.make_train_iterator(
         source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
         seed=config.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
         worker_count=config.data.worker_count)
+    # Read now, not at the first evaluation: a corpus without a validation split
+    # must fail before training, not after eval_every steps of it.
+    val_batches = _validation_batches(config, config.eval_batches)
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=config.keep_checkpoints,
                                          on_corrupt=config.on_corrupt_checkpoint)
     try:
         state, step = _restore_or_init(trainer, checkpointer, data_iter, config, say)
-        return _loop(trainer, checkpointer, data_iter, state, step, config, workdir, say,
-                     progress and is_main, stop_after)
+        return _loop(trainer, checkpointer, data_iter, val_batches, state, step, config,
+                     workdir, say, progress and is_main, stop_after)
     finally:
         checkpointer.close()
 
@@ -390,15 +402,14 @@ def _restore_or_init(trainer, checkpointer, data_iter, config, say):
     return state, int(step)
 
 
-def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config, workdir,
-          say, show_progress, stop_after) -> dict[str, Any]:
+def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, config: Config,
+          workdir, say, show_progress, stop_after) -> dict[str, Any]:
     total = config.num_train_steps
     writer = _MetricsWriter(workdir, jax.process_index() == 0)
     bar = _Progress(total, step, show_progress)
     tokens_per_step = config.batch_size * config.train_len
     peak, _ = mfu_peak_flops()
     flops = flops_per_token(config)
-    val_batches = None
     pending: list[tuple[int, dict]] = []
     last = {"time": time.perf_counter(), "step": step}
     summary: dict[str, Any] = {"start_step": step}
@@ -409,6 +420,8 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
         values = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, values):
             if not bool(m["finite"]):
+                with contextlib.suppress(RuntimeError):  # a failed write is reported by close()
+                    checkpointer.wait()  # so the message names a finished checkpoint
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
                     f"without saving that state (last checkpoint: step "
@@ -430,9 +443,26 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
         checkpointer.save(s, state, data_iter=data_iter, config=to_dict(config))
         saved_step = s
 
+    def stop_requested() -> bool:
+        """Whether to stop after this step.
+
+        Steps and saves are collective, so with several processes all must stop
+        at the same step, also when only one got the signal: they agree at the
+        log and checkpoint steps, where the host waits for the devices anyway.
+        """
+        local = stop.signal_name is not None
+        if jax.process_count() == 1:
+            return local
+        if step % config.log_every and step % config.checkpoint_every:
+            return False
+        if distributed.any_process(local):
+            stop.signal_name = stop.signal_name or "a signal to another process"
+            return True
+        return False
+
     with _StopFlag() as stop, jax.set_mesh(trainer.mesh):
         try:
-            while step < total and stop.signal_name is None:
+            while step < total and not stop_requested():
                 batch = trainer.global_batch(next(data_iter))
                 state, metrics = trainer.train_step(state, batch)
                 step += 1
@@ -441,8 +471,6 @@ def _loop(trainer: Trainer, checkpointer, data_iter, state, step, config: Config
                 if step % config.log_every == 0 or boundary or step % config.eval_every == 0:
                     flush()
                 if step % config.eval_every == 0 or step == total:
-                    if val_batches is None:
-                        val_batches = _validation_batches(config, config.eval_batches)
                     sums = [trainer.eval_step(state.params, trainer.global_batch(b))
                             for b in val_batches]
                     nll, weight = map(sum, zip(*jax.device_get(sums)))

@@ -1,0 +1,151 @@
+"""Joining a multi-process run: one process per host, joined by ``jax.distributed``.
+
+TPU pod slices and GPU clusters run one copy of ``train.py`` per host; the
+copies find each other through a coordinator (process 0) and then act as one
+program over all devices. :func:`initialize` must run before anything touches
+a JAX backend. Three ways in:
+
+- ``mode='auto'`` (default): explicit ``coordinator_address``/
+  ``num_processes``/``process_id`` if given; else, if a cluster launcher is
+  detected in the environment (see :func:`detect_cluster`), JAX's own
+  detection fills them in; else a single process.
+- ``mode='on'``: always call ``jax.distributed.initialize`` (JAX detects
+  what was not given) — for clusters :func:`detect_cluster` does not know.
+- ``mode='off'``: never; one process.
+
+Failure is bounded in time. Every process sends heartbeats to the coordinator;
+if one dies (SIGKILL, a lost host), the others are told within
+``heartbeat_timeout_s`` and JAX terminates them with the fatal log line
+"Terminating process because the JAX distributed service detected fatal
+errors ... another task died" (exit status 134), instead of leaving them
+blocked in a collective forever. Restart every process: training resumes from
+the last checkpoint. On CPU the cross-process collectives are gloo over TCP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import jax
+import numpy as np
+
+from lexjax.config import ConfigError
+
+__all__ = ["ClusterOptions", "DistributedError", "detect_cluster", "initialize", "any_process"]
+
+
+class DistributedError(RuntimeError):
+    """The processes of a multi-process run could not join; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterOptions:
+    mode: str = "auto"  # auto | on | off
+    coordinator_address: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout_s: int = 100  # a silent peer is declared dead after this
+    initialization_timeout_s: int = 300  # waiting for every process to join
+    shutdown_timeout_s: int = 120  # waiting for the others at exit
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+def detect_cluster() -> str | None:
+    """The multi-process launcher this process runs under, or None.
+
+    Detected: a Cloud TPU VM (TPU devices present, or the worker variables
+    GKE sets), a SLURM job step with more than one task (``srun``), Open MPI
+    (``mpirun``) with more than one rank, and a Kubernetes Indexed Job. JAX's
+    ``jax.distributed.initialize()`` then finds the coordinator and this
+    process's id by itself.
+    """
+    if os.environ.get("TPU_WORKER_HOSTNAMES") or (
+            (glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+            and not os.environ.get("TPU_SKIP_MDS_QUERY")):
+        return "Cloud TPU"
+    if os.environ.get("SLURM_STEP_NODELIST") and _int_env("SLURM_NTASKS") > 1:
+        return "SLURM"
+    if _int_env("OMPI_COMM_WORLD_SIZE") > 1:
+        return "Open MPI"
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("JOB_COMPLETION_INDEX"):
+        return "Kubernetes"
+    return None
+
+
+def _check(options: ClusterOptions) -> bool:
+    """Validates the options; True if explicit coordinator flags were given."""
+    if options.mode not in ("auto", "on", "off"):
+        raise ConfigError(f"--distributed={options.mode!r}: use auto, on or off")
+    given = {"coordinator_address": options.coordinator_address,
+             "num_processes": options.num_processes, "process_id": options.process_id}
+    named = [k for k, v in given.items() if v is not None]
+    if options.mode == "off" and named:
+        raise ConfigError(f"--{named[0]} was given with --distributed=off; drop one of them")
+    if named and len(named) < 3 and options.mode == "auto":
+        missing = [k for k in given if k not in named]
+        raise ConfigError(f"--{', --'.join(named)} given without --{', --'.join(missing)}; "
+                          "pass all three, or none to let JAX detect the cluster")
+    address = options.coordinator_address
+    if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
+        raise ConfigError(f"--coordinator_address={address!r}: use HOST:PORT of process 0")
+    n, i = options.num_processes, options.process_id
+    if n is not None and n < 1:
+        raise ConfigError(f"--num_processes={n} must be positive")
+    if i is not None and not 0 <= i < (n if n is not None else i + 1):
+        raise ConfigError(f"--process_id={i} must be in [0, --num_processes)")
+    return len(named) == 3
+
+
+def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
+    """Joins the multi-process run ``options`` describe; returns how, or None if single.
+
+    Call once, before any JAX computation. Raises :class:`ConfigError` for
+    contradictory flags and :class:`DistributedError` when the processes
+    cannot join within ``initialization_timeout_s``.
+    """
+    explicit = _check(options)
+    if options.mode == "off":
+        return None
+    how = "flags" if explicit else detect_cluster()
+    if options.mode == "auto" and how is None:
+        return None
+    # gloo is JAX's default for CPU collectives today; set it so a change of
+    # default cannot leave a CPU run without cross-process collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=options.coordinator_address,
+            num_processes=options.num_processes,
+            process_id=options.process_id,
+            initialization_timeout=options.initialization_timeout_s,
+            heartbeat_timeout_seconds=options.heartbeat_timeout_s,
+            shutdown_timeout_seconds=options.shutdown_timeout_s)
+    except Exception as e:  # jaxlib raises its own runtime errors; report any in one line
+        lines = str(e).strip().splitlines()
+        reason = lines[0] if lines else type(e).__name__
+        where = options.coordinator_address or how or "the detected cluster"
+        raise DistributedError(
+            f"could not join the multi-process run via {where} within "
+            f"{options.initialization_timeout_s}s ({reason}); start every process with the "
+            "same --coordinator_address and --num_processes, and distinct --process_id") from e
+    # One collective while every process is here: CPU (gloo) contexts are set up on
+    # first use and give up after 30 s if a peer is late, e.g. still building data.
+    any_process(False)
+    return how or "jax auto-detection"
+
+
+def any_process(flag: bool) -> bool:
+    """True if ``flag`` is true on any process (a collective: call it on every process)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.array([int(flag)], np.int32))
+    return bool(np.any(flags))

@@ -1,0 +1,110 @@
+"""Running train.py as real processes in tests: a tiny model, a generated corpus, a
+shared compilation cache (so each process compiles the train step once per
+session, not once per run), and helpers to watch, signal and read a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+TINY = {
+    "model.num_layers": 1, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
+    "train_len": 32, "model.max_len": 32, "batch_size": 8, "eval_batches": 1,
+    "eval_every": 1000, "log_every": 1, "optim.warmup_steps": 2, "data.name": "textfiles",
+}
+
+
+def write_corpus(directory: pathlib.Path, count: int = 40) -> str:
+    """`count` small text files of random words; returns their glob."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]
+    for i in range(count):
+        text = " ".join(rng.choice(words, size=int(rng.integers(20, 200))))
+        (directory / f"doc{i}.txt").write_text(text)
+    return str(directory / "*.txt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(workdir, files, data_dir, **overrides) -> list[str]:
+    """train.py arguments: the tiny model on `files`; `overrides` use dotted config keys
+    (a key without a dot that is not a config field is passed as a plain flag)."""
+    values = {**TINY, "data.files": files, "data.data_dir": data_dir, **overrides}
+    flags = [f"--workdir={workdir}"]
+    for key, value in values.items():
+        flags.append(f"--{key}={value}" if key.startswith("-") else f"--config.{key}={value}")
+    return [flag.replace("---", "--") for flag in flags]
+
+
+def env(devices: int, cache_dir) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def start(args, environ, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def run(args, environ, timeout=240, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def records(workdir) -> list[dict]:
+    path = pathlib.Path(workdir, "metrics.jsonl")
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def losses(workdir) -> list[tuple[int, float]]:
+    """(step, loss) of every logged step in order, repeats included."""
+    return [(r["step"], r["loss"]) for r in records(workdir) if "loss" in r]
+
+
+def last_step(workdir) -> int:
+    logged = losses(workdir)
+    return logged[-1][0] if logged else 0
+
+
+def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180, poll: float = 0.02):
+    """Polls `predicate()` until true; fails if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"train.py exited ({proc.returncode}) before the condition:"
+                                 f"\n{out[-2000:]}\n{err[-3000:]}")
+        time.sleep(poll)
+    proc.kill()
+    raise AssertionError("timed out waiting for the training process")
+
+
+def kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 120):
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err

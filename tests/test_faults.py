@@ -1,0 +1,328 @@
+"""Faults done to a real training process (train.py in a subprocess): a run loses at
+most the steps since its last complete checkpoint, and every user-caused failure is
+one error line, a non-zero exit and nothing overwritten.
+
+All runs train the same tiny model for N steps with a checkpoint every 2 steps on 2
+simulated CPU devices; the uninterrupted run is the reference. On CPU a resumed run
+is bit-identical to it, so parameters and per-step losses are compared exactly —
+equal losses at every step after a resume also show the data iterator neither
+repeated nor skipped a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pathlib
+import re
+import resource
+import shutil
+import signal
+import subprocess
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from lexjax import checkpoint as ckpt_lib
+from lexjax import config as cfg
+from lexjax.training import Trainer
+from tests import processes as P
+
+N = 12
+BASE = {"num_train_steps": N, "checkpoint_every": 2, "keep_checkpoints": 4}
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faults")
+    files = P.write_corpus(base / "corpus")
+    environ = P.env(2, tmp_path_factory.getbasetemp() / "jax-cache")
+    return base, files, str(base / "tfds"), environ
+
+
+def args(ctx, workdir, **overrides):
+    base, files, data_dir, _ = ctx
+    return P.train_args(workdir, files, data_dir, **{**BASE, **overrides})
+
+
+def final_params(workdir, step=None):
+    """(step, params) of a checkpoint, restored and checksum-verified in this process."""
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    config = cfg.from_configdict({**ckpt.restore_config(step), "mesh": {"data": -1}})
+    state, _, got = ckpt.restore(step, abstract_state=Trainer(config).abstract_state)
+    ckpt.close()
+    return got, jax.device_get(state.params)
+
+
+def assert_same_params(a, b):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+
+
+def assert_losses_match(workdir, reference_losses, steps=range(1, N + 1)):
+    logged = P.losses(workdir)
+    assert {s for s, _ in logged} >= set(steps), logged
+    for s, loss in logged:
+        assert loss == reference_losses[s], f"step {s}: {loss} != {reference_losses[s]}"
+
+
+def complete_steps(workdir) -> list[int]:
+    root = pathlib.Path(workdir, "checkpoints")
+    return sorted(int(p.name) for p in root.iterdir()
+                  if p.name.isdigit() and (p / "integrity").is_dir())
+
+
+def tree_digest(path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(path).rglob("*")) if p.is_file()}
+
+
+def one_error_line(result) -> str:
+    """The run failed with exactly one 'error:' line on stderr and no traceback."""
+    assert result.returncode not in (0, None), result.stdout[-1000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def reference(ctx):
+    workdir = ctx[0] / "reference"
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert complete_steps(workdir) == [6, 8, 10, 12]
+    step, params = final_params(workdir)
+    assert step == N
+    return workdir, dict(P.losses(workdir)), params
+
+
+def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
+    """SIGKILL while a checkpoint is being written, then at a random step; the
+    restarts resume from the last complete checkpoint and end where the
+    uninterrupted run ends."""
+    _, ref_losses, ref_params = reference
+    workdir = ctx[0] / "missing" / "parents" / "killed"  # created with its parents
+    ckpts = workdir / "checkpoints"
+
+    def writing_step_4_or_later():
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(ckpts):
+                name = entry.name
+                if ".orbax-checkpoint-tmp" in name and int(name.split(".")[0]) >= 4:
+                    return name
+        return None
+
+    proc = P.start(args(ctx, workdir), ctx[3])
+    tmp = P.wait_until(writing_step_4_or_later, proc, poll=0.001)
+    code, _, _ = P.kill(proc)
+    assert code == -signal.SIGKILL
+    assert (ckpts / tmp).exists(), "the write finished before the kill landed"
+    first_resume = complete_steps(workdir)[-1]
+    assert first_resume == int(tmp.split(".")[0]) - 2
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    kill_at = int(np.random.default_rng(seed).integers(first_resume + 1, N))
+    logged = len(P.losses(workdir))
+    proc = P.start(args(ctx, workdir), ctx[3])
+    P.wait_until(lambda: len(P.losses(workdir)) > logged and P.last_step(workdir) >= kill_at,
+                 proc)
+    code, out, _ = P.kill(proc)
+    assert f"resumed from {ckpts} at step {first_resume}" in out, (seed, out)
+    second_resume = complete_steps(workdir)[-1]
+
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {ckpts} at step {second_resume}" in result.stdout, seed
+    assert not list(ckpts.glob("*orbax-checkpoint-tmp*"))  # the cut-off write was cleaned up
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
+    assert_losses_match(workdir, ref_losses)
+
+
+def test_sigterm_saves_the_current_step_and_exits_0(ctx, reference):
+    _, ref_losses, ref_params = reference
+    workdir = ctx[0] / "terminated"
+    proc = P.start(args(ctx, workdir), ctx[3])
+    P.wait_until(lambda: P.last_step(workdir) >= 3, proc, poll=0.005)
+    code, out, err = P.kill(proc, signal.SIGTERM)
+    assert code == 0, err[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    assert 3 <= stopped < N, out
+    assert complete_steps(workdir)[-1] == stopped
+
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in result.stdout
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
+    assert_losses_match(workdir, ref_losses)
+
+
+def largest_data_file(step_dir) -> pathlib.Path:
+    files = [p for p in pathlib.Path(step_dir, "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip_one_array_byte(step_dir):
+    """Flips the middle byte of the largest array data file: inside a chunk of the
+    stored (zstd-compressed) parameters, far from any file header or index."""
+    path = largest_data_file(step_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_checkpoints_are_named_and_skipped(ctx, reference):
+    """Step 12 truncated, step 10 missing a file, step 8 with one flipped byte:
+    the restart names each, falls back to step 6, moves the damaged steps aside
+    (never deletes them) and ends exactly where the reference ends."""
+    ref_dir, ref_losses, ref_params = reference
+    workdir = ctx[0] / "damaged"
+    shutil.copytree(ref_dir, workdir)
+    ckpts = workdir / "checkpoints"
+    big = largest_data_file(ckpts / "12")
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    largest_data_file(ckpts / "10").unlink()
+    flip_one_array_byte(ckpts / "8")
+    logged_before = len(P.losses(workdir))
+
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    damaged = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged) == 3, result.stderr
+    for line, step, then in zip(damaged, (12, 10, 8), (10, 8, 6)):
+        assert f"checkpoint step {step} in {ckpts} is damaged: " in line, line
+        assert f"falling back to step {then}" in line, line
+    assert "checksum mismatch" in damaged[2]
+    assert f"resumed from {ckpts} at step 6" in result.stdout
+    assert sorted(p.name.split("-")[0] for p in (ckpts / "superseded").iterdir()) == \
+        ["10", "12", "8"]
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
+    for s, loss in P.losses(workdir)[logged_before:]:
+        assert s > 6 and loss == ref_losses[s]
+
+
+def test_damage_with_on_corrupt_error_stops_and_changes_nothing(ctx, reference):
+    workdir = ctx[0] / "strict"
+    shutil.copytree(reference[0], workdir)
+    flip_one_array_byte(workdir / "checkpoints" / "12")
+    before = tree_digest(workdir)
+    result = P.run(args(ctx, workdir, on_corrupt_checkpoint="error"), ctx[3])
+    line = one_error_line(result)
+    assert f"checkpoint step 12 in {workdir / 'checkpoints'} is damaged: checksum mismatch" in line
+    assert tree_digest(workdir) == before
+
+
+def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference):
+    _, ref_losses, _ = reference
+    workdir = ctx[0] / "nan"
+    result = P.run(args(ctx, workdir, poison_step=5), ctx[3])
+    line = one_error_line(result)
+    assert "non-finite loss (nan) or gradient at step 5" in line, line
+    assert "last checkpoint: step 4" in line, line
+    assert complete_steps(workdir) == [2, 4]
+    assert_losses_match(workdir, ref_losses, steps=range(1, 5))
+    assert final_params(workdir)[0] == 4  # restores, checksums verified
+
+
+@contextlib.contextmanager
+def tmpfs(path: pathlib.Path, size: str):
+    """A tmpfs of `size` at `path`, or None where this process may not mount."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        yield None
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield path if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _file_size_limit(limit: int):
+    def limit_writes():  # in the child, before exec: writes past `limit` fail with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_writes
+
+
+def test_read_only_workdir(ctx, reference):
+    """A read-only filesystem (a tmpfs remounted read-only; without mount rights,
+    chmod for a non-root user) holding a finished run: one error line, nothing changed."""
+    with tmpfs(ctx[0] / "ro", "4m") as mount:
+        workdir = (mount or ctx[0] / "ro") / "run"
+        shutil.copytree(reference[0], workdir)
+        if mount is not None:
+            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        elif os.geteuid() != 0:
+            for p in [workdir, *workdir.rglob("*")]:
+                p.chmod(p.stat().st_mode & ~0o222)
+        else:
+            pytest.skip("root without mount rights: nothing makes a directory read-only")
+        before = tree_digest(workdir)
+        line = one_error_line(P.run(args(ctx, workdir, num_train_steps=N + 2), ctx[3]))
+        assert f"workdir {workdir} is not writable" in line, line
+        assert tree_digest(workdir) == before
+
+
+def test_workdir_that_cannot_be_created(ctx):
+    """A workdir under a regular file: its parent can never be created."""
+    blocker = ctx[0] / "a-file"
+    blocker.write_text("not a directory")
+    line = one_error_line(P.run(args(ctx, blocker / "run"), ctx[3]))
+    assert f"cannot create workdir {blocker / 'run'}: Not a directory" in line, line
+    assert blocker.read_text() == "not a directory"
+
+
+def test_full_disk(ctx):
+    """A 300 KiB tmpfs (room for the logs, not for a checkpoint); without mount
+    rights, a 100 KiB file-size limit (RLIMIT_FSIZE) on the process instead."""
+    with tmpfs(ctx[0] / "full", "300k") as mount:
+        workdir = (mount or ctx[0] / "full") / "run"
+        kwargs = {} if mount else {"preexec_fn": _file_size_limit(100 * 1024)}
+        line = one_error_line(P.run(args(ctx, workdir), ctx[3], **kwargs))
+        where = re.escape(str(workdir / "checkpoints"))
+        assert re.search(rf"writing checkpoint step \d+ to {where} failed: ", line), line
+        assert ("No space left on device" if mount else "File too large") in line, line
+
+
+def test_checkpoints_of_another_model_shape(ctx, reference):
+    workdir = ctx[0] / "other-shape"
+    shutil.copytree(reference[0], workdir)
+    before = tree_digest(workdir)
+    result = P.run(args(ctx, workdir, **{"model.d_model": 64}), ctx[3])
+    line = one_error_line(result)
+    assert "holds checkpoints of another model (differs in model.d_model)" in line, line
+    assert tree_digest(workdir) == before
+
+
+def test_corpus_edge_cases_train(ctx):
+    """Empty, binary, invalid UTF-8 and a 3 MB single-line file among ordinary ones:
+    the byte tokenizer takes them all."""
+    corpus = ctx[0] / "edge"
+    files = P.write_corpus(corpus)
+    (corpus / "empty.txt").write_bytes(b"")
+    (corpus / "binary.txt").write_bytes(np.random.default_rng(0).bytes(4096))
+    (corpus / "invalid.txt").write_bytes(b"caf\xe9 \xff\xfe \xc3\x28 end\n")
+    (corpus / "huge.txt").write_bytes(b"x" * 3_000_000)
+    result = P.run(P.train_args(ctx[0] / "edge-run", files, str(ctx[0] / "edge-tfds"),
+                                num_train_steps=2, checkpoint_every=2), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps" in result.stdout
+
+
+def test_glob_matching_nothing(ctx):
+    files = str(ctx[0] / "nowhere" / "*.txt")
+    result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])
+    line = one_error_line(result)
+    assert f"files={files!r} matches no files" in line, line

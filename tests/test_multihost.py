@@ -1,0 +1,125 @@
+"""Two train.py processes joined by jax.distributed on 127.0.0.1 (4 CPU devices each,
+gloo collectives) train like one process on 8 devices, write a checkpoint that one
+process restores, and a survivor stops on its own when its peer is killed.
+
+The mesh is (data=2, fsdp=4) with the FSDP sharding preset: each process holds one
+data row of the mesh and reads its own half of the corpus (documents i ≡ process
+id mod 2), so the one-process reference feeds the same global batch — process 0's
+rows, then process 1's — to the same 8-device mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from lexjax import checkpoint as ckpt_lib
+from lexjax import config as cfg
+from lexjax import data as data_lib
+from lexjax.training import Trainer
+from tests import processes as P
+
+STEPS = 3
+MESH = {"mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1, "sharding": "fsdp"}
+HEARTBEAT_S = 5
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    base = tmp_path_factory.mktemp("multihost")
+    files = P.write_corpus(base / "corpus")
+    environ = P.env(4, tmp_path_factory.getbasetemp() / "jax-cache")
+    return base, files, str(base / "tfds"), environ
+
+
+def start_pair(ctx, workdir, **overrides):
+    base, files, data_dir, environ = ctx
+    port = P.free_port()
+    return [P.start(P.train_args(workdir, files, data_dir, **MESH, **overrides, **{
+        "-coordinator_address": f"127.0.0.1:{port}", "-num_processes": 2, "-process_id": i,
+        "-heartbeat_timeout_s": HEARTBEAT_S, "-initialization_timeout_s": 60}), environ)
+        for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(ctx):
+    workdir = ctx[0] / "two"
+    procs = start_pair(ctx, workdir, num_train_steps=STEPS, checkpoint_every=STEPS)
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return workdir, outputs
+
+
+def test_only_process_0_prints_and_logs(two_process_run):
+    """(gloo itself prints its connection lines on every process)"""
+    workdir, ((out0, _), (out1, _)) = two_process_run
+    assert f"trained {STEPS} steps" in out0 and "mesh {'data': 2, 'fsdp': 4" in out0
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
+    assert [s for s, _ in P.losses(workdir)] == list(range(1, STEPS + 1))  # one writer
+
+
+def _reference(config):
+    """STEPS steps in this one process on 8 devices, fed both processes' rows."""
+    trainer = Trainer(config)
+    source = data_lib.load_source("textfiles", "train", data_dir=config.data.data_dir,
+                                  files=config.data.files)
+    shards = [data_lib.make_train_iterator(
+        source, seq_len=config.train_len, batch_size=config.batch_size // 2, seed=config.seed,
+        shard_index=i, shard_count=2) for i in range(2)]
+    state, losses = trainer.init_state(), []
+    with jax.set_mesh(trainer.mesh):
+        for _ in range(STEPS):
+            rows = [next(it) for it in shards]
+            batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+            state, metrics = trainer.train_step(state, trainer.global_batch(batch))
+            losses.append(float(metrics["loss"]))
+    return trainer, losses, jax.device_get(state.params)
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_process_run):
+    """Losses and parameters agree up to float32 summation order (rtol 1e-5):
+    gloo's cross-process all-reduce adds in another order than one process does."""
+    workdir, _ = two_process_run
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
+    config = cfg.from_configdict(ckpt.restore_config())
+    assert (config.mesh.data, config.mesh.fsdp) == (2, 4)
+    trainer, ref_losses, ref_params = _reference(config)
+    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    ckpt.close()
+    assert step == STEPS
+    np.testing.assert_allclose([loss for _, loss in P.losses(workdir)], ref_losses, rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           jax.device_get(state.params), ref_params)
+
+
+def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_run):
+    """Resuming needs each process's data position: a one-process train.py says so."""
+    workdir, _ = two_process_run
+    base, files, data_dir, environ = ctx
+    result = P.run(P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
+                   {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
+def test_killed_peer_stops_the_survivor_in_bounded_time(ctx, victim):
+    workdir = ctx[0] / f"kill-{victim}"
+    procs = start_pair(ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000)
+    P.wait_until(lambda: P.last_step(workdir) >= 3, procs[0])
+    procs[victim].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivor = procs[1 - victim]
+    out, err = survivor.communicate(timeout=HEARTBEAT_S + 60)
+    elapsed = time.monotonic() - killed_at
+    procs[victim].wait()
+    assert survivor.returncode != 0
+    assert elapsed < HEARTBEAT_S + 30, elapsed
+    assert "Terminating process because the JAX distributed service detected fatal errors" in err
+    assert "another task died" in err, err[-3000:]
