@@ -26,18 +26,45 @@ import jax  # noqa: E402
 
 from bench import common  # noqa: E402
 
-# Thunk / HLO names → kind; first match wins.
-KINDS = (("matmul", re.compile(r"dot|gemm|matmul|conv", re.I)),
-         ("reduction", re.compile(r"reduce", re.I)),
-         ("copy/transpose", re.compile(r"copy|transpose", re.I)),
-         ("elementwise fusion", re.compile(r"fusion|loop", re.I)))
+# What an operation (or the body of a fusion) contains → kind; first match wins.
+KINDS = (("matmul", re.compile(r"\bdot\(|convolution\(|gemm|matmul")),
+         ("transcendental", re.compile(r"\b(sine|cosine|exponential|tanh|log)\(")),
+         ("reduction", re.compile(r"\breduce\(")),
+         ("scatter/gather", re.compile(r"\b(scatter|gather)\(")),
+         ("copy/transpose", re.compile(r"\b(copy|transpose)\(")),
+         ("elementwise", re.compile(r".")))
 
 
-def kind_of(name: str) -> str:
+def fusion_bodies(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: text of what it computes}`` from compiled HLO text:
+    a fusion's called computation, or the instruction's own line."""
+    computations, current, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current, lines = header.group(1), []
+        elif line.startswith("}") and current:
+            computations[current] = "\n".join(lines)
+            current = None
+        elif current:
+            lines.append(line)
+    bodies = {}
+    for text in computations.values():
+        for line in text.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*", line)
+            if not m:
+                continue
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            bodies[m.group(1)] = computations.get(called.group(1), line) if called else line
+    return bodies
+
+
+def kind_of(name: str, bodies: dict[str, str]) -> str:
+    body = bodies.get(name, name)
     for kind, pattern in KINDS:
-        if pattern.search(name):
+        if pattern.search(body):
             return kind
-    return "other"
+    return "elementwise"
 
 
 def trace_events(log_dir: pathlib.Path) -> list[dict]:
@@ -58,7 +85,11 @@ def main(argv=None) -> int:
 
     config = common.tiny_config(dtype=args.dtype, position=args.position)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
-    _, timer = common.train_timer(config, batches, args.steps)
+    trainer, timer = common.train_timer(config, batches, args.steps)
+    with jax.set_mesh(trainer.mesh):
+        hlo = trainer.train_step.lower(trainer.init_state(),
+                                       trainer.global_batch(batches[0])).compile().as_text()
+    bodies = fusion_bodies(hlo)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             seconds = timer()
@@ -76,14 +107,14 @@ def main(argv=None) -> int:
     total = sum(leaves.values())
     by_kind = collections.Counter()
     for n, s in leaves.items():
-        by_kind[kind_of(n)] += s
+        by_kind[kind_of(n, bodies)] += s
     print(f"{args.steps} steps, {seconds:.2f} s wall; {total:.2f} s in {len(leaves)} traced "
           f"operations (summed over threads)")
     for kind, s in by_kind.most_common():
         print(f"  {kind:<22} {s:7.2f} s  {100 * s / total:5.1f} %")
     print("top operations:")
     for n, s in sorted(leaves.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {n[:60]:<60} {s:7.3f} s  {100 * s / total:5.1f} %")
+        print(f"  {n[:40]:<40} {kind_of(n, bodies):<16} {s:7.3f} s  {100 * s / total:5.1f} %")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {"seconds": seconds, "steps": args.steps, "by_kind": dict(by_kind),
