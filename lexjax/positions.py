@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -80,6 +81,22 @@ def _check_positions(x, positions):
     return positions
 
 
+def _materialize(table):
+    """Returns ``table`` unchanged, computed once rather than inside its consumer.
+
+    XLA's CPU fuser pulls the cos/sin tables (``[..., seq, 1, d/2]``) into the
+    rotation's loop, recomputing each transcendental for every head and both
+    halves of a pair: 8× the work, most of XPOS's cost on a CPU (``bench/``,
+    xpos_overhead). A dot is never fused into an elementwise loop, so a
+    product with the identity (exact at HIGHEST precision) makes XLA compute
+    the table by itself. Accelerators fuse well and keep the plain path.
+    """
+    if jax.default_backend() != "cpu":
+        return table
+    eye = jnp.eye(table.shape[-1], dtype=table.dtype)
+    return jnp.einsum("...i,ij->...j", table, eye, precision=jax.lax.Precision.HIGHEST)
+
+
 def _rotate(x, positions, theta: float, log_scale_per_position=None):
     """Rotates interleaved pairs by positions·θ_i and multiplies by an optional scale.
 
@@ -97,6 +114,7 @@ def _rotate(x, positions, theta: float, log_scale_per_position=None):
     if log_scale_per_position is not None:
         scale = jnp.exp(pos * log_scale_per_position)
         cos, sin = cos * scale, sin * scale
+    cos, sin = _materialize(cos), _materialize(sin)
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)

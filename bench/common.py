@@ -1,0 +1,188 @@
+"""Shared pieces of the benchmarks: configs, batches, alternating timing, summaries.
+
+The machines these run on are shared and noisy, so no figure is a single
+timing: :func:`alternate` runs every side of a comparison once per round, in
+a rotating order, and the comparisons are per-round ratios summarised as the
+median with min–max over rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# configs/paper.py as a literal, for machines without ml_collections (accelerator
+# hosts); bench/accelerator.py checks it against configs/paper.py where it can.
+PAPER = {
+    "model": dict(position="xpos", num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096,
+                  vocab_size=320, scale_base=512.0, theta=10000.0, max_len=1024,
+                  tie_embeddings=True, dtype="bfloat16", param_dtype="float32", remat=True,
+                  scan_layers=True),
+    "optim": dict(learning_rate=3e-4, warmup_steps=375, schedule="polynomial",
+                  end_lr_fraction=0.0, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01,
+                  grad_clip=1.0, grad_accum_steps=1),
+    "mesh": dict(data=1, fsdp=-1, tensor=1),
+    "sharding": "fsdp", "train_len": 1024, "batch_size": 512, "num_train_steps": 50_000,
+}
+
+
+def config_dict(name: str) -> dict:
+    """``configs/<name>.py`` as a plain nested dict."""
+    import importlib
+    return importlib.import_module(f"configs.{name}").get_config().to_dict()
+
+
+def make_config(base: dict, *, model: dict | None = None, **top):
+    """A validated :class:`lexjax.config.Config` from a dict plus overrides."""
+    from lexjax.config import from_configdict
+    values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    values["model"] = {**values.get("model", {}), **(model or {})}
+    values.update(top)
+    return from_configdict(values)
+
+
+def tiny_config(**model):
+    return make_config(config_dict("tiny"), model=model)
+
+
+def text_tokens(count: int, seed: int = 0) -> np.ndarray:
+    """``count`` byte tokens of real text: the standard library's own sources, concatenated.
+
+    Real text rather than random ids so loss curves mean something; speed does
+    not depend on it.
+    """
+    import sysconfig
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    rng = np.random.default_rng(seed)
+    rng.shuffle(files)
+    chunks, total = [], 0
+    for path in files:
+        data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)
+        chunks.append(data)
+        total += data.size
+        if total >= count:
+            break
+    return np.concatenate(chunks)[:count]
+
+
+def train_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[dict]:
+    """``count`` distinct ``[batch, seq]`` training batches of unpacked text rows."""
+    stream = text_tokens(count * batch * (seq + 1), seed).reshape(count, batch, seq + 1)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
+    return [{"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy(),
+             "segment_ids": np.ones((batch, seq), np.int32), "positions": positions}
+            for rows in stream]
+
+
+def train_timer(config, batches: list[dict], steps: int):
+    """``(trainer, timer)``: a warm jitted train step; ``timer()`` runs ``steps``
+    steps (cycling over ``batches``) and returns their seconds."""
+    import jax
+    from lexjax.training import Trainer
+
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    device_batches = [trainer.global_batch(b) for b in batches]
+    box = {"state": trainer.init_state()}
+
+    def work():
+        state = box["state"]
+        with jax.set_mesh(trainer.mesh):
+            for i in range(steps):
+                state, _ = trainer.train_step(state, device_batches[i % len(device_batches)])
+        box["state"] = jax.block_until_ready(state)
+
+    work()  # compile
+    return trainer, lambda: timed(work)
+
+
+@dataclasses.dataclass
+class Summary:
+    median: float
+    min: float
+    max: float
+    values: list[float]
+
+    @classmethod
+    def of(cls, values) -> "Summary":
+        values = [float(v) for v in values]
+        return cls(statistics.median(values), min(values), max(values), values)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __format__(self, spec: str) -> str:
+        spec = spec or ".3g"
+        return f"{self.median:{spec}} [{self.min:{spec}}–{self.max:{spec}}]"
+
+
+def alternate(sides: dict[str, Callable[[], float]], rounds: int,
+              pause: float = 0.2) -> dict[str, list[float]]:
+    """Runs each side once per round and returns ``{name: [figure per round]}``.
+
+    Each callable does its own work and returns what it measured (seconds,
+    or a rate). The
+    order rotates every round so no side always runs first (after another
+    side's threads, or at the start of a slower period); ``pause`` lets the
+    previous side's spinning worker threads go idle before the next starts.
+    """
+    names = list(sides)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            time.sleep(pause)
+            out[name].append(sides[name]())
+    return out
+
+
+def fmt(summary: dict, spec: str = ".3g", scale: float = 1.0) -> str:
+    """``median [min–max]`` of a summary dict (from JSON), times ``scale``."""
+    return format(Summary.of([v * scale for v in summary["values"]]), spec)
+
+
+def ratios(numerators: list[float], denominators: list[float]) -> Summary:
+    """Per-round ratios, summarised."""
+    return Summary.of([a / b for a, b in zip(numerators, denominators)])
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds for ``fn()``, which must block until its work is done."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def result(value, unit: str, target: str, met: bool | None, **raw) -> dict:
+    """The JSON entry of one benchmark: headline value, unit, target and raw figures."""
+    return {"value": value, "unit": unit, "target": target, "met": met, **raw}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import jax
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0], "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}

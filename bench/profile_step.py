@@ -1,0 +1,126 @@
+"""Where the tiny config's train step spends its time, from a JAX profiler trace.
+
+    python bench/profile_step.py [--dtype float32] [--position xpos] [--steps 3] [--top 15]
+
+Traces a few warm train steps with ``jax.profiler.trace(...,
+create_perfetto_trace=True)``, reads the Perfetto JSON it writes, and sums
+the durations of the XLA operations by name and by kind (matmuls, fused
+elementwise loops, reductions, copies...). Prints a table; ``--json`` writes
+the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from bench import common  # noqa: E402
+
+# What an operation (or the body of a fusion) contains → kind; first match wins.
+KINDS = (("matmul", re.compile(r"\bdot\(|convolution\(|gemm|matmul")),
+         ("transcendental", re.compile(r"\b(sine|cosine|exponential|tanh|log)\(")),
+         ("reduction", re.compile(r"\breduce\(")),
+         ("scatter/gather", re.compile(r"\b(scatter|gather)\(")),
+         ("copy/transpose", re.compile(r"\b(copy|transpose)\(")),
+         ("elementwise", re.compile(r".")))
+
+
+def fusion_bodies(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: text of what it computes}`` from compiled HLO text:
+    a fusion's called computation, or the instruction's own line."""
+    computations, current, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current, lines = header.group(1), []
+        elif line.startswith("}") and current:
+            computations[current] = "\n".join(lines)
+            current = None
+        elif current:
+            lines.append(line)
+    bodies = {}
+    for text in computations.values():
+        for line in text.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*", line)
+            if not m:
+                continue
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            bodies[m.group(1)] = computations.get(called.group(1), line) if called else line
+    return bodies
+
+
+def kind_of(name: str, bodies: dict[str, str]) -> str:
+    body = bodies.get(name, name)
+    for kind, pattern in KINDS:
+        if pattern.search(body):
+            return kind
+    return "elementwise"
+
+
+def trace_events(log_dir: pathlib.Path) -> list[dict]:
+    path = next(log_dir.rglob("perfetto_trace.json.gz"))
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--position", default="xpos")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    config = common.tiny_config(dtype=args.dtype, position=args.position)
+    batches = common.train_batches(config.batch_size, config.train_len, 2)
+    trainer, timer = common.train_timer(config, batches, args.steps)
+    with jax.set_mesh(trainer.mesh):
+        hlo = trainer.train_step.lower(trainer.init_state(),
+                                       trainer.global_batch(batches[0])).compile().as_text()
+    bodies = fusion_bodies(hlo)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            seconds = timer()
+        events = trace_events(pathlib.Path(tmp))
+    # Complete events with a duration, from the XLA runtime rather than Python.
+    ops = [e for e in events if e.get("ph") == "X" and "dur" in e
+           and not str(e.get("name", "")).startswith(("$", "<"))
+           and "python" not in str(e.get("cat", "")).lower()]
+    by_name = collections.Counter()
+    for e in ops:
+        by_name[e["name"]] += e["dur"] / 1e6
+    # Nested events (a thunk inside an executable) would count twice: keep the
+    # leaves, i.e. drop names whose total exceeds the traced wall time.
+    leaves = {n: s for n, s in by_name.items() if s < 0.9 * seconds}
+    total = sum(leaves.values())
+    by_kind = collections.Counter()
+    for n, s in leaves.items():
+        by_kind[kind_of(n, bodies)] += s
+    print(f"{args.steps} steps, {seconds:.2f} s wall; {total:.2f} s in {len(leaves)} traced "
+          f"operations (summed over threads)")
+    for kind, s in by_kind.most_common():
+        print(f"  {kind:<22} {s:7.2f} s  {100 * s / total:5.1f} %")
+    print("top operations:")
+    for n, s in sorted(leaves.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"  {n[:40]:<40} {kind_of(n, bodies):<16} {s:7.3f} s  {100 * s / total:5.1f} %")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"seconds": seconds, "steps": args.steps, "by_kind": dict(by_kind),
+             "by_name": dict(sorted(leaves.items(), key=lambda kv: -kv[1]))}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Runs lexjax's benchmarks, prints a table and writes JSON.
+
+    python bench/run.py [--only NAME[,NAME]] [--json OUT] [--quick]
+                        [--reference_python PY] [--threads 2]
+
+Benchmarks (stable names, also the JSON keys): ``train_vs_reference``,
+``xpos_overhead``, ``eval_scaling``, ``mfu``. Each JSON entry has its headline
+figure under ``value`` with ``unit``, ``target``, ``met`` and the raw
+measurements; ``machine`` records where and when. Every comparison is
+measured in one run, alternating its sides, as a median with min–max over
+rounds. ``--quick`` runs fewer rounds and shorter lengths (a smoke test, not
+a measurement). The accelerator benchmark is ``bench/accelerator.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help="comma-separated benchmark names (default: all)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--quick", action="store_true", help="fewer rounds, shorter lengths")
+    p.add_argument("--reference_python",
+                   help="interpreter with torch + torchscale for train_vs_reference "
+                        "(default: this one, if it has them)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads for the reference (JAX uses every core: set both equal)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    args.names = names
+    return args
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name in BENCHMARKS:
+        if name not in results:
+            continue
+        entry = results[name]
+        if "error" in entry:
+            lines.append(f"{name}: ERROR {entry['error']}")
+            continue
+        status = {True: "met", False: "MISSED", None: "-"}[entry["met"]]
+        lines.append(f"{name}: {entry['value']:.3g} {entry['unit']} (target {entry['target']}: "
+                     f"{status})")
+        module = importlib.import_module(f"bench.{name}")
+        for label, text in module.rows(entry):
+            lines.append(f"    {label:<38} {text}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    results: dict = {"machine": dict(common.machine(), date=datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"), quick=args.quick,
+        command=" ".join(["python"] + sys.argv))}
+    failed = False
+    for name in args.names:
+        module = importlib.import_module(f"bench.{name}")
+        start = time.perf_counter()
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            results[name] = module.run(args)
+        except Exception as e:  # noqa: BLE001 - one benchmark's failure must not hide the others
+            if not getattr(module, "EXPECTED_ERRORS", ()) or not isinstance(
+                    e, module.EXPECTED_ERRORS):
+                raise
+            results[name] = {"error": str(e)}
+            failed = True
+        results[name]["wall_seconds"] = time.perf_counter() - start
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

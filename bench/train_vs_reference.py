@@ -1,0 +1,160 @@
+"""``train_vs_reference``: lexjax's jitted train step against torchscale's Decoder in PyTorch.
+
+Same shape (the tiny config: 6 layers, d_model 256, 4 heads, MLP 1024,
+vocab 320, 16 × 256 tokens), XPOS, AdamW with global-norm clipping, on the
+same CPU with the same number of threads. The reference runs in its own
+process (``bench/reference_train.py``) with an interpreter that has torch;
+each round runs a few steps of lexjax float32, lexjax bfloat16 and the
+reference, in rotating order, while the other sides wait idle.
+
+It also shows what bfloat16 compute does to the loss: float32 and bfloat16
+lexjax trained from the same initial parameters on the same text batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+from bench import common
+
+REFERENCE_SCRIPT = pathlib.Path(__file__).resolve().parent / "reference_train.py"
+INSTALL_HINT = "bash tests/reference/install.sh PY"
+
+
+class ReferenceUnavailable(RuntimeError):
+    """No interpreter with torch + torchscale; the message says how to get one."""
+
+
+EXPECTED_ERRORS = (ReferenceUnavailable,)
+
+
+def _has_reference(python: str) -> bool:
+    probe = "import torch, torchscale"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+
+
+def resolve_python(requested: str | None) -> str:
+    """The interpreter for the reference: ``requested``, else this one if it has torch."""
+    python = requested or sys.executable
+    if not _has_reference(python):
+        where = f"--reference_python={requested}" if requested else f"this Python ({python})"
+        raise ReferenceUnavailable(
+            f"{where} cannot import torch and torchscale; install them into an environment "
+            f"with `{INSTALL_HINT}` (torch CPU 2.13 + torchscale, kept out of lexjax's venv) and "
+            "pass --reference_python=PY")
+    return python
+
+
+class Reference:
+    """The torchscale training process, driven one request per line."""
+
+    def __init__(self, python: str, settings: dict):
+        env = dict(os.environ, OMP_NUM_THREADS=str(settings["threads"]),
+                   MKL_NUM_THREADS=str(settings["threads"]))
+        self.proc = subprocess.Popen([python, str(REFERENCE_SCRIPT), json.dumps(settings)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=common.ROOT)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise ReferenceUnavailable(f"the reference process exited with status "
+                                       f"{self.proc.wait()} (see its stderr above)")
+        return json.loads(line)
+
+    def run(self, steps: int) -> dict:
+        self.proc.stdin.write(json.dumps({"steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+
+
+def loss_curves(num_steps: int) -> dict:
+    """float32 vs bfloat16 lexjax from the same init on the same text batches."""
+    import jax
+    from lexjax.training import Trainer
+
+    config = common.tiny_config()
+    batches = common.train_batches(config.batch_size, config.train_len, num_steps, seed=1)
+    curves = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = Trainer(common.tiny_config(dtype=dtype), devices=jax.devices()[:1])
+        state = trainer.init_state(seed=0)
+        losses = []
+        with jax.set_mesh(trainer.mesh):
+            for b in batches:
+                state, m = trainer.train_step(state, trainer.global_batch(b))
+                losses.append(m["loss"])
+        curves[dtype] = [float(x) for x in jax.device_get(losses)]
+    f32, bf16 = np.asarray(curves["float32"]), np.asarray(curves["bfloat16"])
+    tail = max(1, num_steps // 5)
+    return {"steps": num_steps, "float32": curves["float32"], "bfloat16": curves["bfloat16"],
+            "max_abs_diff": float(np.max(np.abs(f32 - bf16))),
+            "final_mean_float32": float(f32[-tail:].mean()),
+            "final_mean_bfloat16": float(bf16[-tail:].mean()),
+            "first": float(f32[0])}
+
+
+def run(args) -> dict:
+    python = resolve_python(args.reference_python)
+    config = common.tiny_config()
+    m = config.model
+    rounds, steps = (2, 1) if args.quick else (5, 2)
+    batches = common.train_batches(config.batch_size, config.train_len, 4)
+    settings = dict(layers=m.num_layers, d_model=m.d_model, heads=m.num_heads, mlp=m.mlp_dim,
+                    vocab=m.vocab_size, seq=config.train_len, batch=config.batch_size,
+                    threads=args.threads, lr=config.optim.learning_rate, seed=0)
+    reference = Reference(python, settings)
+    try:
+        _, f32 = common.train_timer(common.tiny_config(dtype="float32"), batches, steps)
+        _, bf16 = common.train_timer(common.tiny_config(dtype="bfloat16"), batches, steps)
+        ref_losses = []
+
+        def reference_side():
+            reply = reference.run(steps)
+            ref_losses.extend(reply["losses"])
+            return reply["seconds"]
+
+        seconds = common.alternate({"lexjax_float32": f32, "lexjax_bfloat16": bf16,
+                                    "reference": reference_side}, rounds)
+    finally:
+        reference.close()
+    tokens = steps * config.batch_size * config.train_len
+    rate = {k: common.Summary.of([tokens / s for s in v]) for k, v in seconds.items()}
+    ratio = {k: common.ratios(seconds["reference"], seconds[k])
+             for k in ("lexjax_float32", "lexjax_bfloat16")}
+    best = max(ratio, key=lambda k: ratio[k].median)
+    curves = loss_curves(6 if args.quick else 30)
+    return common.result(
+        ratio[best].median, "× reference tokens/s", "≥ 1.5×", ratio[best].median >= 1.5,
+        best=best, ratio={k: v.as_dict() for k, v in ratio.items()},
+        tokens_per_sec={k: v.as_dict() for k, v in rate.items()},
+        rounds=rounds, steps_per_round=steps, tokens_per_step=config.batch_size * config.train_len,
+        reference=dict(reference.info, python=python, losses=ref_losses),
+        threads=args.threads, loss_curves=curves)
+
+
+def rows(entry: dict) -> list[tuple[str, str]]:
+    r, t, c = entry["ratio"], entry["tokens_per_sec"], entry["loss_curves"]
+    return [
+        ("lexjax f32 tokens/s", common.fmt(t["lexjax_float32"], ".0f")),
+        ("lexjax bf16 tokens/s", common.fmt(t["lexjax_bfloat16"], ".0f")),
+        ("torchscale tokens/s", common.fmt(t["reference"], ".0f")),
+        ("ratio f32 / torchscale", common.fmt(r["lexjax_float32"], ".2f")),
+        ("ratio bf16 / torchscale", common.fmt(r["lexjax_bfloat16"], ".2f")),
+        (f"loss f32 vs bf16 ({c['steps']} steps)",
+         f"{c['first']:.3f} → {c['final_mean_float32']:.3f} vs {c['final_mean_bfloat16']:.3f}; "
+         f"max |Δ| {c['max_abs_diff']:.3f}"),
+    ]

@@ -1,0 +1,60 @@
+"""Smoke tests of bench/: the programs run and their JSON has the promised shape.
+
+Nothing here asserts a speed; figures come from `python bench/run.py` (docs/benchmarks.md).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as users run it
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_run_mfu_quick_writes_the_json_shape(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run(["bench/run.py", "--quick", "--only", "mfu", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert {"machine", "mfu"} <= set(results)
+    entry = results["mfu"]
+    for key in ("value", "unit", "target", "met"):
+        assert key in entry
+    assert entry["value"] > 0
+    assert set(entry["by_dtype"]) == {"float32", "bfloat16"}
+    assert "mfu:" in proc.stdout
+
+
+def test_unknown_benchmark_is_a_one_line_error(tmp_path):
+    proc = _run(["bench/run.py", "--only", "nope"], tmp_path)
+    assert proc.returncode == 2
+    assert "unknown benchmark 'nope'" in proc.stderr
+
+
+def test_paper_literal_mirrors_configs_paper():
+    pytest.importorskip("ml_collections")
+    sys.path.insert(0, str(ROOT))
+    from bench import common
+
+    paper = common.config_dict("paper")
+    for section in ("model", "optim", "mesh"):
+        assert common.PAPER[section] == {k: paper[section][k] for k in common.PAPER[section]}
+    for key in ("sharding", "train_len", "batch_size", "num_train_steps"):
+        assert common.PAPER[key] == paper[key]
+
+
+def test_accelerator_small_prints_one_json_line(tmp_path):
+    proc = _run(["bench/accelerator.py", "--small"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entry = json.loads(proc.stdout.strip().splitlines()[-1])["accelerator"]
+    assert entry["value"] > 0 and entry["small"]
+    assert set(entry["eval_block_scan"]) == {"1024", "4096"}
