@@ -58,6 +58,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval_batch", type=int, default=4, help="sequences per block-scan call")
     p.add_argument("--budget", type=float, default=270.0,
                    help="seconds; later parts are skipped once this would be exceeded")
+    p.add_argument("--remat", choices=("config", "on", "off"), default="config",
+                   help="override the config's per-layer rematerialisation")
+    p.add_argument("--attention_impl", choices=("config", "explicit", "fused"), default="config",
+                   help="override model.attention_impl")
     p.add_argument("--small", action="store_true",
                    help="tiny shapes (2 layers, d_model 128, train_len 128): a CPU check")
     p.add_argument("--json", help="also write the JSON here")
@@ -144,6 +148,10 @@ def main(argv=None) -> int:
     deadline = start + args.budget
     base, source = paper_dict()
     model = dict(SMALL_MODEL) if args.small else {}
+    if args.remat != "config":
+        model["remat"] = args.remat == "on"
+    if args.attention_impl != "config":
+        model["attention_impl"] = args.attention_impl
     top = {"train_len": 128} if args.small else {}
     steps = 3 if args.small else args.steps
     lengths = [1024, 4096] if args.small else [int(n) for n in args.eval_lengths.split(",")]
@@ -171,7 +179,8 @@ def main(argv=None) -> int:
         backend=jax.default_backend(), jax=jax.__version__, config_source=source,
         small=args.small, per_device_batch=per_device, train_len=config.train_len,
         model=dict(layers=m.num_layers, d_model=m.d_model, heads=m.num_heads, mlp=m.mlp_dim,
-                   dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers),
+                   dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers,
+                   attention_impl=m.attention_impl),
         wall_seconds=time.perf_counter() - start)
     line = json.dumps({"accelerator": entry})
     if args.json:

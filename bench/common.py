@@ -28,7 +28,7 @@ PAPER = {
     "model": dict(position="xpos", num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096,
                   vocab_size=320, scale_base=512.0, theta=10000.0, max_len=1024,
                   tie_embeddings=True, dtype="bfloat16", param_dtype="float32", remat=True,
-                  scan_layers=True),
+                  scan_layers=True, attention_impl="fused"),
     "optim": dict(learning_rate=3e-4, warmup_steps=375, schedule="polynomial",
                   end_lr_fraction=0.0, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01,
                   grad_clip=1.0, grad_accum_steps=1),

@@ -28,6 +28,7 @@ def get_config() -> config_dict.ConfigDict:
         param_dtype="float32",
         remat=False,
         scan_layers=False,
+        attention_impl="explicit",  # explicit | fused (jax.nn.dot_product_attention; cuDNN on GPUs)
     ))
     c.data = config_dict.ConfigDict(dict(
         name="python_stdlib",  # python_stdlib | textfiles | any TFDS dataset in ArrayRecord form

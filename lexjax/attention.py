@@ -20,12 +20,17 @@ import jax.numpy as jnp
 
 from lexjax import positions as pos_lib
 
-__all__ = ["RELATIVE_ENCODINGS", "ABSOLUTE_ENCODINGS", "POSITION_KINDS", "encode_qk",
-           "logit_bias", "attention_logits", "attend", "multihead_attention"]
+__all__ = ["RELATIVE_ENCODINGS", "ABSOLUTE_ENCODINGS", "POSITION_KINDS", "ATTENTION_IMPLS",
+           "encode_qk", "logit_bias", "attention_logits", "attend", "multihead_attention",
+           "fused_multihead_attention"]
 
 RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
+# "explicit": scores materialised here (and available for resolution
+# measurements); "fused": jax.nn.dot_product_attention, which picks cuDNN's
+# fused kernel on NVIDIA GPUs and XLA elsewhere.
+ATTENTION_IMPLS = ("explicit", "fused")
 PositionKind = Literal["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
 
 
@@ -95,3 +100,25 @@ def multihead_attention(q, k, v, q_positions, k_positions, *, position: Position
     bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
     logits = attention_logits(q, k, bias=bias)
     return attend(logits, v, mask), logits
+
+
+def fused_multihead_attention(q, k, v, q_positions, k_positions, *, position: PositionKind,
+                              mask=None, scale_base: float = 512.0, theta: float = 10000.0):
+    """Same result as :func:`multihead_attention` through ``jax.nn.dot_product_attention``.
+
+    Positions are encoded exactly as there (XPOS/RoPE on q and k, ALiBi as a
+    bias); the fused kernel never materialises the ``[B, H, Tq, Tk]`` scores,
+    so no logits are returned.
+    """
+    q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
+    k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
+    q, k = encode_qk(q, k, q_positions, k_positions, position=position,
+                     scale_base=scale_base, theta=theta)
+    bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
+    if bias is not None:
+        bias = bias.astype(q.dtype)
+    # JAX's automatic choice keeps XLA's unfused path even where cuDNN's
+    # kernel applies (bf16/f16 on an NVIDIA GPU), so ask for it there.
+    cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
+                                        implementation="cudnn" if cudnn else None)

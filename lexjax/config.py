@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from lexjax.attention import ABSOLUTE_ENCODINGS, POSITION_KINDS
+from lexjax.attention import ABSOLUTE_ENCODINGS, ATTENTION_IMPLS, POSITION_KINDS
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "MeshConfig",
            "Config", "from_configdict", "to_dict", "SHARDING_PRESETS"]
@@ -39,6 +39,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = False
+    attention_impl: str = "explicit"  # explicit | fused (cuDNN flash attention on GPUs)
 
     @property
     def head_dim(self) -> int:
@@ -190,6 +191,9 @@ def validate(config: Config) -> None:
     if m.position not in POSITION_KINDS:
         raise ConfigError(f"model.position={m.position!r} is unknown; choose one of "
                           f"{', '.join(POSITION_KINDS)}")
+    if m.attention_impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attention_impl={m.attention_impl!r}: choose one of "
+                          f"{', '.join(ATTENTION_IMPLS)}")
     for name in ("num_layers", "d_model", "num_heads", "mlp_dim", "vocab_size"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")

@@ -56,10 +56,14 @@ class Attention(nn.Module):
             cache_k, cache_v = kv_cache
             k_BxTxHxK = jnp.concatenate([cache_k.astype(dtype), k_BxTxHxK], axis=1)
             v_BxTxHxK = jnp.concatenate([cache_v.astype(dtype), v_BxTxHxK], axis=1)
-        out_BxTxHxK, logits = attn_lib.multihead_attention(
-            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, position=c.position,
-            mask=mask, scale_base=c.scale_base, theta=c.theta)
-        self.sow("intermediates", "scores", logits)
+        kwargs = dict(position=c.position, mask=mask, scale_base=c.scale_base, theta=c.theta)
+        if c.attention_impl == "fused" and not self.is_mutable_collection("intermediates"):
+            out_BxTxHxK = attn_lib.fused_multihead_attention(
+                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs)
+        else:  # explicit scores, also whenever a caller captures them (resolution)
+            out_BxTxHxK, logits = attn_lib.multihead_attention(
+                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs)
+            self.sow("intermediates", "scores", logits)
         out_BxTxD = nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=False, dtype=dtype,
                                     param_dtype=pdtype, name="out",
                                     kernel_init=_init(("heads", "kv", "embed")))(out_BxTxHxK)

@@ -95,3 +95,18 @@ def test_bfloat16_compute_keeps_float32_logits_and_params():
         lambda x: x.astype(jnp.float32), params))
     logits, _ = model.apply({"params": params}, jnp.zeros((1, 16), jnp.int32))
     assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("position", ["xpos", "alibi"])
+def test_fused_attention_matches_explicit_scores(position):
+    """jax.nn.dot_product_attention (cuDNN on GPUs) gives the explicit path's logits."""
+    explicit = small_config(**{"model.position": position})
+    fused = small_config(**{"model.position": position, "model.attention_impl": "fused"})
+    model, params = _init(explicit)
+    batch = packed_batch(np.random.default_rng(5), 2, 16)
+    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    want, _ = model.apply({"params": params}, *args)
+    got, _ = Decoder(fused.model).apply({"params": params}, *args)
+    real = batch["segment_ids"] > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
+                               atol=1e-5)
