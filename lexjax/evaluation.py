@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lexjax import masks, positions as pos_lib
+from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax.config import ModelConfig
 from lexjax.model import Decoder, init_cache

@@ -27,7 +27,7 @@ import optax
 
 from lexjax import distributed
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, ConfigError, to_dict
+from lexjax.config import Config, to_dict
 from lexjax.model import Decoder, count_params
 
 __all__ = ["TrainState", "make_optimizer", "learning_rate_schedule", "loss_fn", "Trainer",

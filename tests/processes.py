@@ -59,6 +59,14 @@ def env(devices: int, cache_dir) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def context(tmp_path_factory, name: str, devices: int):
+    """(base dir, corpus glob, TFDS data dir, environment) shared by a module's runs."""
+    base = tmp_path_factory.mktemp(name)
+    files = write_corpus(base / "corpus")
+    environ = env(devices, tmp_path_factory.getbasetemp() / "jax-cache")
+    return base, files, str(base / "tfds"), environ
+
+
 def start(args, environ, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
                             env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

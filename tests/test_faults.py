@@ -23,7 +23,6 @@ import subprocess
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from lexjax import checkpoint as ckpt_lib
@@ -37,10 +36,7 @@ BASE = {"num_train_steps": N, "checkpoint_every": 2, "keep_checkpoints": 4}
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    base = tmp_path_factory.mktemp("faults")
-    files = P.write_corpus(base / "corpus")
-    environ = P.env(2, tmp_path_factory.getbasetemp() / "jax-cache")
-    return base, files, str(base / "tfds"), environ
+    return P.context(tmp_path_factory, "faults", 2)
 
 
 def args(ctx, workdir, **overrides):

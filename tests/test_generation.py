@@ -1,7 +1,5 @@
 """Generation: token-by-token decoding over the bounded cache equals the block scan."""
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

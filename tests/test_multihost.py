@@ -10,7 +10,6 @@ rows, then process 1's — to the same 8-device mesh.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -31,10 +30,7 @@ HEARTBEAT_S = 5
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    base = tmp_path_factory.mktemp("multihost")
-    files = P.write_corpus(base / "corpus")
-    environ = P.env(4, tmp_path_factory.getbasetemp() / "jax-cache")
-    return base, files, str(base / "tfds"), environ
+    return P.context(tmp_path_factory, "multihost", 4)
 
 
 def start_pair(ctx, workdir, **overrides):
