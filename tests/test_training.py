@@ -35,6 +35,19 @@ def test_tiny_model_overfits_one_batch():
     assert losses[-1] < 0.25 * losses[0], losses[::10]
 
 
+def test_gradient_accumulation_equals_one_big_batch():
+    """2 micro-batches of 4 rows == one batch of 8: token-weighted, so equal up to float32
+    summation order (1e-5)."""
+    batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(2)]
+    one = Trainer(small_config(**{"mesh.data": 1}), jax.devices()[:1])
+    two = Trainer(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": 2}),
+                  jax.devices()[:1])
+    (p1, l1), (p2, l2) = _run_steps(one, batches), _run_steps(two, batches)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           p2, p1)
+
+
 MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 2, 4), "tensor")]
 
 
