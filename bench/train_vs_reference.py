@@ -115,7 +115,7 @@ def run(args) -> dict:
     batches = common.train_batches(config.batch_size, config.train_len, 4)
     settings = dict(layers=m.num_layers, d_model=m.d_model, heads=m.num_heads, mlp=m.mlp_dim,
                     vocab=m.vocab_size, seq=config.train_len, batch=config.batch_size,
-                    threads=args.threads, lr=config.optim.learning_rate, seed=0)
+                    threads=args.threads, lr=config.learning_rate, seed=0)
     reference = Reference(python, settings)
     try:
         _, f32 = common.train_timer(common.tiny_config(dtype="float32"), batches, steps)

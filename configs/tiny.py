@@ -38,7 +38,7 @@ def get_config() -> config_dict.ConfigDict:
         worker_count=0,
     ))
     c.optim = config_dict.ConfigDict(dict(
-        learning_rate=2e-3, warmup_steps=20, schedule="cosine", end_lr_fraction=0.1,
+        schedule="cosine", end_lr_fraction=0.1,
         b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01, grad_clip=1.0, grad_accum_steps=1,
     ))
     c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -46,6 +46,8 @@ def get_config() -> config_dict.ConfigDict:
     c.train_len = 256
     c.batch_size = 16
     c.num_train_steps = 200
+    c.learning_rate = 2e-3     # peak, after a linear warmup
+    c.warmup_steps = 20
     c.checkpoint_every = 100
     c.keep_checkpoints = 3
     c.eval_every = 100

@@ -57,8 +57,6 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = 1e-3
-    warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | polynomial | constant
     end_lr_fraction: float = 0.1
     b1: float = 0.9
@@ -121,6 +119,8 @@ class Config:
     train_len: int = 256
     batch_size: int = 16
     num_train_steps: int = 200
+    learning_rate: float = 1e-3  # peak, after linear warmup
+    warmup_steps: int = 20
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     eval_every: int = 100
@@ -221,10 +221,10 @@ def validate(config: Config) -> None:
     o = config.optim
     if o.schedule not in ("cosine", "polynomial", "constant"):
         raise ConfigError(f"optim.schedule={o.schedule!r}: use cosine, polynomial or constant")
-    if not o.learning_rate > 0:
-        raise ConfigError(f"optim.learning_rate={o.learning_rate} must be positive")
-    if o.warmup_steps < 0 or o.grad_accum_steps < 1:
-        raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.grad_accum_steps ≥ 1")
+    if not config.learning_rate > 0:
+        raise ConfigError(f"learning_rate={config.learning_rate} must be positive")
+    if config.warmup_steps < 0 or o.grad_accum_steps < 1:
+        raise ConfigError("warmup_steps must be ≥ 0 and optim.grad_accum_steps ≥ 1")
     if config.batch_size % o.grad_accum_steps:
         raise ConfigError(f"optim.grad_accum_steps={o.grad_accum_steps} must divide "
                           f"batch_size={config.batch_size}")

@@ -48,7 +48,7 @@ class TrainState:
 def learning_rate_schedule(config: Config) -> optax.Schedule:
     """Linear warmup to the peak, then cosine / polynomial decay or constant."""
     o = config.optim
-    peak, steps, warm = o.learning_rate, config.num_train_steps, o.warmup_steps
+    peak, steps, warm = config.learning_rate, config.num_train_steps, config.warmup_steps
     end = peak * o.end_lr_fraction
     decay_steps = max(steps - warm, 1)
     if o.schedule == "cosine":

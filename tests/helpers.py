@@ -12,7 +12,7 @@ def small_config(**overrides):
     values = {
         "model": dict(num_layers=2, d_model=32, num_heads=4, mlp_dim=64, vocab_size=264,
                       max_len=16),
-        "optim": dict(learning_rate=3e-3, warmup_steps=2),
+        "learning_rate": 3e-3, "warmup_steps": 2,
         "train_len": 16, "batch_size": 8, "num_train_steps": 4, "checkpoint_every": 2,
         "eval_every": 2, "eval_batches": 1, "log_every": 1,
     }

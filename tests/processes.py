@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = {
     "model.num_layers": 1, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
     "train_len": 32, "model.max_len": 32, "batch_size": 8, "eval_batches": 1,
-    "eval_every": 1000, "log_every": 1, "optim.warmup_steps": 2, "data.name": "textfiles",
+    "eval_every": 1000, "log_every": 1, "warmup_steps": 2, "data.name": "textfiles",
 }
 
 

@@ -28,8 +28,8 @@ def _run_steps(trainer, batches):
 
 
 def test_tiny_model_overfits_one_batch():
-    config = small_config(**{"num_train_steps": 80, "optim.warmup_steps": 5,
-                             "optim.learning_rate": 1e-2, "mesh.data": 1})
+    config = small_config(**{"num_train_steps": 80, "warmup_steps": 5,
+                             "learning_rate": 1e-2, "mesh.data": 1})
     batch = packed_batch(np.random.default_rng(0), 8, 16)
     _, losses = _run_steps(Trainer(config, jax.devices()[:1]), [batch] * 80)
     assert losses[-1] < 0.25 * losses[0], losses[::10]
