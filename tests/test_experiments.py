@@ -60,7 +60,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         assert set(run["perplexity"]["bca"]) == {"16", "32"}
         # At the training length BCA's two blocks cover the whole causal window.
         assert abs(run["perplexity"]["bca"]["16"] - run["perplexity"]["full"]["16"]) < 1e-3
-    for name in ("perplexity.png", "figure1.png"):
+    for name in ("perplexity.png", "figure1.png", "scores.png"):
         assert os.path.getsize(out / name) > 1000
     with open(out / "summary.md") as f:
         summary = f.read()

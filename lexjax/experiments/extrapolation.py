@@ -15,7 +15,7 @@ Layout of ``OUT``::
     runs/<run>/train.json           written when its training has finished
     runs/<run>/perplexity_bca.json, perplexity_full.json, resolution.json
     table2.md table3.md table5.md seeds.md results.json summary.md
-    perplexity.png figure1.png timing.json
+    perplexity.png figure1.png scores.png timing.json
 
 Every stage writes its file when it completes, and a stage whose file exists
 is skipped, so running the command again continues where it stopped (an

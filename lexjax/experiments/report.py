@@ -17,7 +17,7 @@ __all__ = ["OUTPUTS", "collect", "write_all", "variant_label", "table2", "table3
            "seeds_table", "expected_resolution_table"]
 
 OUTPUTS = ("table2.md", "table3.md", "table5.md", "seeds.md", "results.json", "summary.md",
-           "perplexity.png", "figure1.png")
+           "perplexity.png", "figure1.png", "scores.png")
 _ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
 _NAMES = {"sinusoidal": "Transformer (sinusoidal)", "learned": "Transformer (learned)",
           "alibi": "ALiBi", "rope": "RoPE", "none": "NoPE"}
@@ -55,7 +55,8 @@ def collect(out, specs, config, plan, timing) -> dict:
         for r in stored["results"]:
             resolution.setdefault(r["mode"], {})[str(r["length"])] = {
                 "mean": r["mean"], "per_layer": r["per_layer"],
-                "score_range": _score_range(r["expected_scores"])}
+                "score_range": _score_range(r["expected_scores"]),
+                "mean_scores": np.mean(r["expected_scores"], axis=0).tolist()}
         s = trained["summary"]
         runs.append({"name": spec.name, "position": spec.position,
                      "scale_base": spec.variant[1], "seed": spec.seed,
@@ -258,6 +259,28 @@ def plot_figure1(c, path) -> None:
     plt.close(fig)
 
 
+def plot_scores(c, path) -> None:
+    """Measured expected scores s[n] (eq. 11, mean over layers) at 2× train_len: the curves
+    whose attention resolution Table 3 gives; one panel per mode, the first seed of each variant."""
+    plt = reports._pyplot()
+    length = str(2 * c["train_len"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, mode in zip(axes, ("bca", "full")):
+        for i, (label, _, _, group) in enumerate(_variants(c["runs"])):
+            scores = group[0]["resolution"].get(mode, {}).get(length, {}).get("mean_scores")
+            if scores:
+                ax.plot(np.arange(len(scores)), scores, color=f"C{i}", linewidth=1, label=label)
+        ax.axvline(c["train_len"], color="gray", linestyle=":")
+        ax.set_xscale("symlog", linthresh=8)
+        ax.set_xlabel("distance n")
+        ax.set_title(f"{_MODE[mode]}, {length} tokens")
+    axes[0].set_ylabel("mean pre-softmax score s[n]")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _settings(c) -> str:
     first = c["runs"][0]
     m, t, mach = c["model"], c["train"], c["machine"]
@@ -299,6 +322,7 @@ def write_all(out, c) -> None:
     reports.write_json(os.path.join(out, "results.json"), c)
     plot_perplexity(c, os.path.join(out, "perplexity.png"))
     plot_figure1(c, os.path.join(out, "figure1.png"))
+    plot_scores(c, os.path.join(out, "scores.png"))
     parts = ["# Length extrapolation at small scale\n", _settings(c)]
     for name in ("table2.md", "table5.md", "table3.md", "seeds.md"):
         title, body = tables[name]
