@@ -14,8 +14,9 @@ COMMAND = [sys.executable, "-m", "lexjax.experiments.extrapolation",
 def _run(out):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([*COMMAND, f"--out={out}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    # A relative --out, as in the documented command (orbax needs absolute paths inside).
+    return subprocess.run([*COMMAND, f"--out={os.path.relpath(out, ROOT)}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def _table(path):

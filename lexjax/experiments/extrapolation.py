@@ -199,7 +199,7 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per mode and attention resolution of one trained run, each stage once."""
-    from lexjax import cli, evaluation, reports
+    from lexjax import checkpoint as ckpt_lib, cli, evaluation, reports
     from lexjax.model import Decoder
 
     lengths, documents = plan["lengths"], plan["documents"]
@@ -211,7 +211,10 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     if not todo:
         log(f"[{spec.name}] evaluated already")
         return
-    stored_config, params, step = cli.load_run(workdir)
+    try:
+        stored_config, params, step = cli.load_run(workdir)
+    except ckpt_lib.CheckpointError as e:
+        raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
     model = Decoder(stored_config.model)
     for mode in (m for m in MODES if m in todo):
         docs = documents[:plan["docs"][mode]]
@@ -273,6 +276,22 @@ def _plan(exp, shared_config: Config) -> dict:
             "tokens_per_batch": int(exp["tokens_per_batch"]), "longest": longest}
 
 
+def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
+    """Appends this invocation's wall time and load averages to ``out/timing.json``."""
+    from lexjax import reports
+
+    path = os.path.join(out, "timing.json")
+    timing = _read_json(path) if os.path.exists(path) else {"invocations": []}
+    timing["invocations"].append({
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "wall_seconds": time.perf_counter() - wall_start,
+        "load_average_start": load_start, "load_average_end": os.getloadavg(),
+        "outcome": outcome, "argv": sys.argv})
+    timing["machine"] = machine()
+    reports.write_json(path, timing)
+    return timing
+
+
 def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict | None:
     """Trains and evaluates every run of ``exp`` (a ConfigDict or dict shaped like
     configs/extrapolation.py) in ``out``, skipping finished stages, then writes the
@@ -281,6 +300,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     from lexjax.experiments import report
 
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
+    out = os.path.abspath(out)
     started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
     shared = exp["train"].to_dict() if hasattr(exp["train"], "to_dict") else dict(exp["train"])
     try:
@@ -297,23 +317,17 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
         f"of ≥ {plan['longest']} tokens")
     os.makedirs(out, exist_ok=True)
-    stopped = False
-    for spec, config in zip(specs, configs):
-        workdir = os.path.join(out, "runs", spec.name)
-        if _train_stage(spec, config, workdir, log) is None:
-            stopped = True
-            break
-        _eval_stage(spec, config, workdir, plan, log)
-    timing_path = os.path.join(out, "timing.json")
-    timing = _read_json(timing_path) if os.path.exists(timing_path) else {"invocations": []}
-    timing["invocations"].append({
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "wall_seconds": time.perf_counter() - wall_start,
-        "load_average_start": load_start, "load_average_end": os.getloadavg(),
-        "completed": not stopped, "argv": sys.argv})
-    timing["machine"] = machine()
-    from lexjax import reports
-    reports.write_json(timing_path, timing)
+    stopped, outcome = False, "error"
+    try:
+        for spec, config in zip(specs, configs):
+            workdir = os.path.join(out, "runs", spec.name)
+            if _train_stage(spec, config, workdir, log) is None:
+                stopped = True
+                break
+            _eval_stage(spec, config, workdir, plan, log)
+        outcome = "stopped" if stopped else "completed"
+    finally:
+        timing = _record_invocation(out, started, wall_start, load_start, outcome)
     if stopped:
         log(f"stopped; run the same command again to continue ({out})")
         return None
