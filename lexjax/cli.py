@@ -96,7 +96,7 @@ def load_run(workdir: str):
     from lexjax import checkpoint as ckpt_lib, training
     from lexjax.config import MeshConfig
 
-    directory = os.path.join(workdir, "checkpoints")
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax needs absolute paths
     if not os.path.isdir(directory):
         raise ckpt_lib.CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "

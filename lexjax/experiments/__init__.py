@@ -1,0 +1,1 @@
+"""Experiments built from lexjax's training and evaluation: one module per paper result."""

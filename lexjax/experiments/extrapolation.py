@@ -1,0 +1,376 @@
+"""The paper's length-extrapolation experiment (Tables 2, 3, 5; Figure 1), resumable.
+
+    python -m lexjax.experiments.extrapolation --out=runs/extrapolation
+    python -m lexjax.experiments.extrapolation --out=DIR --config=configs/extrapolation.py:paper
+
+The configuration (``configs/extrapolation.py``) holds one training config
+shared by every run and a list of runs that differ only in position encoding,
+XPOS scale_base and seed. Each run is trained, then evaluated at every
+length of ``multipliers × train_len`` with BCA and without, and its attention
+resolution is measured at 1× and 2× train_len (paper Table 3).
+
+Layout of ``OUT``::
+
+    runs/<run>/                     train.py workdir: checkpoints/, metrics.jsonl
+    runs/<run>/train.json           written when its training has finished
+    runs/<run>/perplexity_bca.json, perplexity_full.json, resolution.json
+    table2.md table3.md table5.md seeds.md results.json summary.md
+    perplexity.png figure1.png scores.png timing.json
+
+Every stage writes its file when it completes, and a stage whose file exists
+is skipped, so running the command again continues where it stopped (an
+interrupted training resumes from its checkpoint). A stage's file records the
+training config it belongs to; a different config in the same ``OUT`` is
+refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from lexjax.config import Config, ConfigError, from_configdict, to_dict
+
+__all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_experiment"]
+
+MODES = ("bca", "full")
+
+
+class ExperimentError(ValueError):
+    """The experiment cannot run as configured; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training of the experiment: what differs from the shared training config."""
+
+    position: str
+    scale_base: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """Directory name, complete whatever the defaults: ``xpos_b64_s0``, ``rope_s1``."""
+        base = f"{self.position}_b{self.scale_base:g}" if self.position == "xpos" else self.position
+        return f"{base}_s{self.seed}"
+
+    @property
+    def variant(self) -> tuple[str, float | None]:
+        """What a table row stands for; seeds of one variant are pooled."""
+        return self.position, self.scale_base if self.position == "xpos" else None
+
+
+def parse_runs(text: str, *, scale_base: float, seed: int) -> list[RunSpec]:
+    """``"rope,xpos/b=512,xpos/seed=1"`` → run specs (module docstring of configs/extrapolation.py)."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        position, *options = item.split("/")
+        values = {"b": scale_base, "seed": seed}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key not in values or not value:
+                raise ExperimentError(f"runs: {item!r}: options are /b=NUMBER and /seed=INTEGER")
+            try:
+                values[key] = float(value) if key == "b" else int(value)
+            except ValueError:
+                raise ExperimentError(f"runs: {item!r}: {value!r} is not a number") from None
+        if position != "xpos" and values["b"] != scale_base:
+            raise ExperimentError(f"runs: {item!r}: /b= applies to xpos only")
+        spec = RunSpec(position, values["b"], values["seed"])
+        if spec in specs:
+            raise ExperimentError(f"runs: {item!r} is listed twice")
+        specs.append(spec)
+    if not specs:
+        raise ExperimentError("runs is empty; list positions such as 'rope,xpos'")
+    return specs
+
+
+def eval_lengths(multipliers: str, train_len: int) -> list[int]:
+    """``"0.25,1,2"`` × train_len → sorted integer lengths; each product must be a whole number."""
+    lengths = []
+    for item in filter(None, (part.strip() for part in multipliers.split(","))):
+        try:
+            value = float(item) * train_len
+        except ValueError:
+            raise ExperimentError(f"multipliers: {item!r} is not a number") from None
+        if value < 1 or value != int(value):
+            raise ExperimentError(f"multipliers: {item} × train_len {train_len} = {value:g} is "
+                                  "not a positive whole number of tokens")
+        lengths.append(int(value))
+    if not lengths:
+        raise ExperimentError("multipliers is empty; e.g. '1,2,4'")
+    return sorted(set(lengths))
+
+
+def _run_config(shared: dict, spec: RunSpec) -> Config:
+    values = json.loads(json.dumps(shared))
+    values["model"].update(position=spec.position, scale_base=spec.scale_base)
+    values["seed"] = spec.seed
+    try:
+        return from_configdict(values)
+    except ConfigError as e:
+        raise ExperimentError(f"run {spec.name}: {e}") from None
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _stage_done(path: str, config: Config) -> dict | None:
+    """The stage's stored result if it exists and belongs to ``config``; refuses another config."""
+    if not os.path.exists(path):
+        return None
+    stored = _read_json(path)
+    ours = json.loads(json.dumps(to_dict(config)))
+    if stored.get("config") != ours:
+        theirs = stored.get("config") or {}
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        raise ExperimentError(f"{path} was written for another training config (differs in "
+                              f"{', '.join(diff)}); use a new --out or the same config")
+    return stored
+
+
+def _held_out(config: Config, split: str, min_tokens: int) -> list[np.ndarray]:
+    """The split's documents of at least ``min_tokens`` tokens, in the dataset's order."""
+    from lexjax import data as data_lib
+
+    d = config.data
+    try:
+        source = data_lib.load_source(d.name, split, data_dir=d.data_dir, files=d.files,
+                                      text_feature=d.text_feature)
+    except ValueError as e:
+        raise ExperimentError(f"held-out text: {e}") from None
+    return list(data_lib.eval_documents(source, min_len=min_tokens))
+
+
+def machine() -> dict:
+    """What the numbers were measured on (CPU model, usable cores, JAX devices)."""
+    import jax
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    device = jax.devices()[0]
+    return {"cpu": model, "cores": cores, "backend": jax.default_backend(),
+            "devices": f"{jax.device_count()} × {device.device_kind}",
+            "jax": jax.__version__, "python": platform.python_version()}
+
+
+def _train_stage(spec, config, workdir, log) -> dict | None:
+    """Trains (or resumes) one run; None when a signal stopped it before the last step."""
+    from lexjax import checkpoint as ckpt_lib, training
+
+    path = os.path.join(workdir, "train.json")
+    done = _stage_done(path, config)
+    if done is not None:
+        log(f"[{spec.name}] trained already ({done['summary']['step']} steps)")
+        return done
+    log(f"[{spec.name}] training {config.num_train_steps} steps of "
+        f"{config.batch_size}×{config.train_len} tokens")
+    start = time.perf_counter()
+    try:
+        summary = training.train(config, workdir, log=log)
+    except (training.TrainingError, ckpt_lib.CheckpointError) as e:
+        raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
+    if summary.get("stopped_by"):
+        return None
+    summary.pop("checkpoint_dir", None)
+    record = {"config": to_dict(config), "run": spec.name, "summary": summary,
+              "tokens": summary["step"] * config.batch_size * config.train_len,
+              "seconds": time.perf_counter() - start}
+    from lexjax import reports
+    reports.write_json(path, record)
+    return _read_json(path)
+
+
+def _eval_stage(spec, config, workdir, plan, log) -> None:
+    """Perplexity per mode and attention resolution of one trained run, each stage once."""
+    from lexjax import checkpoint as ckpt_lib, cli, evaluation, reports
+    from lexjax.model import Decoder
+
+    lengths, documents = plan["lengths"], plan["documents"]
+    todo = [m for m in MODES if _stage_done(os.path.join(workdir, f"perplexity_{m}.json"),
+                                            config) is None]
+    resolution_path = os.path.join(workdir, "resolution.json")
+    if _stage_done(resolution_path, config) is None:
+        todo.append("resolution")
+    if not todo:
+        log(f"[{spec.name}] evaluated already")
+        return
+    try:
+        stored_config, params, step = cli.load_run(workdir)
+    except ckpt_lib.CheckpointError as e:
+        raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
+    model = Decoder(stored_config.model)
+    for mode in (m for m in MODES if m in todo):
+        docs = documents[:plan["docs"][mode]]
+        usable = []
+        for length in lengths:
+            try:
+                if mode == "full":
+                    evaluation.check_full_length(model.config, length)
+                usable.append(length)
+            except evaluation.EvaluationError as e:
+                log(f"[{spec.name}] no {length} without BCA: {e}")
+        log(f"[{spec.name}] perplexity {mode}: {len(docs)} documents, lengths "
+            f"{', '.join(map(str, usable))}")
+        start = time.perf_counter()
+        results = evaluation.perplexity(model, params, docs, usable, block=config.block,
+                                        modes=[mode], tokens_per_batch=plan["tokens_per_batch"])
+        for r in results:
+            log(f"[{spec.name}]   {mode} {r.length:>6}: perplexity {r.perplexity:.4f} "
+                f"({r.seconds:.0f} s)")
+        reports.write_json(os.path.join(workdir, f"perplexity_{mode}.json"), {
+            "config": to_dict(config), "run": spec.name, "step": step,
+            "seconds": time.perf_counter() - start,
+            "results": [r.as_dict() for r in results]})
+    if "resolution" in todo:
+        start = time.perf_counter()
+        docs = [d for d in documents if len(d) >= 2 * config.train_len][:plan["docs"]["resolution"]]
+        results = []
+        for mode in MODES:
+            for length in (config.train_len, 2 * config.train_len):
+                try:
+                    tokens = np.stack([d[:length] for d in docs])
+                    results.append(evaluation.measure_resolution(model, params, tokens,
+                                                                 block=config.block, mode=mode))
+                except evaluation.EvaluationError as e:
+                    log(f"[{spec.name}] no resolution at {length} ({mode}): {e}")
+        for r in results:
+            log(f"[{spec.name}]   resolution {r.mode} {r.length}: {r.mean:.3g}")
+        reports.write_json(resolution_path, {
+            "config": to_dict(config), "run": spec.name, "step": step,
+            "seconds": time.perf_counter() - start,
+            "results": [r.as_dict() for r in results]})
+
+
+def _plan(exp, shared_config: Config) -> dict:
+    """Lengths and held-out documents shared by every run."""
+    lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
+    docs = {"bca": int(exp["bca_docs"]), "full": int(exp["full_docs"]),
+            "resolution": int(exp["resolution_docs"])}
+    if min(docs.values()) < 1:
+        raise ExperimentError("bca_docs, full_docs and resolution_docs must be positive")
+    longest = max(lengths[-1] + 1, 2 * shared_config.train_len)
+    documents = _held_out(shared_config, exp["eval_split"], longest)
+    if not documents:
+        raise ExperimentError(f"no {exp['eval_split']} document of {shared_config.data.name} has "
+                              f"{longest} tokens; use smaller multipliers")
+    documents = documents[:max(docs.values())]
+    return {"lengths": lengths, "documents": documents, "docs": docs,
+            "eval_split": exp["eval_split"],
+            "tokens_per_batch": int(exp["tokens_per_batch"]), "longest": longest}
+
+
+def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
+    """Appends this invocation's wall time and load averages to ``out/timing.json``."""
+    from lexjax import reports
+
+    path = os.path.join(out, "timing.json")
+    timing = _read_json(path) if os.path.exists(path) else {"invocations": []}
+    timing["invocations"].append({
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "wall_seconds": time.perf_counter() - wall_start,
+        "load_average_start": load_start, "load_average_end": os.getloadavg(),
+        "outcome": outcome, "argv": sys.argv})
+    timing["machine"] = machine()
+    reports.write_json(path, timing)
+    return timing
+
+
+def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict | None:
+    """Trains and evaluates every run of ``exp`` (a ConfigDict or dict shaped like
+    configs/extrapolation.py) in ``out``, skipping finished stages, then writes the
+    tables, JSON and figures. Returns the collected results, or None when a signal
+    stopped a training (run again to continue)."""
+    from lexjax.experiments import report
+
+    exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
+    out = os.path.abspath(out)
+    started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
+    shared = exp["train"].to_dict() if hasattr(exp["train"], "to_dict") else dict(exp["train"])
+    try:
+        shared_config = from_configdict(shared)
+    except ConfigError as e:
+        raise ExperimentError(f"train.{e}") from None
+    shared = json.loads(json.dumps(to_dict(shared_config)))
+    shared.pop("sharding_rules", None)
+    specs = parse_runs(exp["runs"], scale_base=shared_config.model.scale_base,
+                       seed=shared_config.seed)
+    configs = [_run_config(shared, spec) for spec in specs]
+    plan = _plan(exp, shared_config)
+    log(f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
+        f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
+        f"of ≥ {plan['longest']} tokens")
+    os.makedirs(out, exist_ok=True)
+    stopped, outcome = False, "error"
+    try:
+        for spec, config in zip(specs, configs):
+            workdir = os.path.join(out, "runs", spec.name)
+            if _train_stage(spec, config, workdir, log) is None:
+                stopped = True
+                break
+            _eval_stage(spec, config, workdir, plan, log)
+        outcome = "stopped" if stopped else "completed"
+    finally:
+        timing = _record_invocation(out, started, wall_start, load_start, outcome)
+    if stopped:
+        log(f"stopped; run the same command again to continue ({out})")
+        return None
+    collected = report.collect(out, specs, shared_config, plan, timing)
+    report.write_all(out, collected)
+    log(f"wrote {', '.join(report.OUTPUTS)} in {out}")
+    return collected
+
+
+def main(argv) -> int:
+    import logging as py_logging
+
+    from absl import logging
+
+    from lexjax import cli
+
+    del argv
+    # orbax logs every save and warns that evaluation opens checkpoints read-only;
+    # lexjax's own warnings (a damaged checkpoint skipped) still show.
+    logging.set_verbosity(logging.ERROR)
+    py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
+    try:
+        collected = run_experiment(_CONFIG.value, _OUT.value)
+    except ExperimentError as e:
+        cli.fail(str(e), 2)
+    except (ValueError, OSError) as e:
+        cli.fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if collected is not None:
+        with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
+            print(f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, _ROOT)  # configs/*.py import each other
+
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", os.path.join(_ROOT, "configs", "extrapolation.py"),
+        "Experiment config; a preset after ':' (small, paper, smoke).", lock_config=True)
+    _OUT = flags.DEFINE_string("out", os.path.join("runs", "extrapolation"),
+                               "Output directory (resumable: finished stages are skipped).")
+    app.run(main)

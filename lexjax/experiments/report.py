@@ -1,0 +1,333 @@
+"""Tables, JSON and figures of the extrapolation experiment, from the files its stages wrote.
+
+Seeds of one variant (position and, for XPOS, scale_base) are pooled: table
+cells are means over seeds, and ``seeds.md`` shows every seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from lexjax import reports, resolution as res_lib
+
+__all__ = ["OUTPUTS", "collect", "write_all", "variant_label", "table2", "table3", "table5",
+           "seeds_table", "expected_resolution_table"]
+
+OUTPUTS = ("table2.md", "table3.md", "table5.md", "seeds.md", "results.json", "summary.md",
+           "perplexity.png", "figure1.png", "scores.png")
+_ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
+_NAMES = {"sinusoidal": "Transformer (sinusoidal)", "learned": "Transformer (learned)",
+          "alibi": "ALiBi", "rope": "RoPE", "none": "NoPE"}
+_MODE = {"bca": "with BCA", "full": "without BCA"}
+
+
+def variant_label(position: str, scale_base: float | None) -> str:
+    return f"XPOS b={scale_base:g}" if position == "xpos" else _NAMES.get(position, position)
+
+
+def _load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _score_range(curves) -> float:
+    """Mean over layers of max − min of the measured expected scores s[n]."""
+    return float(np.mean([np.max(c) - np.min(c) for c in curves]))
+
+
+def collect(out, specs, config, plan, timing) -> dict:
+    """Everything the tables need, as plain JSON-able values."""
+    runs = []
+    for spec in specs:
+        workdir = os.path.join(out, "runs", spec.name)
+        trained = _load(os.path.join(workdir, "train.json"))
+        perplexity, eval_seconds = {}, 0.0
+        for mode in ("bca", "full"):
+            stored = _load(os.path.join(workdir, f"perplexity_{mode}.json"))
+            eval_seconds += stored["seconds"]
+            perplexity[mode] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
+        stored = _load(os.path.join(workdir, "resolution.json"))
+        eval_seconds += stored["seconds"]
+        resolution = {}
+        for r in stored["results"]:
+            resolution.setdefault(r["mode"], {})[str(r["length"])] = {
+                "mean": r["mean"], "per_layer": r["per_layer"],
+                "score_range": _score_range(r["expected_scores"]),
+                "mean_scores": np.mean(r["expected_scores"], axis=0).tolist()}
+        s = trained["summary"]
+        runs.append({"name": spec.name, "position": spec.position,
+                     "scale_base": spec.variant[1], "seed": spec.seed,
+                     "num_params": s["num_params"], "steps": s["step"], "tokens": trained["tokens"],
+                     "loss": s.get("loss"), "val_loss": s.get("val_loss"),
+                     "train_seconds": trained["seconds"], "eval_seconds": eval_seconds,
+                     "perplexity": perplexity, "resolution": resolution})
+    m = config.model
+    scale_bases = sorted({r["scale_base"] for r in runs if r["position"] == "xpos"}) or [
+        m.scale_base]
+    expected = []
+    for n in (config.train_len, 2 * config.train_len):
+        distances = np.arange(n)
+        curves = [("RoPE", None)] + [(f"XPOS b={b:g}", b) for b in scale_bases]
+        for name, b in curves:
+            g = np.asarray(res_lib.xpos_expectation(
+                distances, m.head_dim, scale_base=b or 1.0, theta=m.theta,
+                gamma=None if b is None else 0.4))
+            expected.append({"curve": name, "length": n,
+                             "raw": float(res_lib.attention_resolution(g)),
+                             "scaled": float(res_lib.attention_resolution(g / np.sqrt(m.head_dim)))})
+    invocations = timing["invocations"]
+    return {
+        "train_len": config.train_len, "lengths": plan["lengths"],
+        "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
+        "eval_split": plan.get("eval_split"), "data": config.data.name,
+        "model": {"num_layers": m.num_layers, "d_model": m.d_model, "num_heads": m.num_heads,
+                  "head_dim": m.head_dim, "mlp_dim": m.mlp_dim, "dtype": m.dtype},
+        "train": {"batch_size": config.batch_size, "num_train_steps": config.num_train_steps,
+                  "learning_rate": config.optim.learning_rate,
+                  "schedule": config.optim.schedule, "warmup_steps": config.optim.warmup_steps},
+        "machine": timing["machine"],
+        "wall_seconds": sum(i["wall_seconds"] for i in invocations),
+        "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],
+        "runs": runs, "expected_resolution": expected,
+    }
+
+
+def _variants(runs):
+    """``[(label, position, scale_base, [runs])]`` in the paper's order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["position"], r["scale_base"]), []).append(r)
+    keys = sorted(groups, key=lambda k: (_ORDER.get(k[0], 9), k[1] or 0))
+    return [(variant_label(*k), k[0], k[1], groups[k]) for k in keys]
+
+
+def _mean(runs, mode, length):
+    values = [r["perplexity"][mode].get(str(length)) for r in runs]
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _row(label, cells):
+    return "| " + " | ".join([label] + cells) + " |"
+
+
+def _header(first, columns):
+    return "\n".join([_row(first, [str(c) for c in columns]), "|" + "---|" * (len(columns) + 1)])
+
+
+def _fmt(value, digits=3):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _seeds_note(group):
+    return f" ({len(group)} seeds)" if len(group) > 1 else ""
+
+
+def table2(c) -> str:
+    """Paper Table 2: each model as published — absolute/ALiBi/RoPE without BCA, LEX with it."""
+    lines = [_header("model", c["lengths"])]
+    for label, position, _, group in _variants(c["runs"]):
+        mode = "bca" if position == "xpos" else "full"
+        name = f"LEX ({label} + BCA)" if position == "xpos" else label
+        lines.append(_row(name + _seeds_note(group),
+                          [_fmt(_mean(group, mode, n)) for n in c["lengths"]]))
+    return "\n".join(lines)
+
+
+def table5(c) -> str:
+    """Paper Table 5: every model with and without blockwise causal attention."""
+    lines = [_header("model", c["lengths"])]
+    for label, _, _, group in _variants(c["runs"]):
+        for mode in ("bca", "full"):
+            lines.append(_row(f"{label} {_MODE[mode]}{_seeds_note(group)}",
+                              [_fmt(_mean(group, mode, n)) for n in c["lengths"]]))
+    return "\n".join(lines)
+
+
+def table3(c) -> str:
+    """Paper Table 3: attention resolution (mean over layers) at 1× and 2× train_len, and the
+    spread max − min of the measured expected scores s[n] that R depends on."""
+    n1, n2 = c["train_len"], 2 * c["train_len"]
+    lines = [_header("model", [f"R at {n1}", f"R at {n2}", f"s range at {n1}",
+                               f"s range at {n2}"])]
+    for label, _, _, group in _variants(c["runs"]):
+        for mode in ("bca", "full"):
+            cells = []
+            for key in ("mean", "score_range"):
+                for n in (n1, n2):
+                    values = [r["resolution"].get(mode, {}).get(str(n), {}).get(key)
+                              for r in group]
+                    values = [v for v in values if v is not None]
+                    mean = float(np.mean(values)) if values else None
+                    cells.append(f"{mean:.3g}" if key == "mean" and values else _fmt(mean))
+            lines.append(_row(f"{label} {_MODE[mode]}{_seeds_note(group)}", cells))
+    return "\n".join(lines)
+
+
+def seeds_table(c) -> str:
+    """Every seed of the variants that have several, and XPOS − RoPE per seed."""
+    multi = [v for v in _variants(c["runs"]) if len(v[3]) > 1]
+    if not multi:
+        return "Every variant has a single seed."
+    lines = [_header("model, seed", c["lengths"])]
+    for label, _, _, group in multi:
+        for mode in ("bca", "full"):
+            for r in sorted(group, key=lambda r: r["seed"]):
+                lines.append(_row(f"{label} {_MODE[mode]}, seed {r['seed']}",
+                                  [_fmt(r["perplexity"][mode].get(str(n))) for n in c["lengths"]]))
+    by = {(v[1], v[2]): v[3] for v in multi}
+    rope = by.get(("rope", None))
+    xpos = [k for k in by if k[0] == "xpos"]
+    if rope and xpos:
+        lines += ["", _header(f"XPOS b={xpos[0][1]:g} − RoPE, seed", c["lengths"])]
+        x = {r["seed"]: r for r in by[xpos[0]]}
+        for mode in ("bca", "full"):
+            for r in sorted(rope, key=lambda r: r["seed"]):
+                if r["seed"] not in x:
+                    continue
+                cells = []
+                for n in c["lengths"]:
+                    a, b = x[r["seed"]]["perplexity"][mode].get(str(n)), r["perplexity"][mode].get(
+                        str(n))
+                    cells.append("–" if a is None or b is None else f"{a - b:+.3f}")
+                lines.append(_row(f"{_MODE[mode]}, seed {r['seed']}", cells))
+    return "\n".join(lines)
+
+
+def expected_resolution_table(c) -> str:
+    """R of the expected-score curves of eq. 8 (Figure 1), as drawn and divided by √d."""
+    lengths = sorted({e["length"] for e in c["expected_resolution"]})
+    curves = list(dict.fromkeys(e["curve"] for e in c["expected_resolution"]))
+    value = {(e["curve"], e["length"]): e for e in c["expected_resolution"]}
+    head = [f"R(g) at {n}" for n in lengths] + [f"R(g/√d) at {n}" for n in lengths]
+    lines = [_header("curve", head)]
+    for curve in curves:
+        lines.append(_row(curve, [_fmt(value[curve, n]["raw"]) for n in lengths]
+                          + [_fmt(value[curve, n]["scaled"]) for n in lengths]))
+    return "\n".join(lines)
+
+
+def plot_perplexity(c, path) -> None:
+    """Perplexity against length (log x), a colour per variant, solid with BCA, dashed without."""
+    plt = reports._pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    values = []
+    for i, (label, _, _, group) in enumerate(_variants(c["runs"])):
+        for mode, style in (("bca", "-"), ("full", "--")):
+            points = [(n, _mean(group, mode, n)) for n in c["lengths"]]
+            points = [(n, v) for n, v in points if v is not None]
+            if points:
+                values += [v for _, v in points]
+                ax.plot(*zip(*points), style, marker="o", markersize=3, color=f"C{i}",
+                        label=f"{label} {_MODE[mode]}")
+    ax.axvline(c["train_len"], color="gray", linestyle=":", label=f"train_len {c['train_len']}")
+    ax.set_xscale("log", base=2)
+    if values and max(values) / min(values) > 4:
+        ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity (per byte)")
+    ax.set_title(f"trained at {c['train_len']} tokens")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_figure1(c, path) -> None:
+    """Paper Figure 1: expected score g[n] (eq. 8) of RoPE and XPOS, one panel per scale_base."""
+    plt = reports._pyplot()
+    bases = sorted({r["scale_base"] for r in c["runs"] if r["position"] == "xpos"})
+    m = c["model"]
+    distance = np.arange(c["lengths"][-1] + 1)
+    fig, axes = plt.subplots(1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8),
+                             squeeze=False)
+    for ax, b in zip(axes[0], bases or [512.0]):
+        ax.plot(distance, res_lib.xpos_expectation(distance, m["head_dim"], gamma=None),
+                label="RoPE", linewidth=0.8)
+        ax.plot(distance, res_lib.xpos_expectation(distance, m["head_dim"], scale_base=b),
+                label=f"XPOS b={b:g}")
+        ax.axvline(c["train_len"], color="gray", linestyle=":", label="train_len")
+        ax.set_xlabel("relative distance")
+        ax.set_ylabel("expected score g[n]")
+        ax.set_title(f"head_dim {m['head_dim']}, b = {b:g}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scores(c, path) -> None:
+    """Measured expected scores s[n] (eq. 11, mean over layers) at 2× train_len: the curves
+    whose attention resolution Table 3 gives; one panel per mode, the first seed of each variant."""
+    plt = reports._pyplot()
+    length = str(2 * c["train_len"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, mode in zip(axes, ("bca", "full")):
+        for i, (label, _, _, group) in enumerate(_variants(c["runs"])):
+            scores = group[0]["resolution"].get(mode, {}).get(length, {}).get("mean_scores")
+            if scores:
+                ax.plot(np.arange(len(scores)), scores, color=f"C{i}", linewidth=1, label=label)
+        ax.axvline(c["train_len"], color="gray", linestyle=":")
+        ax.set_xscale("symlog", linthresh=8)
+        ax.set_xlabel("distance n")
+        ax.set_title(f"{_MODE[mode]}, {length} tokens")
+    axes[0].set_ylabel("mean pre-softmax score s[n]")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _settings(c) -> str:
+    first = c["runs"][0]
+    m, t, mach = c["model"], c["train"], c["machine"]
+    loads = [i["load_average_start"][0] for i in c["invocations"]] + [
+        i["load_average_end"][0] for i in c["invocations"]]
+    lines = [
+        f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads "
+        f"(head_dim {m['head_dim']}), mlp {m['mlp_dim']}, {m['dtype']}; "
+        f"{first['num_params'] / 1e6:.2f} M parameters (byte-level, vocabulary 320)",
+        f"- training: {c['data']} train split, train_len {c['train_len']}, batch "
+        f"{t['batch_size']}, {t['num_train_steps']} steps = {first['tokens']:,} tokens per run, "
+        f"learning rate {t['learning_rate']:g} ({t['warmup_steps']} warmup steps, "
+        f"{t['schedule']})",
+        f"- evaluation: {c['documents']['bca']} documents of the {c['eval_split'] or 'test'} split "
+        f"with BCA, {c['documents']['full']} without, {c['documents']['resolution']} for "
+        f"resolution; lengths {', '.join(map(str, c['lengths']))}",
+        f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['backend']} "
+        f"({mach['devices']}), jax {mach['jax']}",
+        f"- wall time: {c['wall_seconds'] / 60:.1f} min over {len(c['invocations'])} "
+        f"invocation(s); 1-minute load average {min(loads):.2f} … {max(loads):.2f} at their "
+        "starts and ends",
+    ]
+    per_run = ["| run | loss | validation loss | train s | eval s |", "|---|---|---|---|---|"]
+    for r in c["runs"]:
+        per_run.append(f"| {r['name']} | {_fmt(r['loss'])} | {_fmt(r['val_loss'])} | "
+                       f"{r['train_seconds']:.0f} | {r['eval_seconds']:.0f} |")
+    return "\n".join(lines) + "\n\n" + "\n".join(per_run)
+
+
+def write_all(out, c) -> None:
+    tables = {"table2.md": ("Perplexity by evaluation length (paper Table 2)", table2(c)),
+              "table5.md": ("With and without blockwise causal attention (paper Table 5)",
+                            table5(c)),
+              "table3.md": ("Attention resolution, mean over layers (paper Table 3)", table3(c)),
+              "seeds.md": ("Seeds", seeds_table(c))}
+    for name, (title, body) in tables.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            f.write(f"## {title}\n\n{body}\n")
+    reports.write_json(os.path.join(out, "results.json"), c)
+    plot_perplexity(c, os.path.join(out, "perplexity.png"))
+    plot_figure1(c, os.path.join(out, "figure1.png"))
+    plot_scores(c, os.path.join(out, "scores.png"))
+    parts = ["# Length extrapolation at small scale\n", _settings(c)]
+    for name in ("table2.md", "table5.md", "table3.md", "seeds.md"):
+        title, body = tables[name]
+        parts.append(f"## {title}\n\n{body}")
+    parts.append("## Resolution of the expected-score curves (eq. 8), for comparison\n\n"
+                 + expected_resolution_table(c))
+    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(parts) + "\n")
