@@ -41,9 +41,8 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         # lr 3e-3 beat 6e-3.
         c.train.update(dict(train_len=128, batch_size=16, num_train_steps=1000,
                             checkpoint_every=200, eval_every=500, eval_batches=8,
-                            log_every=100))
-        c.train.optim.update(dict(learning_rate=3e-3, warmup_steps=50, schedule="cosine",
-                                  end_lr_fraction=0.05))
+                            log_every=100, learning_rate=3e-3, warmup_steps=50))
+        c.train.optim.update(dict(schedule="cosine", end_lr_fraction=0.05))
         c.runs = "sinusoidal,alibi,rope,xpos,xpos/b=512,rope/seed=1,xpos/seed=1"
         c.bca_docs = 24       # held-out documents with ≥ 16 × 128 + 1 tokens (29 exist)
         c.full_docs = 24      # the same documents without BCA (dense: O(length) per token)
