@@ -21,22 +21,65 @@ def fail(message: str, code: int = 1):
 
 
 class _NoOrbaxErrors(logging.Filter):
-    """Drops orbax's ERROR logs (tracebacks from its background write threads).
+    """Drops ERROR logs of orbax's background writes: its own, and asyncio's
+    "Task exception was never retrieved" for orbax's tasks.
 
     The same failure reaches the Checkpointer as an exception at the next save or
     wait, and the user sees it once, as one line.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if record.levelno < logging.ERROR:
+            return True
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.name == "asyncio" and (
+            _from_checkpoint_io(exc) or f"{os.sep}orbax{os.sep}" in record.getMessage()))
+
+
+def _from_checkpoint_io(exc: BaseException | None, obj=None) -> bool:
+    """True for errors raised inside orbax/tensorstore's asynchronous plumbing."""
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return True
+    code = getattr(obj, "cr_code", None)
+    files = [code.co_filename] if code is not None else []
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
+
+
+def quiet_checkpoint_io_noise() -> None:
+    """Keeps orbax's background failures from printing tracebacks on stderr.
+
+    A failed read or write surfaces three ways: as the exception the
+    Checkpointer turns into one line, and as stray reports from the threads and
+    coroutines that carried it (logged errors, "Exception ignored in
+    <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
+    first is shown; every other error still reaches the default hooks.
+    """
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NoOrbaxErrors())
+    default_unraisable, default_excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable(report):
+        if not _from_checkpoint_io(report.exc_value, report.object):
+            default_unraisable(report)
+
+    def excepthook(exc_type, exc, tb):
+        if not _from_checkpoint_io(exc):
+            default_excepthook(exc_type, exc, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
 def run_training(configdict, workdir: str, cluster=None) -> int:
     """Trains from a config; ``cluster`` (a ``distributed.ClusterOptions``) joins a
     multi-process run first. Only process 0 prints the summary."""
     from lexjax import distributed
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_NoOrbaxErrors())
+    quiet_checkpoint_io_noise()
     try:
         config = from_configdict(configdict)
         distributed.initialize(cluster or distributed.ClusterOptions())
@@ -199,6 +242,7 @@ def run_eval(workdir: str, *, lengths=None, bca: str = "both", eval_files: str |
     """
     from lexjax import checkpoint as ckpt_lib, evaluation
 
+    quiet_checkpoint_io_noise()
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     if bca not in ("both", "on", "off"):
         fail(f"--bca={bca!r}: use both, on or off", 2)
