@@ -111,7 +111,7 @@ def test_split_is_stable_disjoint_and_roughly_90_5_5():
 
 def test_python_stdlib_builds_once_and_reuses(tmp_path):
     source = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
-    array_records = glob.glob(str(tmp_path / "python_stdlib" / "1.0.0" / "*.array_record-*"))
+    array_records = glob.glob(str(tmp_path / "python_stdlib" / "*" / "1.0.0" / "*.array_record-*"))
     mtimes = {p: os.stat(p).st_mtime_ns for p in array_records}
     root, relpaths = builders.stdlib_files(12)
     assert len(source) == sum(builders.split_of(p) == "train" for p in relpaths)

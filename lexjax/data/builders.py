@@ -38,6 +38,7 @@ import glob
 import hashlib
 import os
 import shutil
+import sys
 import sysconfig
 from pathlib import Path, PurePath
 
@@ -174,10 +175,22 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             yield relpath, {"text": Path(root, relpath).read_bytes(), "path": relpath}
 
 
+def _python_tag() -> str:
+    """The running interpreter, e.g. 'cpython3_11_7': its stdlib is this corpus."""
+    v = sys.version_info
+    return f"{sys.implementation.name}{v.major}_{v.minor}_{v.micro}"
+
+
 class PythonStdlib(_FileCorpus):
-    """The .py files of the running Python's standard library (no tests, no site-packages)."""
+    """The .py files of the running Python's standard library (no tests, no site-packages).
+
+    One build per interpreter (a TFDS config named after it, so the data lives in
+    ``python_stdlib/<tag>/<version>``): Pythons of other versions sharing a cache
+    directory each read their own standard library.
+    """
 
     name = "python_stdlib"
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=_python_tag())]
 
     def __init__(self, *, max_files: int | None = None, **kwargs):
         self._max_files = max_files
@@ -250,7 +263,8 @@ def prepare(
             raise ValueError(
                 f"{name} in {builder.data_path} was built from other files than "
                 f"the current ones (fingerprint {str(stored)[:12]} vs {current[:12]}); "
-                "pass overwrite=True to rebuild it, or use another data_dir"
+                f"delete {builder.data_path} (overwrite=True in prepare()) to rebuild it, or "
+                "use another data_dir"
             )
     return builder
 
