@@ -90,6 +90,15 @@ def fresh_copy(two_steps, tmp_path):
   return target
 
 
+def copy_with_flipped_step_2(two_steps, tmp_path):
+  """A copy of the two-step checkpoint whose step 2 has one flipped array byte;
+  returns (path, mesh, the state saved at step 2)."""
+  path = fresh_copy(two_steps, tmp_path)
+  flip_byte(path / "2", host_params(2)["counts"])
+  mesh = mesh_of(8)
+  return path, mesh, make_state(mesh, seed=2)
+
+
 def data_files_holding(step_dir, value):
   """Files under step_dir/state whose bytes contain a slice of `value`."""
   needle = np.ascontiguousarray(value[ROWS // 2 : ROWS // 2 + 8]).tobytes()
@@ -210,10 +219,7 @@ def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
 
 
 def test_error_mode_raises_on_damage(two_steps, tmp_path):
-  path = fresh_copy(two_steps, tmp_path)
-  mesh = mesh_of(8)
-  state2 = make_state(mesh, seed=2)
-  flip_byte(path / "2", host_params(2)["counts"])
+  path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
   ckpt = Checkpointer(path, on_corrupt="error")
   with pytest.raises(CheckpointError, match="step 2 .*damaged: checksum mismatch"):
     ckpt.restore(abstract_state=abstract(state2, mesh))
@@ -285,10 +291,7 @@ def test_damaged_iterator_state_falls_back(tmp_path, caplog):
 
 
 def test_resuming_before_a_damaged_step_moves_it_aside(two_steps, tmp_path):
-  path = fresh_copy(two_steps, tmp_path)
-  mesh = mesh_of(8)
-  state2 = make_state(mesh, seed=2)
-  flip_byte(path / "2", host_params(2)["counts"])
+  path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
   ckpt = Checkpointer(path, keep=None)
   _, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
   assert step == 1
