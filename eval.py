@@ -19,19 +19,33 @@ import sys
 from absl import app, flags, logging
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_WORKDIR = flags.DEFINE_string("workdir", os.path.join("runs", "tiny"),
-                               "Training workdir (checkpoints/ inside); results go to WORKDIR/eval.")
-_LENGTHS = flags.DEFINE_list("lengths", None, "Evaluation lengths in tokens (default: 1,2,4,8,16 "
-                             "× train_len, dropping those no document can serve).")
-_BCA = flags.DEFINE_enum("bca", "both", ["both", "on", "off"],
-                         "Blockwise causal attention: both modes, only with, only without.")
-_EVAL_FILES = flags.DEFINE_string("eval_files", None, "Glob of text files to evaluate on instead "
-                                  "of the run's held-out split.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    os.path.join("runs", "tiny"),
+    "Training workdir (checkpoints/ inside); results go to WORKDIR/eval.",
+)
+_LENGTHS = flags.DEFINE_list(
+    "lengths",
+    None,
+    "Evaluation lengths in tokens (default: 1,2,4,8,16 "
+    "× train_len, dropping those no document can serve).",
+)
+_BCA = flags.DEFINE_enum(
+    "bca",
+    "both",
+    ["both", "on", "off"],
+    "Blockwise causal attention: both modes, only with, only without.",
+)
+_EVAL_FILES = flags.DEFINE_string(
+    "eval_files", None, "Glob of text files to evaluate on instead of the run's held-out split."
+)
 _MAX_DOCS = flags.DEFINE_integer("max_docs", 20, "At most this many documents.")
-_RESOLUTION = flags.DEFINE_bool("resolution", False, "Also measure attention resolution at 1× "
-                                "and 2× train_len (paper Table 3).")
-_FIGURE = flags.DEFINE_bool("figure", False, "Also draw paper Figure 1 (expected score by "
-                            "distance, RoPE vs XPOS).")
+_RESOLUTION = flags.DEFINE_bool(
+    "resolution", False, "Also measure attention resolution at 1× and 2× train_len (paper Table 3)."
+)
+_FIGURE = flags.DEFINE_bool(
+    "figure", False, "Also draw paper Figure 1 (expected score by distance, RoPE vs XPOS)."
+)
 _GENERATE = flags.DEFINE_bool("generate", False, "Sample a continuation of --prompt instead.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate.")
@@ -48,11 +62,23 @@ def main(argv):
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
     from lexjax import cli
+
     return cli.run_eval(
-        _WORKDIR.value, lengths=_LENGTHS.value, bca=_BCA.value, eval_files=_EVAL_FILES.value,
-        max_docs=_MAX_DOCS.value, resolution=_RESOLUTION.value, figure=_FIGURE.value,
-        generate=_GENERATE.value, prompt=_PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
-        temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
+        _WORKDIR.value,
+        lengths=_LENGTHS.value,
+        bca=_BCA.value,
+        eval_files=_EVAL_FILES.value,
+        max_docs=_MAX_DOCS.value,
+        resolution=_RESOLUTION.value,
+        figure=_FIGURE.value,
+        generate=_GENERATE.value,
+        prompt=_PROMPT.value,
+        max_new_tokens=_MAX_NEW_TOKENS.value,
+        temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value,
+        top_p=_TOP_P.value,
+        seed=_SEED.value,
+    )
 
 
 if __name__ == "__main__":

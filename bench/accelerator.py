@@ -28,11 +28,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from bench import common  # noqa: E402
+from bench import common
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=128)
 
@@ -51,19 +51,38 @@ def paper_dict() -> tuple[dict, str]:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--per_device_batch", type=int, default=16,
-                   help="sequences per device per step (16 fits an H200 with remat)")
+    p.add_argument(
+        "--per_device_batch",
+        type=int,
+        default=16,
+        help="sequences per device per step (16 fits an H200 with remat)",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed train steps")
     p.add_argument("--eval_lengths", default="16384,65536", help="block-scan lengths (tokens)")
     p.add_argument("--eval_batch", type=int, default=4, help="sequences per block-scan call")
-    p.add_argument("--budget", type=float, default=270.0,
-                   help="seconds; later parts are skipped once this would be exceeded")
-    p.add_argument("--remat", choices=("config", "on", "off"), default="config",
-                   help="override the config's per-layer rematerialisation")
-    p.add_argument("--attention_impl", choices=("config", "explicit", "fused"), default="config",
-                   help="override model.attention_impl")
-    p.add_argument("--small", action="store_true",
-                   help="tiny shapes (2 layers, d_model 128, train_len 128): a CPU check")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=270.0,
+        help="seconds; later parts are skipped once this would be exceeded",
+    )
+    p.add_argument(
+        "--remat",
+        choices=("config", "on", "off"),
+        default="config",
+        help="override the config's per-layer rematerialisation",
+    )
+    p.add_argument(
+        "--attention_impl",
+        choices=("config", "explicit", "fused"),
+        default="config",
+        help="override model.attention_impl",
+    )
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny shapes (2 layers, d_model 128, train_len 128): a CPU check",
+    )
     p.add_argument("--json", help="also write the JSON here")
     return p.parse_args(argv)
 
@@ -74,7 +93,7 @@ def matmul_peak(n: int) -> float:
     mm = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     mm(a).block_until_ready()
     best = min(common.timed(lambda: mm(a).block_until_ready()) for _ in range(5))
-    return 2.0 * n ** 3 / best
+    return 2.0 * n**3 / best
 
 
 def train(config, steps: int) -> dict:
@@ -87,19 +106,28 @@ def train(config, steps: int) -> dict:
     batches = []
     for _ in range(2):
         rows = rng.integers(0, 258, (local, config.train_len + 1), dtype=np.int32)
-        batches.append(trainer.global_batch({
-            "inputs": rows[:, :-1], "targets": rows[:, 1:],
-            "segment_ids": np.ones((local, config.train_len), np.int32),
-            "positions": np.broadcast_to(np.arange(config.train_len, dtype=np.int32),
-                                         (local, config.train_len)).copy()}))
+        batches.append(
+            trainer.global_batch(
+                {
+                    "inputs": rows[:, :-1],
+                    "targets": rows[:, 1:],
+                    "segment_ids": np.ones((local, config.train_len), np.int32),
+                    "positions": np.broadcast_to(
+                        np.arange(config.train_len, dtype=np.int32), (local, config.train_len)
+                    ).copy(),
+                }
+            )
+        )
     t0 = time.perf_counter()
     state = trainer.init_state()
     with jax.set_mesh(trainer.mesh):
         state, metrics = trainer.train_step(state, batches[0])
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - t0
-        log(f"compiled and ran the first step in {compile_s:.1f} s "
-            f"({trainer.num_params / 1e6:.0f} M parameters, {n_dev} devices)")
+        log(
+            f"compiled and ran the first step in {compile_s:.1f} s "
+            f"({trainer.num_params / 1e6:.0f} M parameters, {n_dev} devices)"
+        )
         for i in range(2):  # warm
             state, metrics = trainer.train_step(state, batches[i % 2])
         jax.block_until_ready(state)
@@ -111,12 +139,19 @@ def train(config, steps: int) -> dict:
     tokens_per_sec_per_device = steps * config.batch_size * config.train_len / seconds / n_dev
     peak, peak_source = mfu_peak_flops()
     flops = flops_per_token(config)
-    return {"tokens_per_sec_per_device": tokens_per_sec_per_device,
-            "step_seconds": seconds / steps, "steps": steps, "compile_seconds": compile_s,
-            "mfu": tokens_per_sec_per_device * flops / peak, "peak_flops": peak,
-            "peak_source": peak_source, "flops_per_token": flops,
-            "num_params": trainer.num_params, "final_loss": float(metrics["loss"]),
-            "params": state.params}
+    return {
+        "tokens_per_sec_per_device": tokens_per_sec_per_device,
+        "step_seconds": seconds / steps,
+        "steps": steps,
+        "compile_seconds": compile_s,
+        "mfu": tokens_per_sec_per_device * flops / peak,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "flops_per_token": flops,
+        "num_params": trainer.num_params,
+        "final_loss": float(metrics["loss"]),
+        "params": state.params,
+    }
 
 
 def evaluate(config, params, lengths: list[int], batch: int, deadline: float) -> dict:
@@ -130,13 +165,23 @@ def evaluate(config, params, lengths: list[int], batch: int, deadline: float) ->
         if previous and time.perf_counter() + previous * length / 1e3 > deadline:
             out[str(length)] = {"skipped": "time budget"}
             continue
-        tokens = jnp.asarray(np.random.default_rng(1).integers(
-            0, 258, (batch, length + 1), dtype=np.int32))
+        tokens = jnp.asarray(
+            np.random.default_rng(1).integers(0, 258, (batch, length + 1), dtype=np.int32)
+        )
         evaluation.block_scan_logprobs(model, params, tokens, config.block).block_until_ready()
-        seconds = min(common.timed(lambda: evaluation.block_scan_logprobs(
-            model, params, tokens, config.block).block_until_ready()) for _ in range(2))
-        out[str(length)] = {"tokens_per_sec": batch * length / seconds, "seconds": seconds,
-                            "batch": batch}
+        seconds = min(
+            common.timed(
+                lambda: evaluation.block_scan_logprobs(
+                    model, params, tokens, config.block
+                ).block_until_ready()
+            )
+            for _ in range(2)
+        )
+        out[str(length)] = {
+            "tokens_per_sec": batch * length / seconds,
+            "seconds": seconds,
+            "batch": batch,
+        }
         previous = seconds / length * 1e3  # seconds per 1k tokens, to predict the next
         log(f"block scan {length} tokens × {batch}: {batch * length / seconds:,.0f} tokens/s")
     return out
@@ -156,32 +201,56 @@ def main(argv=None) -> int:
     steps = 3 if args.small else args.steps
     lengths = [1024, 4096] if args.small else [int(n) for n in args.eval_lengths.split(",")]
     per_device = 2 if args.small else args.per_device_batch
-    config = common.make_config(base, model=model, batch_size=per_device * jax.device_count(),
-                                **top)
+    config = common.make_config(
+        base, model=model, batch_size=per_device * jax.device_count(), **top
+    )
     device = jax.devices()[0]
-    log(f"{jax.device_count()} × {device.device_kind} ({jax.default_backend()}), jax "
-        f"{jax.__version__}; config from {source}")
+    log(
+        f"{jax.device_count()} × {device.device_kind} ({jax.default_backend()}), jax "
+        f"{jax.__version__}; config from {source}"
+    )
     measured_peak = matmul_peak(1024 if args.small else 8192)
     trained = train(config, steps)
     params = trained.pop("params")
-    log(f"train: {trained['tokens_per_sec_per_device']:,.0f} tokens/s/device, "
-        f"MFU {100 * trained['mfu']:.1f}% of {trained['peak_source']}")
+    log(
+        f"train: {trained['tokens_per_sec_per_device']:,.0f} tokens/s/device, "
+        f"MFU {100 * trained['mfu']:.1f}% of {trained['peak_source']}"
+    )
     evals = evaluate(config, params, lengths, 1 if args.small else args.eval_batch, deadline)
     m = config.model
     entry = common.result(
-        trained["tokens_per_sec_per_device"], "tokens/s/device (train)",
-        "report (MFU vs datasheet bf16 peak)", None,
+        trained["tokens_per_sec_per_device"],
+        "tokens/s/device (train)",
+        "report (MFU vs datasheet bf16 peak)",
+        None,
         mfu_percent=100 * trained["mfu"],
-        mfu_vs_measured_matmul_percent=100 * trained["tokens_per_sec_per_device"]
-        * trained["flops_per_token"] / measured_peak,
-        measured_bf16_matmul_flops=measured_peak, train=trained, eval_block_scan=evals,
-        device=device.device_kind, device_count=jax.device_count(),
-        backend=jax.default_backend(), jax=jax.__version__, config_source=source,
-        small=args.small, per_device_batch=per_device, train_len=config.train_len,
-        model=dict(layers=m.num_layers, d_model=m.d_model, heads=m.num_heads, mlp=m.mlp_dim,
-                   dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers,
-                   attention_impl=m.attention_impl),
-        wall_seconds=time.perf_counter() - start)
+        mfu_vs_measured_matmul_percent=100
+        * trained["tokens_per_sec_per_device"]
+        * trained["flops_per_token"]
+        / measured_peak,
+        measured_bf16_matmul_flops=measured_peak,
+        train=trained,
+        eval_block_scan=evals,
+        device=device.device_kind,
+        device_count=jax.device_count(),
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        config_source=source,
+        small=args.small,
+        per_device_batch=per_device,
+        train_len=config.train_len,
+        model=dict(
+            layers=m.num_layers,
+            d_model=m.d_model,
+            heads=m.num_heads,
+            mlp=m.mlp_dim,
+            dtype=m.dtype,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            attention_impl=m.attention_impl,
+        ),
+        wall_seconds=time.perf_counter() - start,
+    )
     line = json.dumps({"accelerator": entry})
     if args.json:
         pathlib.Path(args.json).write_text(line + "\n")

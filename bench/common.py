@@ -14,7 +14,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,28 +25,54 @@ if str(ROOT) not in sys.path:
 # configs/paper.py as a literal, for machines without ml_collections (accelerator
 # hosts); bench/accelerator.py checks it against configs/paper.py where it can.
 PAPER = {
-    "model": dict(position="xpos", num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096,
-                  vocab_size=320, scale_base=512.0, theta=10000.0, max_len=1024,
-                  tie_embeddings=True, dtype="bfloat16", param_dtype="float32", remat=True,
-                  scan_layers=True, attention_impl="fused"),
-    "learning_rate": 3e-4, "warmup_steps": 375,
-    "optim": dict(schedule="polynomial",
-                  end_lr_fraction=0.0, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01,
-                  grad_clip=1.0, grad_accum_steps=1),
+    "model": dict(
+        position="xpos",
+        num_layers=24,
+        d_model=1024,
+        num_heads=16,
+        mlp_dim=4096,
+        vocab_size=320,
+        scale_base=512.0,
+        theta=10000.0,
+        max_len=1024,
+        tie_embeddings=True,
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat=True,
+        scan_layers=True,
+        attention_impl="fused",
+    ),
+    "learning_rate": 3e-4,
+    "warmup_steps": 375,
+    "optim": dict(
+        schedule="polynomial",
+        end_lr_fraction=0.0,
+        b1=0.9,
+        b2=0.98,
+        eps=1e-6,
+        weight_decay=0.01,
+        grad_clip=1.0,
+        grad_accum_steps=1,
+    ),
     "mesh": dict(data=1, fsdp=-1, tensor=1),
-    "sharding": "fsdp", "train_len": 1024, "batch_size": 512, "num_train_steps": 50_000,
+    "sharding": "fsdp",
+    "train_len": 1024,
+    "batch_size": 512,
+    "num_train_steps": 50_000,
 }
 
 
 def config_dict(name: str) -> dict:
     """``configs/<name>.py`` as a plain nested dict."""
     import importlib
+
     return importlib.import_module(f"configs.{name}").get_config().to_dict()
 
 
 def make_config(base: dict, *, model: dict | None = None, **top):
     """A validated :class:`lexjax.config.Config` from a dict plus overrides."""
     from lexjax.config import from_configdict
+
     values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     values["model"] = {**values.get("model", {}), **(model or {})}
     values.update(top)
@@ -64,6 +90,7 @@ def text_tokens(count: int, seed: int = 0) -> np.ndarray:
     not depend on it.
     """
     import sysconfig
+
     files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     rng = np.random.default_rng(seed)
     rng.shuffle(files)
@@ -81,15 +108,22 @@ def train_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[dict]
     """``count`` distinct ``[batch, seq]`` training batches of unpacked text rows."""
     stream = text_tokens(count * batch * (seq + 1), seed).reshape(count, batch, seq + 1)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
-    return [{"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy(),
-             "segment_ids": np.ones((batch, seq), np.int32), "positions": positions}
-            for rows in stream]
+    return [
+        {
+            "inputs": rows[:, :-1].copy(),
+            "targets": rows[:, 1:].copy(),
+            "segment_ids": np.ones((batch, seq), np.int32),
+            "positions": positions,
+        }
+        for rows in stream
+    ]
 
 
 def train_timer(config, batches: list[dict], steps: int):
     """``(trainer, timer)``: a warm jitted train step; ``timer()`` runs ``steps``
     steps (cycling over ``batches``) and returns their seconds."""
     import jax
+
     from lexjax.training import Trainer
 
     trainer = Trainer(config, devices=jax.devices()[:1])
@@ -115,7 +149,7 @@ class Summary:
     values: list[float]
 
     @classmethod
-    def of(cls, values) -> "Summary":
+    def of(cls, values) -> Summary:
         values = [float(v) for v in values]
         return cls(statistics.median(values), min(values), max(values), values)
 
@@ -127,8 +161,9 @@ class Summary:
         return f"{self.median:{spec}} [{self.min:{spec}}–{self.max:{spec}}]"
 
 
-def alternate(sides: dict[str, Callable[[], float]], rounds: int,
-              pause: float = 0.2) -> dict[str, list[float]]:
+def alternate(
+    sides: dict[str, Callable[[], float]], rounds: int, pause: float = 0.2
+) -> dict[str, list[float]]:
     """Runs each side once per round and returns ``{name: [figure per round]}``.
 
     Each callable does its own work and returns what it measured (seconds,
@@ -140,7 +175,7 @@ def alternate(sides: dict[str, Callable[[], float]], rounds: int,
     names = list(sides)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             time.sleep(pause)
             out[name].append(sides[name]())
@@ -178,12 +213,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     import platform
+
     return platform.processor() or platform.machine()
 
 
 def machine() -> dict:
     import jax
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(),
-            "load_average_1m": os.getloadavg()[0], "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+    return {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }

@@ -64,8 +64,10 @@ def _function(mode: str, model, block: int):
 
 def _compiled_bytes(compiled) -> dict:
     m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-           for k in ("temp", "argument", "output", "generated_code")}
+    out = {
+        k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("temp", "argument", "output", "generated_code")
+    }
     out["total"] = out["temp"] + out["argument"] + out["output"]
     return out
 
@@ -90,8 +92,12 @@ def _point(mode: str, length: int) -> dict:
 
 
 def _rss(mode: str, length: int) -> int | None:
-    proc = subprocess.run([sys.executable, "-m", "bench.eval_scaling", "--point", mode,
-                           str(length)], capture_output=True, text=True, cwd=common.ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.eval_scaling", "--point", mode, str(length)],
+        capture_output=True,
+        text=True,
+        cwd=common.ROOT,
+    )
     if proc.returncode:
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
@@ -115,22 +121,27 @@ def run(args) -> dict:
             compiled = fn.lower(params, tokens).compile()
             point["compiled_bytes"] = _compiled_bytes(compiled)
             if point["compiled_bytes"]["total"] > memory_cap:
-                point["skipped"] = (f"needs {point['compiled_bytes']['total'] / 2**30:.1f} GiB "
-                                    f"> cap {memory_cap / 2**30:.1f} GiB")
+                point["skipped"] = (
+                    f"needs {point['compiled_bytes']['total'] / 2**30:.1f} GiB "
+                    f"> cap {memory_cap / 2**30:.1f} GiB"
+                )
                 continue
             growth = 1 if mode == "bca_scan" else 2  # time ∝ N, or ∝ N² with full attention
             if previous and previous[1] * (length / previous[0]) ** growth > time_cap:
-                point["skipped"] = (f"would take ~{previous[1] * (length / previous[0]) ** growth:.0f}"
-                                    f" s > cap {time_cap:.0f} s")
+                point["skipped"] = (
+                    f"would take ~{previous[1] * (length / previous[0]) ** growth:.0f}"
+                    f" s > cap {time_cap:.0f} s"
+                )
                 continue
-            run_once = (lambda c=compiled, t=tokens: common.timed(
-                lambda: c(params, t).block_until_ready()))
+            run_once = lambda c=compiled, t=tokens: common.timed(
+                lambda: c(params, t).block_until_ready()
+            )
             seconds = run_once()  # first call: allocation, thread pools
             if mode == "bca_scan":
                 # Equal tokens per measurement at every length: short calls alone
                 # would be timed over a few milliseconds, all noise.
                 reps = max(1, lengths[-1] // length)
-                timers[length] = (lambda f=run_once, n=reps: sum(f() for _ in range(n)) / n)
+                timers[length] = lambda f=run_once, n=reps: sum(f() for _ in range(n)) / n
             else:
                 seconds = run_once()
                 point["tokens_per_sec"] = length / seconds
@@ -140,19 +151,29 @@ def run(args) -> dict:
     measured = common.alternate(timers, rounds)
     for length, seconds in measured.items():
         points["bca_scan"][length]["tokens_per_sec"] = common.Summary.of(
-            [length / s for s in seconds]).as_dict()
+            [length / s for s in seconds]
+        ).as_dict()
         points["bca_scan"][length]["seconds"] = seconds
     first, last = lengths[0], lengths[-1]
     ratio = common.ratios([last / s for s in measured[last]], [first / s for s in measured[first]])
     memory = [points["bca_scan"][n]["compiled_bytes"]["temp"] for n in lengths]
     flat = max(memory) <= 1.1 * min(memory)
     return common.result(
-        ratio.median, f"× tokens/s at {last // config.train_len}× vs {first // config.train_len}× "
-        "train_len (bca_scan)", "≥ 0.85× (within 15%), flat memory",
-        ratio.median >= 0.85 and flat, ratio=ratio.as_dict(), flat_temp_memory=flat,
-        train_len=config.train_len, block=config.block, batch=1, rounds=rounds,
-        memory_cap_bytes=memory_cap, time_cap_seconds=time_cap,
-        points={mode: {str(n): p for n, p in by_len.items()} for mode, by_len in points.items()})
+        ratio.median,
+        f"× tokens/s at {last // config.train_len}× vs {first // config.train_len}× "
+        "train_len (bca_scan)",
+        "≥ 0.85× (within 15%), flat memory",
+        ratio.median >= 0.85 and flat,
+        ratio=ratio.as_dict(),
+        flat_temp_memory=flat,
+        train_len=config.train_len,
+        block=config.block,
+        batch=1,
+        rounds=rounds,
+        memory_cap_bytes=memory_cap,
+        time_cap_seconds=time_cap,
+        points={mode: {str(n): p for n, p in by_len.items()} for mode, by_len in points.items()},
+    )
 
 
 def rows(entry: dict) -> list[tuple[str, str]]:

@@ -36,9 +36,9 @@ def main(argv):
     length = _MULTIPLE.value * config.train_len
     tokens = np.random.default_rng(0).integers(0, 256, (_BATCH.value, length + 1)).astype(np.int32)
     if _MODE.value == "bca":
-        run = lambda: evaluation.block_scan_logprobs(model, params, tokens, config.block)  # noqa: E731
+        run = lambda: evaluation.block_scan_logprobs(model, params, tokens, config.block)
     else:
-        run = lambda: evaluation.full_logprobs(model, params, tokens, chunk=config.block)  # noqa: E731
+        run = lambda: evaluation.full_logprobs(model, params, tokens, chunk=config.block)
     start = time.perf_counter()
     jax.block_until_ready(run())
     compile_s = time.perf_counter() - start
@@ -46,9 +46,11 @@ def main(argv):
     for _ in range(_REPEATS.value):
         jax.block_until_ready(run())
     seconds = (time.perf_counter() - start) / _REPEATS.value
-    print(f"{_MODE.value} length {length} ({_MULTIPLE.value}× train_len {config.train_len}), "
-          f"batch {_BATCH.value}: {_BATCH.value * length / seconds:,.0f} tokens/s "
-          f"({seconds:.2f} s per call; first call incl. compile {compile_s:.1f} s)")
+    print(
+        f"{_MODE.value} length {length} ({_MULTIPLE.value}× train_len {config.train_len}), "
+        f"batch {_BATCH.value}: {_BATCH.value * length / seconds:,.0f} tokens/s "
+        f"({seconds:.2f} s per call; first call incl. compile {compile_s:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

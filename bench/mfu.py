@@ -30,7 +30,7 @@ def _matmul(n: int, dtype):
 
     def flops_per_sec(reps: int = 3) -> float:
         best = min(common.timed(lambda: mm(a, b).block_until_ready()) for _ in range(reps))
-        return 2.0 * n ** 3 / best
+        return 2.0 * n**3 / best
 
     return flops_per_sec
 
@@ -58,8 +58,10 @@ def breakdown(trainer, batch, reps: int) -> dict:
     forward = jax.jit(lambda p, b: loss_fn(p, model, b)[0])
     grads = jax.jit(lambda p, b: jax.grad(lambda q: loss_fn(q, model, b)[0])(p))
     b = trainer.global_batch(batch)
-    fns = {"forward": lambda: forward(params, b).block_until_ready(),
-           "forward_backward": lambda: jax.block_until_ready(grads(params, b))}
+    fns = {
+        "forward": lambda: forward(params, b).block_until_ready(),
+        "forward_backward": lambda: jax.block_until_ready(grads(params, b)),
+    }
     for fn in fns.values():
         fn()
     state = {"s": trainer.init_state()}
@@ -109,8 +111,9 @@ def run(args) -> dict:
         achieved = [t * flops for t in measured[f"train_{dtype}"]]
         out[dtype] = {
             "peak_flops": common.Summary.of(peak_rounds).as_dict(),
-            "peak_by_size": {str(n): common.Summary.of(measured[f"peak_{dtype}_{n}"]).median
-                             for n in sizes},
+            "peak_by_size": {
+                str(n): common.Summary.of(measured[f"peak_{dtype}_{n}"]).median for n in sizes
+            },
             "tokens_per_sec": common.Summary.of(measured[f"train_{dtype}"]).as_dict(),
             "achieved_flops": common.Summary.of(achieved).as_dict(),
             "mfu": common.ratios(achieved, peak_rounds).as_dict(),
@@ -119,16 +122,27 @@ def run(args) -> dict:
     headline = common.Summary(**out[best]["mfu"])
     # The machine's best peak, whichever dtype reached it: what a step would
     # reach if all its matmuls ran at bfloat16 speed.
-    best_peak = [max(measured[f"peak_{d}_{n}"][r] for d in ("float32", "bfloat16") for n in sizes)
-                 for r in range(rounds)]
+    best_peak = [
+        max(measured[f"peak_{d}_{n}"][r] for d in ("float32", "bfloat16") for n in sizes)
+        for r in range(rounds)
+    ]
     vs_best = common.ratios([t * flops for t in measured[f"train_{best}"]], best_peak)
     trainer, batches = trainers["float32"]
     where = breakdown(trainer, batches[0], 2 if args.quick else 4)
     where["analytic_flops_per_step"] = flops * config.batch_size * config.train_len
     return common.result(
-        100 * headline.median, "% of measured matmul peak (same dtype)", "≥ 50%",
-        headline.median >= 0.5, best_dtype=best, mfu_vs_best_peak=vs_best.as_dict(), flops_per_token=flops,
-        by_dtype=out, rounds=rounds, steps_per_round=steps, step_breakdown_seconds=where)
+        100 * headline.median,
+        "% of measured matmul peak (same dtype)",
+        "≥ 50%",
+        headline.median >= 0.5,
+        best_dtype=best,
+        mfu_vs_best_peak=vs_best.as_dict(),
+        flops_per_token=flops,
+        by_dtype=out,
+        rounds=rounds,
+        steps_per_round=steps,
+        step_breakdown_seconds=where,
+    )
 
 
 def rows(entry: dict) -> list[tuple[str, str]]:
@@ -138,11 +152,23 @@ def rows(entry: dict) -> list[tuple[str, str]]:
         out.append((f"matmul peak {dtype} (GFLOP/s)", common.fmt(d["peak_flops"], ".1f", 1e-9)))
         out.append((f"train step {dtype} (GFLOP/s)", common.fmt(d["achieved_flops"], ".1f", 1e-9)))
         out.append((f"train step {dtype} MFU (%)", common.fmt(d["mfu"], ".1f", 100)))
-    out.append((f"{entry['best_dtype']} step vs best peak (%)",
-                common.fmt(entry["mfu_vs_best_peak"], ".1f", 100)))
+    out.append(
+        (
+            f"{entry['best_dtype']} step vs best peak (%)",
+            common.fmt(entry["mfu_vs_best_peak"], ".1f", 100),
+        )
+    )
     w = entry["step_breakdown_seconds"]
-    out.append(("f32 step: fwd / bwd / update (s)",
-                f"{w['forward']:.2f} / {w['backward']:.2f} / {w['optimizer_update']:.2f}"))
-    out.append(("FLOPs/step XLA vs analytic",
-                f"{w['xla_flops_per_step'] / 1e9:.0f} G vs {w['analytic_flops_per_step'] / 1e9:.0f} G"))
+    out.append(
+        (
+            "f32 step: fwd / bwd / update (s)",
+            f"{w['forward']:.2f} / {w['backward']:.2f} / {w['optimizer_update']:.2f}",
+        )
+    )
+    out.append(
+        (
+            "FLOPs/step XLA vs analytic",
+            f"{w['xla_flops_per_step'] / 1e9:.0f} G vs {w['analytic_flops_per_step'] / 1e9:.0f} G",
+        )
+    )
     return out

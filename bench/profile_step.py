@@ -22,17 +22,19 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
-from bench import common  # noqa: E402
+from bench import common
 
 # What an operation (or the body of a fusion) contains → kind; first match wins.
-KINDS = (("matmul", re.compile(r"\bdot\(|convolution\(|gemm|matmul")),
-         ("transcendental", re.compile(r"\b(sine|cosine|exponential|tanh|log)\(")),
-         ("reduction", re.compile(r"\breduce\(")),
-         ("scatter/gather", re.compile(r"\b(scatter|gather)\(")),
-         ("copy/transpose", re.compile(r"\b(copy|transpose)\(")),
-         ("elementwise", re.compile(r".")))
+KINDS = (
+    ("matmul", re.compile(r"\bdot\(|convolution\(|gemm|matmul")),
+    ("transcendental", re.compile(r"\b(sine|cosine|exponential|tanh|log)\(")),
+    ("reduction", re.compile(r"\breduce\(")),
+    ("scatter/gather", re.compile(r"\b(scatter|gather)\(")),
+    ("copy/transpose", re.compile(r"\b(copy|transpose)\(")),
+    ("elementwise", re.compile(r".")),
+)
 
 
 def fusion_bodies(hlo_text: str) -> dict[str, str]:
@@ -87,17 +89,25 @@ def main(argv=None) -> int:
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     trainer, timer = common.train_timer(config, batches, args.steps)
     with jax.set_mesh(trainer.mesh):
-        hlo = trainer.train_step.lower(trainer.init_state(),
-                                       trainer.global_batch(batches[0])).compile().as_text()
+        hlo = (
+            trainer.train_step.lower(trainer.init_state(), trainer.global_batch(batches[0]))
+            .compile()
+            .as_text()
+        )
     bodies = fusion_bodies(hlo)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             seconds = timer()
         events = trace_events(pathlib.Path(tmp))
     # Complete events with a duration, from the XLA runtime rather than Python.
-    ops = [e for e in events if e.get("ph") == "X" and "dur" in e
-           and not str(e.get("name", "")).startswith(("$", "<"))
-           and "python" not in str(e.get("cat", "")).lower()]
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and "dur" in e
+        and not str(e.get("name", "")).startswith(("$", "<"))
+        and "python" not in str(e.get("cat", "")).lower()
+    ]
     by_name = collections.Counter()
     for e in ops:
         by_name[e["name"]] += e["dur"] / 1e6
@@ -108,17 +118,27 @@ def main(argv=None) -> int:
     by_kind = collections.Counter()
     for n, s in leaves.items():
         by_kind[kind_of(n, bodies)] += s
-    print(f"{args.steps} steps, {seconds:.2f} s wall; {total:.2f} s in {len(leaves)} traced "
-          f"operations (summed over threads)")
+    print(
+        f"{args.steps} steps, {seconds:.2f} s wall; {total:.2f} s in {len(leaves)} traced "
+        f"operations (summed over threads)"
+    )
     for kind, s in by_kind.most_common():
         print(f"  {kind:<22} {s:7.2f} s  {100 * s / total:5.1f} %")
     print("top operations:")
-    for n, s in sorted(leaves.items(), key=lambda kv: -kv[1])[:args.top]:
+    for n, s in sorted(leaves.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {n[:40]:<40} {kind_of(n, bodies):<16} {s:7.3f} s  {100 * s / total:5.1f} %")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(
-            {"seconds": seconds, "steps": args.steps, "by_kind": dict(by_kind),
-             "by_name": dict(sorted(leaves.items(), key=lambda kv: -kv[1]))}, indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "steps": args.steps,
+                    "by_kind": dict(by_kind),
+                    "by_name": dict(sorted(leaves.items(), key=lambda kv: -kv[1])),
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -29,22 +29,34 @@ import time
 # Appended, not prepended: real fairscale / timm packages win over the stubs.
 sys.path.append(str(pathlib.Path(__file__).resolve().parent / "reference_stubs"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torchscale.architecture.config import DecoderConfig  # noqa: E402
-from torchscale.architecture.decoder import Decoder  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchscale.architecture.config import DecoderConfig
+from torchscale.architecture.decoder import Decoder
 
 
 def build(settings: dict):
     torch.manual_seed(settings["seed"])
     config = DecoderConfig(
-        decoder_layers=settings["layers"], decoder_embed_dim=settings["d_model"],
-        decoder_attention_heads=settings["heads"], decoder_ffn_embed_dim=settings["mlp"],
-        vocab_size=settings["vocab"], xpos_rel_pos=True, xpos_scale_base=512,
-        subln=False, deepnorm=False, decoder_normalize_before=True, activation_fn="gelu",
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, drop_path_rate=0.0,
-        share_decoder_input_output_embed=True, no_scale_embedding=True)
+        decoder_layers=settings["layers"],
+        decoder_embed_dim=settings["d_model"],
+        decoder_attention_heads=settings["heads"],
+        decoder_ffn_embed_dim=settings["mlp"],
+        vocab_size=settings["vocab"],
+        xpos_rel_pos=True,
+        xpos_scale_base=512,
+        subln=False,
+        deepnorm=False,
+        decoder_normalize_before=True,
+        activation_fn="gelu",
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        drop_path_rate=0.0,
+        share_decoder_input_output_embed=True,
+        no_scale_embedding=True,
+    )
     embed = torch.nn.Embedding(settings["vocab"], settings["d_model"])
     torch.nn.init.normal_(embed.weight, std=settings["d_model"] ** -0.5)  # tied: sane logits
     model = Decoder(config, embed_tokens=embed)
@@ -64,8 +76,9 @@ def batches(settings: dict, count: int = 8):
     out = []
     for _ in range(count):
         tokens = rng.integers(0, 258, (settings["batch"], settings["seq"] + 1), dtype=np.int64)
-        out.append((torch.from_numpy(tokens[:, :-1].copy()),
-                    torch.from_numpy(tokens[:, 1:].copy())))
+        out.append(
+            (torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(tokens[:, 1:].copy()))
+        )
     return out
 
 
@@ -86,8 +99,14 @@ def main() -> None:
     data = batches(settings)
     step(model, optimizer, *data[0])
     count = sum(p.numel() for p in model.parameters())
-    reply = {"ready": True, "params": count, "optimizer": kind, "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "pid": os.getpid()}
+    reply = {
+        "ready": True,
+        "params": count,
+        "optimizer": kind,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
     print(json.dumps(reply), flush=True)
     done = 0
     for line in sys.stdin:
@@ -100,8 +119,7 @@ def main() -> None:
             losses.append(step(model, optimizer, *data[done % len(data)]))
             done += 1
         seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds, "losses": [float(x) for x in losses]}),
-              flush=True)
+        print(json.dumps({"seconds": seconds, "losses": [float(x) for x in losses]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,22 +24,31 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench import common  # noqa: E402
+from bench import common
 
 BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu")
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(BENCHMARKS),
-                   help="comma-separated benchmark names (default: all)")
+    p.add_argument(
+        "--only",
+        default=",".join(BENCHMARKS),
+        help="comma-separated benchmark names (default: all)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="fewer rounds, shorter lengths")
-    p.add_argument("--reference_python",
-                   help="interpreter with torch + torchscale for train_vs_reference "
-                        "(default: this one, if it has them)")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch threads for the reference (JAX uses every core: set both equal)")
+    p.add_argument(
+        "--reference_python",
+        help="interpreter with torch + torchscale for train_vs_reference "
+        "(default: this one, if it has them)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads for the reference (JAX uses every core: set both equal)",
+    )
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -59,8 +68,9 @@ def table(results: dict) -> str:
             lines.append(f"{name}: ERROR {entry['error']}")
             continue
         status = {True: "met", False: "MISSED", None: "-"}[entry["met"]]
-        lines.append(f"{name}: {entry['value']:.3g} {entry['unit']} (target {entry['target']}: "
-                     f"{status})")
+        lines.append(
+            f"{name}: {entry['value']:.3g} {entry['unit']} (target {entry['target']}: {status})"
+        )
         module = importlib.import_module(f"bench.{name}")
         for label, text in module.rows(entry):
             lines.append(f"    {label:<38} {text}")
@@ -69,9 +79,14 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    results: dict = {"machine": dict(common.machine(), date=datetime.datetime.now(
-        datetime.timezone.utc).isoformat(timespec="seconds"), quick=args.quick,
-        command=" ".join(["python"] + sys.argv))}
+    results: dict = {
+        "machine": dict(
+            common.machine(),
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            quick=args.quick,
+            command=" ".join(["python"] + sys.argv),
+        )
+    }
     failed = False
     for name in args.names:
         module = importlib.import_module(f"bench.{name}")
@@ -79,9 +94,10 @@ def main(argv=None) -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
             results[name] = module.run(args)
-        except Exception as e:  # noqa: BLE001 - one benchmark's failure must not hide the others
+        except Exception as e:
             if not getattr(module, "EXPECTED_ERRORS", ()) or not isinstance(
-                    e, module.EXPECTED_ERRORS):
+                e, module.EXPECTED_ERRORS
+            ):
                 raise
             results[name] = {"error": str(e)}
             failed = True

@@ -47,7 +47,8 @@ def resolve_python(requested: str | None) -> str:
         raise ReferenceUnavailable(
             f"{where} cannot import torch and torchscale; install them into an environment "
             f"with `{INSTALL_HINT}` (torch CPU 2.13 + torchscale, kept out of lexjax's venv) and "
-            "pass --reference_python=PY")
+            "pass --reference_python=PY"
+        )
     return python
 
 
@@ -55,18 +56,28 @@ class Reference:
     """The torchscale training process, driven one request per line."""
 
     def __init__(self, python: str, settings: dict):
-        env = dict(os.environ, OMP_NUM_THREADS=str(settings["threads"]),
-                   MKL_NUM_THREADS=str(settings["threads"]))
-        self.proc = subprocess.Popen([python, str(REFERENCE_SCRIPT), json.dumps(settings)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, cwd=common.ROOT)
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(settings["threads"]),
+            MKL_NUM_THREADS=str(settings["threads"]),
+        )
+        self.proc = subprocess.Popen(
+            [python, str(REFERENCE_SCRIPT), json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=common.ROOT,
+        )
         self.info = self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise ReferenceUnavailable(f"the reference process exited with status "
-                                       f"{self.proc.wait()} (see its stderr above)")
+            raise ReferenceUnavailable(
+                f"the reference process exited with status "
+                f"{self.proc.wait()} (see its stderr above)"
+            )
         return json.loads(line)
 
     def run(self, steps: int) -> dict:
@@ -84,6 +95,7 @@ class Reference:
 def loss_curves(num_steps: int) -> dict:
     """float32 vs bfloat16 lexjax from the same init on the same text batches."""
     import jax
+
     from lexjax.training import Trainer
 
     config = common.tiny_config()
@@ -100,11 +112,15 @@ def loss_curves(num_steps: int) -> dict:
         curves[dtype] = [float(x) for x in jax.device_get(losses)]
     f32, bf16 = np.asarray(curves["float32"]), np.asarray(curves["bfloat16"])
     tail = max(1, num_steps // 5)
-    return {"steps": num_steps, "float32": curves["float32"], "bfloat16": curves["bfloat16"],
-            "max_abs_diff": float(np.max(np.abs(f32 - bf16))),
-            "final_mean_float32": float(f32[-tail:].mean()),
-            "final_mean_bfloat16": float(bf16[-tail:].mean()),
-            "first": float(f32[0])}
+    return {
+        "steps": num_steps,
+        "float32": curves["float32"],
+        "bfloat16": curves["bfloat16"],
+        "max_abs_diff": float(np.max(np.abs(f32 - bf16))),
+        "final_mean_float32": float(f32[-tail:].mean()),
+        "final_mean_bfloat16": float(bf16[-tail:].mean()),
+        "first": float(f32[0]),
+    }
 
 
 def run(args) -> dict:
@@ -113,9 +129,18 @@ def run(args) -> dict:
     m = config.model
     rounds, steps = (2, 1) if args.quick else (5, 2)
     batches = common.train_batches(config.batch_size, config.train_len, 4)
-    settings = dict(layers=m.num_layers, d_model=m.d_model, heads=m.num_heads, mlp=m.mlp_dim,
-                    vocab=m.vocab_size, seq=config.train_len, batch=config.batch_size,
-                    threads=args.threads, lr=config.learning_rate, seed=0)
+    settings = dict(
+        layers=m.num_layers,
+        d_model=m.d_model,
+        heads=m.num_heads,
+        mlp=m.mlp_dim,
+        vocab=m.vocab_size,
+        seq=config.train_len,
+        batch=config.batch_size,
+        threads=args.threads,
+        lr=config.learning_rate,
+        seed=0,
+    )
     reference = Reference(python, settings)
     try:
         _, f32 = common.train_timer(common.tiny_config(dtype="float32"), batches, steps)
@@ -127,23 +152,34 @@ def run(args) -> dict:
             ref_losses.extend(reply["losses"])
             return reply["seconds"]
 
-        seconds = common.alternate({"lexjax_float32": f32, "lexjax_bfloat16": bf16,
-                                    "reference": reference_side}, rounds)
+        seconds = common.alternate(
+            {"lexjax_float32": f32, "lexjax_bfloat16": bf16, "reference": reference_side}, rounds
+        )
     finally:
         reference.close()
     tokens = steps * config.batch_size * config.train_len
     rate = {k: common.Summary.of([tokens / s for s in v]) for k, v in seconds.items()}
-    ratio = {k: common.ratios(seconds["reference"], seconds[k])
-             for k in ("lexjax_float32", "lexjax_bfloat16")}
+    ratio = {
+        k: common.ratios(seconds["reference"], seconds[k])
+        for k in ("lexjax_float32", "lexjax_bfloat16")
+    }
     best = max(ratio, key=lambda k: ratio[k].median)
     curves = loss_curves(6 if args.quick else 30)
     return common.result(
-        ratio[best].median, "× reference tokens/s", "≥ 1.5×", ratio[best].median >= 1.5,
-        best=best, ratio={k: v.as_dict() for k, v in ratio.items()},
+        ratio[best].median,
+        "× reference tokens/s",
+        "≥ 1.5×",
+        ratio[best].median >= 1.5,
+        best=best,
+        ratio={k: v.as_dict() for k, v in ratio.items()},
         tokens_per_sec={k: v.as_dict() for k, v in rate.items()},
-        rounds=rounds, steps_per_round=steps, tokens_per_step=config.batch_size * config.train_len,
+        rounds=rounds,
+        steps_per_round=steps,
+        tokens_per_step=config.batch_size * config.train_len,
         reference=dict(reference.info, python=python, losses=ref_losses),
-        threads=args.threads, loss_curves=curves)
+        threads=args.threads,
+        loss_curves=curves,
+    )
 
 
 def rows(entry: dict) -> list[tuple[str, str]]:
@@ -154,7 +190,9 @@ def rows(entry: dict) -> list[tuple[str, str]]:
         ("torchscale tokens/s", common.fmt(t["reference"], ".0f")),
         ("ratio f32 / torchscale", common.fmt(r["lexjax_float32"], ".2f")),
         ("ratio bf16 / torchscale", common.fmt(r["lexjax_bfloat16"], ".2f")),
-        (f"loss f32 vs bf16 ({c['steps']} steps)",
-         f"{c['first']:.3f} → {c['final_mean_float32']:.3f} vs {c['final_mean_bfloat16']:.3f}; "
-         f"max |Δ| {c['max_abs_diff']:.3f}"),
+        (
+            f"loss f32 vs bf16 ({c['steps']} steps)",
+            f"{c['first']:.3f} → {c['final_mean_float32']:.3f} vs {c['final_mean_bfloat16']:.3f}; "
+            f"max |Δ| {c['max_abs_diff']:.3f}",
+        ),
     ]

@@ -41,26 +41,40 @@ def run(args) -> dict:
     eval_len = (2 if args.quick else 8) * config.train_len
     eval_batch = 4
     tokens = common.text_tokens(eval_batch * (eval_len + 1), seed=2).reshape(eval_batch, -1)
-    train = common.alternate({k: common.train_timer(common.tiny_config(position=k), batches,
-                                                    steps)[1] for k in KINDS}, rounds)
+    train = common.alternate(
+        {k: common.train_timer(common.tiny_config(position=k), batches, steps)[1] for k in KINDS},
+        rounds,
+    )
     evals = common.alternate({k: _eval_timer(k, tokens) for k in KINDS}, rounds)
     out = {}
-    for name, seconds, count in (("train_step", train, steps * config.batch_size * config.train_len),
-                                 ("eval_block_scan", evals, eval_batch * eval_len)):
+    for name, seconds, count in (
+        ("train_step", train, steps * config.batch_size * config.train_len),
+        ("eval_block_scan", evals, eval_batch * eval_len),
+    ):
         out[name] = {
-            "tokens_per_sec": {k: common.Summary.of([count / s for s in v]).as_dict()
-                               for k, v in seconds.items()},
-            "overhead_vs_none": {k: common.Summary.of(
-                [a / b - 1 for a, b in zip(v, seconds["none"])]).as_dict()
-                for k, v in seconds.items() if k != "none"},
+            "tokens_per_sec": {
+                k: common.Summary.of([count / s for s in v]).as_dict() for k, v in seconds.items()
+            },
+            "overhead_vs_none": {
+                k: common.Summary.of([a / b - 1 for a, b in zip(v, seconds["none"])]).as_dict()
+                for k, v in seconds.items()
+                if k != "none"
+            },
         }
     headline = out["train_step"]["overhead_vs_none"]["xpos"]["median"]
     eval_overhead = out["eval_block_scan"]["overhead_vs_none"]["xpos"]["median"]
     return common.result(
-        100 * headline, "% slower than position=none (train step)", "≤ 3%",
-        headline <= 0.03 and eval_overhead <= 0.03, eval_overhead_percent=100 * eval_overhead,
-        rounds=rounds, steps_per_round=steps, eval_tokens=eval_len, eval_batch=eval_batch,
-        **out)
+        100 * headline,
+        "% slower than position=none (train step)",
+        "≤ 3%",
+        headline <= 0.03 and eval_overhead <= 0.03,
+        eval_overhead_percent=100 * eval_overhead,
+        rounds=rounds,
+        steps_per_round=steps,
+        eval_tokens=eval_len,
+        eval_batch=eval_batch,
+        **out,
+    )
 
 
 def rows(entry: dict) -> list[tuple[str, str]]:

@@ -39,13 +39,23 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         # 1000 steps × 16 × 128 = 2.05 M tokens: about 4.5 minutes a run at ~8,000 tokens/s
         # (2 idle cores). At equal tokens batch 16 beat batch 8 (twice the steps) and
         # lr 3e-3 beat 6e-3.
-        c.train.update(dict(train_len=128, batch_size=16, num_train_steps=1000,
-                            checkpoint_every=200, eval_every=500, eval_batches=8,
-                            log_every=100, learning_rate=3e-3, warmup_steps=50))
+        c.train.update(
+            dict(
+                train_len=128,
+                batch_size=16,
+                num_train_steps=1000,
+                checkpoint_every=200,
+                eval_every=500,
+                eval_batches=8,
+                log_every=100,
+                learning_rate=3e-3,
+                warmup_steps=50,
+            )
+        )
         c.train.optim.update(dict(schedule="cosine", end_lr_fraction=0.05))
         c.runs = "sinusoidal,alibi,rope,xpos,xpos/b=512,rope/seed=1,xpos/seed=1"
-        c.bca_docs = 24       # held-out documents with ≥ 16 × 128 + 1 tokens (29 exist)
-        c.full_docs = 24      # the same documents without BCA (dense: O(length) per token)
+        c.bca_docs = 24  # held-out documents with ≥ 16 × 128 + 1 tokens (29 exist)
+        c.full_docs = 24  # the same documents without BCA (dense: O(length) per token)
         c.resolution_docs = 8
     elif preset == "paper":
         c.train = paper.get_config()
@@ -56,10 +66,20 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         c.resolution_docs = 32
     elif preset == "smoke":
         c.train = tiny.get_config()
-        c.train.model.update(dict(num_layers=1, d_model=32, num_heads=2, mlp_dim=64,
-                                  scale_base=8.0, max_len=16))
-        c.train.update(dict(train_len=16, batch_size=4, num_train_steps=2, checkpoint_every=2,
-                            eval_every=2, eval_batches=1, log_every=1))
+        c.train.model.update(
+            dict(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, scale_base=8.0, max_len=16)
+        )
+        c.train.update(
+            dict(
+                train_len=16,
+                batch_size=4,
+                num_train_steps=2,
+                checkpoint_every=2,
+                eval_every=2,
+                eval_batches=1,
+                log_every=1,
+            )
+        )
         c.runs = "rope,xpos"
         c.multipliers = "1,2"
         c.bca_docs = 2

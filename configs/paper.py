@@ -17,13 +17,27 @@ from configs import tiny
 
 def get_config():
     c = tiny.get_config()
-    c.model.update(dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096,
-                        max_len=1024, scale_base=512.0, dtype="bfloat16", remat=True,
-                        scan_layers=True, attention_impl="fused"))
+    c.model.update(
+        dict(
+            num_layers=24,
+            d_model=1024,
+            num_heads=16,
+            mlp_dim=4096,
+            max_len=1024,
+            scale_base=512.0,
+            dtype="bfloat16",
+            remat=True,
+            scan_layers=True,
+            attention_impl="fused",
+        )
+    )
     c.learning_rate = 3e-4
     c.warmup_steps = 375
-    c.optim.update(dict(schedule="polynomial",
-                        end_lr_fraction=0.0, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01))
+    c.optim.update(
+        dict(
+            schedule="polynomial", end_lr_fraction=0.0, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01
+        )
+    )
     c.sharding = "fsdp"
     c.mesh.update(dict(data=1, fsdp=-1, tensor=1))
     c.train_len = 1024

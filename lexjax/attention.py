@@ -20,9 +20,18 @@ import jax.numpy as jnp
 
 from lexjax import positions as pos_lib
 
-__all__ = ["RELATIVE_ENCODINGS", "ABSOLUTE_ENCODINGS", "POSITION_KINDS", "ATTENTION_IMPLS",
-           "encode_qk", "logit_bias", "attention_logits", "attend", "multihead_attention",
-           "fused_multihead_attention"]
+__all__ = [
+    "RELATIVE_ENCODINGS",
+    "ABSOLUTE_ENCODINGS",
+    "POSITION_KINDS",
+    "ATTENTION_IMPLS",
+    "encode_qk",
+    "logit_bias",
+    "attention_logits",
+    "attend",
+    "multihead_attention",
+    "fused_multihead_attention",
+]
 
 RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
@@ -34,8 +43,16 @@ ATTENTION_IMPLS = ("explicit", "fused")
 PositionKind = Literal["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
 
 
-def encode_qk(q, k, q_positions, k_positions, *, position: PositionKind,
-              scale_base: float = 512.0, theta: float = 10000.0):
+def encode_qk(
+    q,
+    k,
+    q_positions,
+    k_positions,
+    *,
+    position: PositionKind,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+):
     """Applies the rotary encodings (XPOS or RoPE) to queries and keys.
 
     For XPOS both position sets are shifted by the same integer so they are
@@ -46,8 +63,7 @@ def encode_qk(q, k, q_positions, k_positions, *, position: PositionKind,
     if position == "xpos":
         shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
         q = pos_lib.xpos(q, q_positions - shift, scale_base=scale_base, theta=theta)
-        k = pos_lib.xpos(k, k_positions - shift, scale_base=scale_base, theta=theta,
-                         downscale=True)
+        k = pos_lib.xpos(k, k_positions - shift, scale_base=scale_base, theta=theta, downscale=True)
     elif position == "rope":
         q = pos_lib.rope(q, q_positions, theta=theta)
         k = pos_lib.rope(k, k_positions, theta=theta)
@@ -81,12 +97,23 @@ def attend(logits, v, mask=None):
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=jnp.float32
-                      ).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=jnp.float32).astype(
+        v.dtype
+    )
 
 
-def multihead_attention(q, k, v, q_positions, k_positions, *, position: PositionKind,
-                        mask=None, scale_base: float = 512.0, theta: float = 10000.0):
+def multihead_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    *,
+    position: PositionKind,
+    mask=None,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+):
     """Encodes positions, scores, masks and attends. Returns (out, logits).
 
     ``mask`` is combined by the caller (causal/blockwise by position, segment
@@ -95,15 +122,26 @@ def multihead_attention(q, k, v, q_positions, k_positions, *, position: Position
     """
     q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
     k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
-    q, k = encode_qk(q, k, q_positions, k_positions, position=position,
-                     scale_base=scale_base, theta=theta)
+    q, k = encode_qk(
+        q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
+    )
     bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
     logits = attention_logits(q, k, bias=bias)
     return attend(logits, v, mask), logits
 
 
-def fused_multihead_attention(q, k, v, q_positions, k_positions, *, position: PositionKind,
-                              mask=None, scale_base: float = 512.0, theta: float = 10000.0):
+def fused_multihead_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    *,
+    position: PositionKind,
+    mask=None,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+):
     """Same result as :func:`multihead_attention` through ``jax.nn.dot_product_attention``.
 
     Positions are encoded exactly as there (XPOS/RoPE on q and k, ALiBi as a
@@ -112,13 +150,15 @@ def fused_multihead_attention(q, k, v, q_positions, k_positions, *, position: Po
     """
     q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
     k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
-    q, k = encode_qk(q, k, q_positions, k_positions, position=position,
-                     scale_base=scale_base, theta=theta)
+    q, k = encode_qk(
+        q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
+    )
     bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
     if bias is not None:
         bias = bias.astype(q.dtype)
     # JAX's automatic choice keeps XLA's unfused path even where cuDNN's
     # kernel applies (bf16/f16 on an NVIDIA GPU), so ask for it there.
     cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
-                                        implementation="cudnn" if cudnn else None)
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, implementation="cudnn" if cudnn else None
+    )

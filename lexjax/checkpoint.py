@@ -47,12 +47,15 @@ import os
 import re
 from typing import Any
 
-from etils import epath
 import grain
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from lexjax.distributed import all_processes
+from lexjax.errors import CheckpointError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -62,503 +65,506 @@ _STATE, _DATA_ITER, _CONFIG, _INTEGRITY = "state", "data_iter", "config", "integ
 _FORMAT = 1
 
 
-class CheckpointError(RuntimeError):
-  """A checkpoint cannot be written or read; the message says what to do."""
-
-
 class _Damaged(Exception):
-  """A step is unreadable or fails verification (internal)."""
+    """A step is unreadable or fails verification (internal)."""
 
 
 class _IteratorSnapshot:
-  """The iterator's state taken when `save` is called, for grain's handler.
+    """The iterator's state taken when `save` is called, for grain's handler.
 
-  Grain's handler calls `get_state()` itself; handing it a snapshot makes the
-  saved position the one at the call, whatever thread orbax writes it from.
-  """
+    Grain's handler calls `get_state()` itself; handing it a snapshot makes the
+    saved position the one at the call, whatever thread orbax writes it from.
+    """
 
-  def __init__(self, state_json: str):
-    self._state = state_json.encode()
+    def __init__(self, state_json: str):
+        self._state = state_json.encode()
 
-  def get_state(self) -> bytes:
-    return self._state
+    def get_state(self) -> bytes:
+        return self._state
 
 
 def _canonical_iterator_state(state: Any) -> str:
-  if isinstance(state, bytes):
-    state = json.loads(state.decode())
-  return json.dumps(state, sort_keys=True)
+    if isinstance(state, bytes):
+        state = json.loads(state.decode())
+    return json.dumps(state, sort_keys=True)
 
 
 def _sha256(text: str) -> str:
-  return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _host_value(x: Any) -> np.ndarray:
-  """The global value of one leaf as a C-ordered numpy array on this host."""
-  if isinstance(x, jax.Array):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    if not x.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True), order="C")
-  return np.asarray(x, order="C")  # not ascontiguousarray: it makes scalars 1-d
+    """The global value of one leaf as a C-ordered numpy array on this host."""
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True), order="C")
+    return np.asarray(x, order="C")  # not ascontiguousarray: it makes scalars 1-d
 
 
 def _leaf_record(x: Any) -> dict[str, Any]:
-  value = _host_value(x)
-  return {
-      "shape": list(value.shape),
-      "dtype": str(value.dtype),
-      "sha256": hashlib.sha256(value.tobytes()).hexdigest(),
-  }
+    value = _host_value(x)
+    return {
+        "shape": list(value.shape),
+        "dtype": str(value.dtype),
+        "sha256": hashlib.sha256(value.tobytes()).hexdigest(),
+    }
 
 
 def _leaf_names(tree: PyTree) -> list[tuple[str, Any]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
-
-
-def _all_processes_agree(ok: bool) -> bool:
-  """True only if `ok` is true on every process (a collective)."""
-  if jax.process_count() == 1:
-    return ok
-  flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
-  return bool(np.all(flags))
-
-
-def _first_line(e: BaseException, limit: int = 240) -> str:
-  """One line for a log: the innermost cause, where tensorstore says what broke."""
-  seen = {id(e)}
-  while (cause := e.__cause__ or e.__context__) is not None and id(cause) not in seen:
-    seen.add(id(cause))
-    e = cause
-  lines = str(e).strip().splitlines()
-  text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
 
 def _write_failure(e: BaseException) -> str:
-  """Why a write failed, in words: the OS error tensorstore names (e.g. "No space
-  left on device"), else the innermost exception's first line."""
-  text = str(e)
-  seen = {id(e)}
-  while (cause := e.__cause__ or e.__context__) is not None and id(cause) not in seen:
-    seen.add(id(cause))
-    e = cause
+    """Why a write failed, in words: the OS error tensorstore names (e.g. "No space
+    left on device"), else the innermost exception's first line."""
     text = str(e)
-  if m := re.search(r":\s*([^:\[]+?)\s*\[os_error_code", text):
-    return m.group(1)
-  return _first_line(e)
+    seen = {id(e)}
+    while (cause := e.__cause__ or e.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        e = cause
+        text = str(e)
+    if m := re.search(r":\s*([^:\[]+?)\s*\[os_error_code", text):
+        return m.group(1)
+    return one_line(e, innermost=True)
 
 
 class Checkpointer:
-  """Saves and restores train state, data iterator state and config by step.
+    """Saves and restores train state, data iterator state and config by step.
 
-  Call every method from every process (saves and restores are collective).
-  `save` returns once the state is copied off the devices; the write goes on
-  in the background (`async_save=True`) until `wait()`, the next `save` or
-  `close()`.
-  """
+    Call every method from every process (saves and restores are collective).
+    `save` returns once the state is copied off the devices; the write goes on
+    in the background (`async_save=True`) until `wait()`, the next `save` or
+    `close()`.
+    """
 
-  def __init__(
-      self,
-      directory: str | os.PathLike[str],
-      *,
-      keep: int | None = 3,
-      async_save: bool = True,
-      on_corrupt: str = "fallback",
-      verify_before_delete: bool = True,
-      read_only: bool = False,
-  ):
-    if on_corrupt not in ("fallback", "error"):
-      raise ValueError(f"on_corrupt must be 'fallback' or 'error', got {on_corrupt!r}")
-    if keep is not None and keep < 1:
-      raise ValueError(f"keep must be None or >= 1, got {keep}")
-    self.directory = epath.Path(directory)
-    self.keep = keep
-    self.on_corrupt = on_corrupt
-    self.verify_before_delete = verify_before_delete
-    self.read_only = read_only
-    self._verified: dict[int, bool] = {}
-    self._saved: set[int] = set()
-    self._check_directory()
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=None,
-        save_interval_steps=1,
-        create=False,
-        cleanup_tmp_directories=not read_only,
-        enable_async_checkpointing=async_save,
-        read_only=read_only,
-    )
-    try:
-      self._manager = ocp.CheckpointManager(
-          self.directory,
-          options=options,
-          item_handlers={
-              _STATE: ocp.StandardCheckpointHandler(),
-              _DATA_ITER: grain.checkpoint.CheckpointHandler(),
-              _CONFIG: ocp.JsonCheckpointHandler(),
-              _INTEGRITY: ocp.JsonCheckpointHandler(),
-          },
-      )
-    except Exception as e:
-      raise CheckpointError(
-          f"cannot open checkpoint directory {self.directory}: {_first_line(e)}"
-      ) from e
-
-  def _check_directory(self) -> None:
-    if self.read_only:
-      if not self.directory.is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {self.directory} does not exist; pass the"
-            " workdir of a training run"
-        )
-      return
-    try:
-      self.directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise CheckpointError(
-          f"cannot create checkpoint directory {self.directory}"
-          f" ({e.strerror or e}); choose a writable workdir"
-      ) from e
-    if not self.directory.is_dir():
-      raise CheckpointError(f"checkpoint path {self.directory} is not a directory")
-    if "://" not in os.fspath(self.directory) and not os.access(
-        self.directory, os.W_OK | os.X_OK
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int | None = 3,
+        async_save: bool = True,
+        on_corrupt: str = "fallback",
+        verify_before_delete: bool = True,
+        read_only: bool = False,
     ):
-      raise CheckpointError(
-          f"checkpoint directory {self.directory} is not writable; choose a"
-          " writable workdir"
-      )
-
-  # -- steps -----------------------------------------------------------------
-
-  def _step_dir(self, step: int) -> epath.Path:
-    return self.directory / str(step)
-
-  def all_steps(self) -> list[int]:
-    """Complete steps (finalized by orbax, integrity present), ascending."""
-    self._manager.reload()
-    return sorted(
-        s for s in self._manager.all_steps()
-        if (self._step_dir(s) / _INTEGRITY).is_dir()
-    )
-
-  def latest_step(self) -> int | None:
-    """The newest complete step, or None. It is not verified until restored."""
-    steps = self.all_steps()
-    return steps[-1] if steps else None
-
-  # -- save ------------------------------------------------------------------
-
-  def save(
-      self,
-      step: int,
-      state: PyTree,
-      *,
-      data_iter: Any = None,
-      config: dict[str, Any] | None = None,
-      force: bool = False,
-  ) -> bool:
-    """Starts saving `state` (and the iterator position, config) as `step`.
-
-    The caller decides when to save; every call saves, except a second save
-    of the same `step` by this object (e.g. a final save right after a
-    periodic one), which is skipped unless `force`. Existing steps at or
-    after `step` come from another history (a run that resumed from an
-    older step, say after a fallback): they are moved to DIR/superseded/,
-    never deleted. Returns True when a save was started.
-    """
-    if self.read_only:
-      raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
-    step = int(step)
-    self._finish_writes()
-    if step in self._saved and not force:
-      log.info("checkpoint step %d was already saved to %s; not saved again", step, self.directory)
-      return False
-    later = [s for s in self._all_step_dirs() if s >= step]
-    if later:
-      self._supersede(later)
-    self._collect_garbage()
-
-    integrity: dict[str, Any] = {
-        "format": _FORMAT,
-        "algorithm": "sha256",
-        "leaves": {name: _leaf_record(x) for name, x in _leaf_names(state)},
-        "data_iter": None,
-    }
-    items = {_STATE: ocp.args.StandardSave(state)}
-    if data_iter is not None:
-      snapshot = _canonical_iterator_state(data_iter.get_state())
-      digest = np.frombuffer(hashlib.sha256(snapshot.encode()).digest(), np.uint8)
-      if jax.process_count() > 1:
-        digests = multihost_utils.process_allgather(digest[None], tiled=True)
-      else:
-        digests = digest[None]
-      integrity["data_iter"] = {
-          "process_count": jax.process_count(),
-          "sha256": [bytes(d).hex() for d in np.asarray(digests)],
-      }
-      items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
-    if config is not None:
-      items[_CONFIG] = ocp.args.JsonSave(config.to_dict() if hasattr(config, "to_dict") else dict(config))
-    items[_INTEGRITY] = ocp.args.JsonSave(integrity)
-    try:
-      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    except Exception as e:
-      raise CheckpointError(
-          f"saving checkpoint step {step} to {self.directory} failed: {_first_line(e)}"
-      ) from e
-    self._saved = {s for s in self._saved if s < step} | {step}
-    return True
-
-  def wait(self) -> None:
-    """Blocks until the last save is finalized, then collects garbage."""
-    self._finish_writes()
-    if not self.read_only:
-      self._collect_garbage()
-
-  def _finish_writes(self) -> None:
-    """Waits for the background write of the last save; raises if it failed."""
-    try:
-      self._manager.wait_until_finished()
-      self._manager.check_for_errors()
-    except Exception as e:
-      step = f" step {max(self._saved)}" if self._saved else ""
-      raise CheckpointError(
-          f"writing checkpoint{step} to {self.directory} failed: {_write_failure(e)};"
-          " free space or fix the directory, then restart (older checkpoints are kept)"
-      ) from e
-
-  def close(self) -> None:
-    self.wait()
-    self._manager.close()
-
-  def _all_step_dirs(self) -> list[int]:
-    """Every finalized step directory, complete or not."""
-    self._manager.reload()
-    return sorted(self._manager.all_steps())
-
-  def _supersede(self, steps: list[int]) -> None:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    aside = self.directory / "superseded"
-    if jax.process_index() == 0:
-      aside.mkdir(parents=True, exist_ok=True)
-      for s in steps:
-        target = aside / f"{s}-{stamp}"
-        log.warning("checkpoint step %d in %s moved to %s before saving over it", s, self.directory, target)
-        self._step_dir(s).rename(target)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"lexjax_supersede_{steps[0]}")
-    for s in steps:
-      self._verified.pop(s, None)
-    self._manager.reload()
-
-  def _collect_garbage(self) -> None:
-    if self.keep is None:
-      return
-    steps = self.all_steps()
-    doomed = steps[: max(0, len(steps) - self.keep)]
-    if not doomed:
-      return
-    if self.verify_before_delete:
-      good = next((s for s in reversed(steps) if self._verify_on_host(s)), None)
-      doomed = [s for s in doomed if good is not None and s < good]
-    for s in doomed:
-      self._manager.delete(s)
-      self._verified.pop(s, None)
-
-  def _verify_on_host(self, step: int) -> bool:
-    """Reads `step` back into host memory and checks it (cached)."""
-    if step not in self._verified:
-      try:
-        integrity = self._read_integrity(step)
-        names = list(integrity["leaves"])
-        handler = ocp.PyTreeCheckpointHandler()
-        tree = handler.metadata(self._step_dir(step) / _STATE).tree
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        values = handler.restore(
-            self._step_dir(step) / _STATE,
-            args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args),
+        if on_corrupt not in ("fallback", "error"):
+            raise ValueError(f"on_corrupt must be 'fallback' or 'error', got {on_corrupt!r}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be None or >= 1, got {keep}")
+        self.directory = epath.Path(directory)
+        self.keep = keep
+        self.on_corrupt = on_corrupt
+        self.verify_before_delete = verify_before_delete
+        self.read_only = read_only
+        self._verified: dict[int, bool] = {}
+        self._saved: set[int] = set()
+        self._check_directory()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,
+            save_interval_steps=1,
+            create=False,
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=async_save,
+            read_only=read_only,
         )
-        handler.close()
-        flat = [leaf for _, leaf in _leaf_names(values)]
-        if len(flat) != len(names):
-          raise _Damaged(f"{len(flat)} arrays stored, integrity lists {len(names)}")
-        digests = sorted(_leaf_record(x)["sha256"] for x in flat)
-        if digests != sorted(r["sha256"] for r in integrity["leaves"].values()):
-          raise _Damaged("checksum mismatch")
-        ok = True
-      except _Damaged as e:
-        log.warning("checkpoint step %d in %s is damaged: %s; older steps are kept", step, self.directory, e)
-        ok = False
-      except Exception as e:
-        log.warning("checkpoint step %d in %s is damaged: %s; older steps are kept", step, self.directory, _first_line(e))
-        ok = False
-      self._verified[step] = _all_processes_agree(ok)
-    return self._verified[step]
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    _STATE: ocp.StandardCheckpointHandler(),
+                    _DATA_ITER: grain.checkpoint.CheckpointHandler(),
+                    _CONFIG: ocp.JsonCheckpointHandler(),
+                    _INTEGRITY: ocp.JsonCheckpointHandler(),
+                },
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot open checkpoint directory {self.directory}: {one_line(e, innermost=True)}"
+            ) from e
 
-  # -- restore ---------------------------------------------------------------
+    def _check_directory(self) -> None:
+        if self.read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(
+                    f"checkpoint directory {self.directory} does not exist; pass the"
+                    " workdir of a training run"
+                )
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create checkpoint directory {self.directory}"
+                f" ({e.strerror or e}); choose a writable workdir"
+            ) from e
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint path {self.directory} is not a directory")
+        if "://" not in os.fspath(self.directory) and not os.access(
+            self.directory, os.W_OK | os.X_OK
+        ):
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} is not writable; choose a writable workdir"
+            )
 
-  def _read_integrity(self, step: int) -> dict[str, Any]:
-    try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{_INTEGRITY: ocp.args.JsonRestore()})
-      )
-      integrity = restored[_INTEGRITY]
-    except Exception as e:
-      raise _Damaged(f"integrity record unreadable ({_first_line(e)})") from e
-    if not isinstance(integrity, dict) or integrity.get("format") != _FORMAT:
-      raise _Damaged("integrity record has an unknown format")
-    return integrity
+    # -- steps -----------------------------------------------------------------
 
-  def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
-    """The config dict saved with `step` (default: latest), or None if none was."""
-    step = self._pick_step(step)
-    if not (self._step_dir(step) / _CONFIG).is_dir():
-      return None
-    try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
-      )
-    except Exception as e:
-      raise CheckpointError(
-          f"config of checkpoint step {step} in {self.directory} is unreadable: {_first_line(e)}"
-      ) from e
-    return restored[_CONFIG]
+    def _step_dir(self, step: int) -> epath.Path:
+        return self.directory / str(step)
 
-  def _pick_step(self, step: int | None) -> int:
-    steps = self.all_steps()
-    if not steps:
-      raise CheckpointError(f"no complete checkpoint in {self.directory}")
-    if step is None:
-      return steps[-1]
-    if step not in steps:
-      raise CheckpointError(
-          f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}"
-      )
-    return step
+    def all_steps(self) -> list[int]:
+        """Complete steps (finalized by orbax, integrity present), ascending."""
+        self._manager.reload()
+        return sorted(
+            s for s in self._manager.all_steps() if (self._step_dir(s) / _INTEGRITY).is_dir()
+        )
 
-  def restore(
-      self,
-      step: int | None = None,
-      *,
-      abstract_state: PyTree,
-      data_iter: Any = None,
-  ) -> tuple[PyTree, dict[str, Any] | None, int]:
-    """Restores state onto the shardings of `abstract_state`.
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None. It is not verified until restored."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
-    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` whose `.sharding`
-    says where each leaf goes (any mesh, any device count). With
-    `step=None` the newest good step is used: damaged steps are reported and
-    skipped (`on_corrupt='fallback'`) or raise (`'error'`). A given `step`
-    that is damaged always raises. If `data_iter` is given, its position is
-    set to the saved one. Returns (state, config or None, step).
-    """
-    steps = self.all_steps()
-    if not steps:
-      raise CheckpointError(f"no complete checkpoint in {self.directory}")
-    if step is None:
-      candidates = list(reversed(steps))
-    else:
-      candidates = [self._pick_step(step)]
-    for i, s in enumerate(candidates):
-      try:
-        state = self._restore_step(s, abstract_state, data_iter)
-      except _Damaged as e:
-        message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
-        if step is not None or self.on_corrupt == "error":
-          raise CheckpointError(message) from e
-        if i + 1 < len(candidates):
-          log.warning("%s; falling back to step %d", message, candidates[i + 1])
+    # -- save ------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        data_iter: Any = None,
+        config: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Starts saving `state` (and the iterator position, config) as `step`.
+
+        The caller decides when to save; every call saves, except a second save
+        of the same `step` by this object (e.g. a final save right after a
+        periodic one), which is skipped unless `force`. Existing steps at or
+        after `step` come from another history (a run that resumed from an
+        older step, say after a fallback): they are moved to DIR/superseded/,
+        never deleted. Returns True when a save was started.
+        """
+        if self.read_only:
+            raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
+        step = int(step)
+        self._finish_writes()
+        if step in self._saved and not force:
+            log.info(
+                "checkpoint step %d was already saved to %s; not saved again", step, self.directory
+            )
+            return False
+        later = [s for s in self._all_step_dirs() if s >= step]
+        if later:
+            self._supersede(later)
+        self._collect_garbage()
+
+        integrity: dict[str, Any] = {
+            "format": _FORMAT,
+            "algorithm": "sha256",
+            "leaves": {name: _leaf_record(x) for name, x in _leaf_names(state)},
+            "data_iter": None,
+        }
+        items = {_STATE: ocp.args.StandardSave(state)}
+        if data_iter is not None:
+            snapshot = _canonical_iterator_state(data_iter.get_state())
+            digest = np.frombuffer(hashlib.sha256(snapshot.encode()).digest(), np.uint8)
+            if jax.process_count() > 1:
+                digests = multihost_utils.process_allgather(digest[None], tiled=True)
+            else:
+                digests = digest[None]
+            integrity["data_iter"] = {
+                "process_count": jax.process_count(),
+                "sha256": [bytes(d).hex() for d in np.asarray(digests)],
+            }
+            items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
+        if config is not None:
+            items[_CONFIG] = ocp.args.JsonSave(
+                config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            )
+        items[_INTEGRITY] = ocp.args.JsonSave(integrity)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.directory} failed: {one_line(e, innermost=True)}"
+            ) from e
+        self._saved = {s for s in self._saved if s < step} | {step}
+        return True
+
+    def wait(self) -> None:
+        """Blocks until the last save is finalized, then collects garbage."""
+        self._finish_writes()
+        if not self.read_only:
+            self._collect_garbage()
+
+    def _finish_writes(self) -> None:
+        """Waits for the background write of the last save; raises if it failed."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            step = f" step {max(self._saved)}" if self._saved else ""
+            raise CheckpointError(
+                f"writing checkpoint{step} to {self.directory} failed: {_write_failure(e)};"
+                " free space or fix the directory, then restart (older checkpoints are kept)"
+            ) from e
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+    def _all_step_dirs(self) -> list[int]:
+        """Every finalized step directory, complete or not."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def _supersede(self, steps: list[int]) -> None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        aside = self.directory / "superseded"
+        if jax.process_index() == 0:
+            aside.mkdir(parents=True, exist_ok=True)
+            for s in steps:
+                target = aside / f"{s}-{stamp}"
+                log.warning(
+                    "checkpoint step %d in %s moved to %s before saving over it",
+                    s,
+                    self.directory,
+                    target,
+                )
+                self._step_dir(s).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"lexjax_supersede_{steps[0]}")
+        for s in steps:
+            self._verified.pop(s, None)
+        self._manager.reload()
+
+    def _collect_garbage(self) -> None:
+        if self.keep is None:
+            return
+        steps = self.all_steps()
+        doomed = steps[: max(0, len(steps) - self.keep)]
+        if not doomed:
+            return
+        if self.verify_before_delete:
+            good = next((s for s in reversed(steps) if self._verify_on_host(s)), None)
+            doomed = [s for s in doomed if good is not None and s < good]
+        for s in doomed:
+            self._manager.delete(s)
+            self._verified.pop(s, None)
+
+    def _verify_on_host(self, step: int) -> bool:
+        """Reads `step` back into host memory and checks it (cached)."""
+        if step not in self._verified:
+            try:
+                integrity = self._read_integrity(step)
+                names = list(integrity["leaves"])
+                handler = ocp.PyTreeCheckpointHandler()
+                tree = handler.metadata(self._step_dir(step) / _STATE).tree
+                restore_args = jax.tree.map(
+                    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree
+                )
+                values = handler.restore(
+                    self._step_dir(step) / _STATE,
+                    args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args),
+                )
+                handler.close()
+                flat = [leaf for _, leaf in _leaf_names(values)]
+                if len(flat) != len(names):
+                    raise _Damaged(f"{len(flat)} arrays stored, integrity lists {len(names)}")
+                digests = sorted(_leaf_record(x)["sha256"] for x in flat)
+                if digests != sorted(r["sha256"] for r in integrity["leaves"].values()):
+                    raise _Damaged("checksum mismatch")
+                ok = True
+            except _Damaged as e:
+                log.warning(
+                    "checkpoint step %d in %s is damaged: %s; older steps are kept",
+                    step,
+                    self.directory,
+                    e,
+                )
+                ok = False
+            except Exception as e:
+                log.warning(
+                    "checkpoint step %d in %s is damaged: %s; older steps are kept",
+                    step,
+                    self.directory,
+                    one_line(e, innermost=True),
+                )
+                ok = False
+            self._verified[step] = all_processes(ok)
+        return self._verified[step]
+
+    # -- restore ---------------------------------------------------------------
+
+    def _read_integrity(self, step: int) -> dict[str, Any]:
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_INTEGRITY: ocp.args.JsonRestore()})
+            )
+            integrity = restored[_INTEGRITY]
+        except Exception as e:
+            raise _Damaged(f"integrity record unreadable ({one_line(e, innermost=True)})") from e
+        if not isinstance(integrity, dict) or integrity.get("format") != _FORMAT:
+            raise _Damaged("integrity record has an unknown format")
+        return integrity
+
+    def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
+        """The config dict saved with `step` (default: latest), or None if none was."""
+        step = self._pick_step(step)
+        if not (self._step_dir(step) / _CONFIG).is_dir():
+            return None
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"config of checkpoint step {step} in {self.directory} is unreadable: {one_line(e, innermost=True)}"
+            ) from e
+        return restored[_CONFIG]
+
+    def _pick_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}"
+            )
+        return step
+
+    def restore(
+        self, step: int | None = None, *, abstract_state: PyTree, data_iter: Any = None
+    ) -> tuple[PyTree, dict[str, Any] | None, int]:
+        """Restores state onto the shardings of `abstract_state`.
+
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` whose `.sharding`
+        says where each leaf goes (any mesh, any device count). With
+        `step=None` the newest good step is used: damaged steps are reported and
+        skipped (`on_corrupt='fallback'`) or raise (`'error'`). A given `step`
+        that is damaged always raises. If `data_iter` is given, its position is
+        set to the saved one. Returns (state, config or None, step).
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        if step is None:
+            candidates = list(reversed(steps))
         else:
-          log.warning("%s", message)
-        continue
-      self._verified[s] = True
-      config = self.restore_config(s)
-      return state, config, s
-    raise CheckpointError(f"no good checkpoint in {self.directory}: every step is damaged")
+            candidates = [self._pick_step(step)]
+        for i, s in enumerate(candidates):
+            try:
+                state = self._restore_step(s, abstract_state, data_iter)
+            except _Damaged as e:
+                message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
+                if step is not None or self.on_corrupt == "error":
+                    raise CheckpointError(message) from e
+                if i + 1 < len(candidates):
+                    log.warning("%s; falling back to step %d", message, candidates[i + 1])
+                else:
+                    log.warning("%s", message)
+                continue
+            self._verified[s] = True
+            config = self.restore_config(s)
+            return state, config, s
+        raise CheckpointError(f"no good checkpoint in {self.directory}: every step is damaged")
 
-  def _restore_step(self, step: int, abstract_state: PyTree, data_iter: Any) -> PyTree:
-    integrity = self._read_integrity(step)
-    saved = integrity["leaves"]
-    wanted = _leaf_names(abstract_state)
-    self._check_shapes(step, saved, wanted)
+    def _restore_step(self, step: int, abstract_state: PyTree, data_iter: Any) -> PyTree:
+        integrity = self._read_integrity(step)
+        saved = integrity["leaves"]
+        wanted = _leaf_names(abstract_state)
+        self._check_shapes(step, saved, wanted)
 
-    # Restore in the saved dtype so the checksum applies, then cast.
-    targets = [
-        jax.ShapeDtypeStruct(
-            tuple(saved[name]["shape"]),
-            np.dtype(saved[name]["dtype"]),
-            sharding=getattr(leaf, "sharding", None),
+        # Restore in the saved dtype so the checksum applies, then cast.
+        targets = [
+            jax.ShapeDtypeStruct(
+                tuple(saved[name]["shape"]),
+                np.dtype(saved[name]["dtype"]),
+                sharding=getattr(leaf, "sharding", None),
+            )
+            for name, leaf in wanted
+        ]
+        treedef = jax.tree_util.tree_structure(abstract_state)
+        target = jax.tree_util.tree_unflatten(treedef, targets)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+            )[_STATE]
+            records = [_leaf_record(x) for _, x in _leaf_names(restored)]
+            error = None
+        except Exception as e:
+            error = one_line(e, innermost=True)
+        if not all_processes(error is None):
+            raise _Damaged(f"orbax could not read it ({error or 'on another process'})")
+        bad = [
+            name for (name, _), r in zip(wanted, records) if r["sha256"] != saved[name]["sha256"]
+        ]
+        if bad:
+            raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
+
+        if data_iter is not None:
+            self._restore_iterator(step, integrity, data_iter)
+
+        flat = jax.tree_util.tree_leaves(restored)
+        cast = [
+            x.astype(leaf.dtype) if hasattr(leaf, "dtype") and x.dtype != leaf.dtype else x
+            for x, (_, leaf) in zip(flat, wanted)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, cast)
+
+    def _check_shapes(
+        self, step: int, saved: dict[str, Any], wanted: list[tuple[str, Any]]
+    ) -> None:
+        wanted_shapes = {
+            name: list(getattr(leaf, "shape", np.shape(leaf))) for name, leaf in wanted
+        }
+        saved_shapes = {name: r["shape"] for name, r in saved.items()}
+        if wanted_shapes == saved_shapes:
+            return
+        missing = sorted(set(wanted_shapes) - set(saved_shapes))
+        extra = sorted(set(saved_shapes) - set(wanted_shapes))
+        if missing or extra:
+            detail = f"arrays {missing[:1] or extra[:1]} {'missing' if missing else 'unexpected'}"
+        else:
+            name = next(n for n in wanted_shapes if wanted_shapes[n] != saved_shapes[n])
+            detail = (
+                f"{name} is {tuple(saved_shapes[name])} there, {tuple(wanted_shapes[name])} here"
+            )
+        raise CheckpointError(
+            f"the checkpoint at {self._step_dir(step)} has a different model shape"
+            f" ({detail}); use a new workdir or the config it was trained with"
         )
-        for name, leaf in wanted
-    ]
-    treedef = jax.tree_util.tree_structure(abstract_state)
-    target = jax.tree_util.tree_unflatten(treedef, targets)
-    try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
-      )[_STATE]
-      records = [_leaf_record(x) for _, x in _leaf_names(restored)]
-      error = None
-    except Exception as e:
-      error = _first_line(e)
-    if not _all_processes_agree(error is None):
-      raise _Damaged(f"orbax could not read it ({error or 'on another process'})")
-    bad = [name for (name, _), r in zip(wanted, records) if r["sha256"] != saved[name]["sha256"]]
-    if bad:
-      raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
 
-    if data_iter is not None:
-      self._restore_iterator(step, integrity, data_iter)
-
-    flat = jax.tree_util.tree_leaves(restored)
-    cast = [
-        x.astype(leaf.dtype) if hasattr(leaf, "dtype") and x.dtype != leaf.dtype else x
-        for x, (_, leaf) in zip(flat, wanted)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, cast)
-
-  def _check_shapes(self, step: int, saved: dict[str, Any], wanted: list[tuple[str, Any]]) -> None:
-    wanted_shapes = {name: list(getattr(leaf, "shape", np.shape(leaf))) for name, leaf in wanted}
-    saved_shapes = {name: r["shape"] for name, r in saved.items()}
-    if wanted_shapes == saved_shapes:
-      return
-    missing = sorted(set(wanted_shapes) - set(saved_shapes))
-    extra = sorted(set(saved_shapes) - set(wanted_shapes))
-    if missing or extra:
-      detail = f"arrays {missing[:1] or extra[:1]} {'missing' if missing else 'unexpected'}"
-    else:
-      name = next(n for n in wanted_shapes if wanted_shapes[n] != saved_shapes[n])
-      detail = f"{name} is {tuple(saved_shapes[name])} there, {tuple(wanted_shapes[name])} here"
-    raise CheckpointError(
-        f"the checkpoint at {self._step_dir(step)} has a different model shape"
-        f" ({detail}); use a new workdir or the config it was trained with"
-    )
-
-  def _restore_iterator(self, step: int, integrity: dict[str, Any], data_iter: Any) -> None:
-    record = integrity.get("data_iter")
-    if record is None:
-      log.warning("checkpoint step %d has no data iterator state; the iterator starts from its beginning", step)
-      return
-    count, index = jax.process_count(), jax.process_index()
-    if record["process_count"] != count:
-      raise CheckpointError(
-          f"checkpoint step {step} in {self.directory} holds data iterator state for"
-          f" {record['process_count']} processes, this run has {count}; restore"
-          " without data_iter or run with the same number of processes"
-      )
-    path = self._step_dir(step) / _DATA_ITER / f"process_{index}-of-{count}.json"
-    try:
-      state = _canonical_iterator_state(path.read_text().encode())
-      ok = _sha256(state) == record["sha256"][index]
-      error = None if ok else "checksum mismatch"
-    except Exception as e:
-      error = f"unreadable ({_first_line(e)})"
-    if not _all_processes_agree(error is None):
-      raise _Damaged(f"data iterator state {error or 'damaged on another process'}")
-    if isinstance(data_iter, grain.DatasetIterator):
-      data_iter.set_state(json.loads(state))
-    else:
-      data_iter.set_state(state.encode())
+    def _restore_iterator(self, step: int, integrity: dict[str, Any], data_iter: Any) -> None:
+        record = integrity.get("data_iter")
+        if record is None:
+            log.warning(
+                "checkpoint step %d has no data iterator state; the iterator starts from its beginning",
+                step,
+            )
+            return
+        count, index = jax.process_count(), jax.process_index()
+        if record["process_count"] != count:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds data iterator state for"
+                f" {record['process_count']} processes, this run has {count}; restore"
+                " without data_iter or run with the same number of processes"
+            )
+        path = self._step_dir(step) / _DATA_ITER / f"process_{index}-of-{count}.json"
+        try:
+            state = _canonical_iterator_state(path.read_text().encode())
+            ok = _sha256(state) == record["sha256"][index]
+            error = None if ok else "checksum mismatch"
+        except Exception as e:
+            error = f"unreadable ({one_line(e, innermost=True)})"
+        if not all_processes(error is None):
+            raise _Damaged(f"data iterator state {error or 'damaged on another process'}")
+        if isinstance(data_iter, grain.DatasetIterator):
+            data_iter.set_state(json.loads(state))
+        else:
+            data_iter.set_state(state.encode())

@@ -11,8 +11,23 @@ import os
 import sys
 
 from lexjax.config import ConfigError, from_configdict
+from lexjax.errors import LexjaxError, one_line
 
-__all__ = ["run_training", "fail"]
+__all__ = ["main", "run_training", "fail"]
+
+
+def main(program, *args, **kwargs) -> int:
+    """Runs one program's body: the one place its user errors are caught.
+
+    A :class:`lexjax.errors.LexjaxError` becomes ``error: <one line>`` on
+    stderr and the exit status of its kind (see :mod:`lexjax.errors`).
+    """
+    quiet_checkpoint_io_noise()
+    try:
+        return program(*args, **kwargs) or 0
+    except LexjaxError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return e.exit_code
 
 
 def fail(message: str, code: int = 1):
@@ -34,8 +49,10 @@ class _NoOrbaxErrors(logging.Filter):
         if f"{os.sep}orbax{os.sep}" in record.pathname:
             return False
         exc = record.exc_info[1] if record.exc_info else None
-        return not (record.name == "asyncio" and (
-            _from_checkpoint_io(exc) or f"{os.sep}orbax{os.sep}" in record.getMessage()))
+        return not (
+            record.name == "asyncio"
+            and (_from_checkpoint_io(exc) or f"{os.sep}orbax{os.sep}" in record.getMessage())
+        )
 
 
 def _from_checkpoint_io(exc: BaseException | None, obj=None) -> bool:
@@ -79,6 +96,7 @@ def run_training(configdict, workdir: str, cluster=None) -> int:
     """Trains from a config; ``cluster`` (a ``distributed.ClusterOptions``) joins a
     multi-process run first. Only process 0 prints the summary."""
     from lexjax import distributed
+
     quiet_checkpoint_io_noise()
     try:
         config = from_configdict(configdict)
@@ -88,7 +106,9 @@ def run_training(configdict, workdir: str, cluster=None) -> int:
     except distributed.DistributedError as e:
         fail(str(e))
     import jax
+
     from lexjax import checkpoint, training
+
     try:
         summary = training.train(config, workdir)
     except ConfigError as e:
@@ -100,14 +120,17 @@ def run_training(configdict, workdir: str, cluster=None) -> int:
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
         print(f"already trained {summary['step']} steps; checkpoint: {summary['checkpoint_dir']}")
     elif summary.get("stopped_by") is None:
-        print(f"trained {summary['step']} steps: loss {summary.get('loss', float('nan')):.4f}, "
-              f"validation loss {summary.get('val_loss', float('nan')):.4f}")
+        print(
+            f"trained {summary['step']} steps: loss {summary.get('loss', float('nan')):.4f}, "
+            f"validation loss {summary.get('val_loss', float('nan')):.4f}"
+        )
         print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")
         print(f"next: python eval.py --workdir={workdir}")
     return 0
 
 
 # --------------------------------------------------------------------------- eval.py
+
 
 def parse_lengths(values) -> list[int] | None:
     """``--lengths`` strings → sorted positive ints; None or empty → None (the default)."""
@@ -136,20 +159,24 @@ def load_run(workdir: str):
 
     import jax
 
-    from lexjax import checkpoint as ckpt_lib, training
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import training
     from lexjax.config import MeshConfig
 
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax needs absolute paths
     if not os.path.isdir(directory):
         raise ckpt_lib.CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
-            f"python train.py --workdir={workdir}")
+            f"python train.py --workdir={workdir}"
+        )
     checkpointer = ckpt_lib.Checkpointer(directory, read_only=True)
     try:
         stored = checkpointer.restore_config()
         if stored is None:
-            raise ckpt_lib.CheckpointError(f"the latest checkpoint in {directory} has no config; "
-                                           "it was not written by train.py")
+            raise ckpt_lib.CheckpointError(
+                f"the latest checkpoint in {directory} has no config; "
+                "it was not written by train.py"
+            )
         config = from_configdict(stored)
         config = dataclasses.replace(config, mesh=MeshConfig(data=-1, fsdp=1, tensor=1))
         trainer = training.Trainer(config, devices=jax.devices()[:1])
@@ -178,15 +205,17 @@ def _documents(config, eval_files: str | None, say):
     d = config.data
     for split in ("test", "validation"):
         try:
-            source = data_lib.load_source(d.name, split, data_dir=d.data_dir, files=d.files,
-                                          text_feature=d.text_feature)
+            source = data_lib.load_source(
+                d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
+            )
         except ValueError as e:
             if split == "validation":
                 raise
             say(f"note: {e}; using the validation split")
             continue
-        return f"{d.name} {split} split", [data_lib.as_document(source[i])
-                                           for i in range(len(source))]
+        return f"{d.name} {split} split", [
+            data_lib.as_document(source[i]) for i in range(len(source))
+        ]
 
 
 def _pick(documents, lengths, explicit: bool, max_docs: int, where: str, say):
@@ -196,11 +225,15 @@ def _pick(documents, lengths, explicit: bool, max_docs: int, where: str, say):
     usable = [n for n in lengths if n + 1 <= longest]
     if len(usable) < len(lengths):
         dropped = [n for n in lengths if n not in usable]
-        detail = (f"{where} has {len(documents)} documents, the longest {longest} tokens; "
-                  f"length {dropped[-1]} needs {dropped[-1] + 1}")
+        detail = (
+            f"{where} has {len(documents)} documents, the longest {longest} tokens; "
+            f"length {dropped[-1]} needs {dropped[-1] + 1}"
+        )
         if explicit or not usable:
-            raise ValueError(f"no document is long enough: {detail}; choose smaller --lengths "
-                             "or other --eval_files")
+            raise ValueError(
+                f"no document is long enough: {detail}; choose smaller --lengths "
+                "or other --eval_files"
+            )
         say(f"note: dropping lengths {', '.join(map(str, dropped))}: {detail}")
     chosen = [d for d in documents if len(d) >= usable[-1] + 1][:max_docs]
     return usable, chosen
@@ -211,6 +244,7 @@ class _ProgressLine:
 
     def __init__(self):
         import time
+
         self.tty = sys.stderr.isatty()
         self.clock = time.perf_counter
         self.t0 = self.clock()
@@ -221,29 +255,47 @@ class _ProgressLine:
         width = 30
         filled = int(width * done / max(total, 1))
         rate = done / max(self.clock() - self.t0, 1e-9)
-        print(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} tokens {label} "
-              f"{rate:,.0f} tok/s ", end="", file=sys.stderr, flush=True)
+        print(
+            f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} tokens {label} "
+            f"{rate:,.0f} tok/s ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self):
         if self.tty:
             print(file=sys.stderr, flush=True)
 
 
-def run_eval(workdir: str, *, lengths=None, bca: str = "both", eval_files: str | None = None,
-             max_docs: int = 20, resolution: bool = False, figure: bool = False,
-             generate: bool = False, prompt: str = "", max_new_tokens: int = 256,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0) -> int:
+def run_eval(
+    workdir: str,
+    *,
+    lengths=None,
+    bca: str = "both",
+    eval_files: str | None = None,
+    max_docs: int = 20,
+    resolution: bool = False,
+    figure: bool = False,
+    generate: bool = False,
+    prompt: str = "",
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> int:
     """eval.py: perplexity by length (and resolution, Figure 1) or generation.
 
     Writes ``WORKDIR/eval/perplexity.{json,png}`` (and ``resolution.json``,
     ``expectation.png``); user errors end in one line on stderr, exit status 1
     (2 for a bad flag value).
     """
-    from lexjax import checkpoint as ckpt_lib, evaluation
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import evaluation
 
     quiet_checkpoint_io_noise()
-    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda message: print(message, file=sys.stderr, flush=True)
     if bca not in ("both", "on", "off"):
         fail(f"--bca={bca!r}: use both, on or off", 2)
     if max_docs < 1:
@@ -258,10 +310,22 @@ def run_eval(workdir: str, *, lengths=None, bca: str = "both", eval_files: str |
         fail(str(e).splitlines()[0])
     try:
         if generate:
-            return _run_generate(config, params, prompt, max_new_tokens, temperature, top_k,
-                                 top_p, seed)
-        return _run_perplexity(config, params, step, workdir, requested, bca, eval_files,
-                               max_docs, resolution, figure, say)
+            return _run_generate(
+                config, params, prompt, max_new_tokens, temperature, top_k, top_p, seed
+            )
+        return _run_perplexity(
+            config,
+            params,
+            step,
+            workdir,
+            requested,
+            bca,
+            eval_files,
+            max_docs,
+            resolution,
+            figure,
+            say,
+        )
     except (evaluation.EvaluationError, ValueError, OSError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -270,23 +334,33 @@ def _run_generate(config, params, prompt, max_new_tokens, temperature, top_k, to
     import jax
     import numpy as np
 
-    from lexjax import data as data_lib, generation
+    from lexjax import data as data_lib
+    from lexjax import generation
     from lexjax.model import Decoder
 
     tokens = np.concatenate([[data_lib.BOS], data_lib.encode(prompt)]).astype(np.int32)
-    out = generation.generate(Decoder(config.model), params, tokens[None], block=config.block,
-                              max_new_tokens=max_new_tokens, rng=jax.random.key(seed),
-                              temperature=temperature, top_k=top_k, top_p=top_p)
+    out = generation.generate(
+        Decoder(config.model),
+        params,
+        tokens[None],
+        block=config.block,
+        max_new_tokens=max_new_tokens,
+        rng=jax.random.key(seed),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     out = np.asarray(out[0])
     end = np.nonzero(out == data_lib.EOS)[0]
     if len(end):
-        out = out[:end[0]]
+        out = out[: end[0]]
     sys.stdout.write(prompt + data_lib.decode(out) + "\n")
     return 0
 
 
-def _run_perplexity(config, params, step, workdir, requested, bca, eval_files, max_docs,
-                    resolution, figure, say):
+def _run_perplexity(
+    config, params, step, workdir, requested, bca, eval_files, max_docs, resolution, figure, say
+):
     import os
 
     from lexjax import evaluation, reports
@@ -317,29 +391,46 @@ def _run_perplexity(config, params, step, workdir, requested, bca, eval_files, m
             continue
         progress = _ProgressLine()
         try:
-            results += evaluation.perplexity(model, params, chosen, mode_lengths,
-                                             block=config.block, modes=[mode],
-                                             progress=progress)
+            results += evaluation.perplexity(
+                model,
+                params,
+                chosen,
+                mode_lengths,
+                block=config.block,
+                modes=[mode],
+                progress=progress,
+            )
         finally:
             progress.close()
     # Every length shares the largest's documents, so every cell scores the same tokens.
-    print(f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
-          f"on {where}\n")
+    print(
+        f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
+        f"on {where}\n"
+    )
     print(reports.perplexity_table(results, position))
-    summary = reports.perplexity_json(results, train_len=train_len, position=position, step=step,
-                                      source=where)
+    summary = reports.perplexity_json(
+        results, train_len=train_len, position=position, step=step, source=where
+    )
     reports.write_json(os.path.join(out_dir, "perplexity.json"), summary)
-    reports.plot_perplexity(results, os.path.join(out_dir, "perplexity.png"),
-                            train_len=train_len, title=f"{position}, train_len {train_len}")
+    reports.plot_perplexity(
+        results,
+        os.path.join(out_dir, "perplexity.png"),
+        train_len=train_len,
+        title=f"{position}, train_len {train_len}",
+    )
     written = ["perplexity.json", "perplexity.png"]
     if resolution:
         _run_resolution(config, params, model, documents, modes, max_docs, where, out_dir, step)
         written.append("resolution.json")
     if figure:
         m = config.model
-        reports.plot_expectation(os.path.join(out_dir, "expectation.png"), head_dim=m.head_dim,
-                                 scale_base=m.scale_base, theta=m.theta,
-                                 max_distance=max(8 * int(m.scale_base), 2 * train_len))
+        reports.plot_expectation(
+            os.path.join(out_dir, "expectation.png"),
+            head_dim=m.head_dim,
+            scale_base=m.scale_base,
+            theta=m.theta,
+            max_distance=max(8 * int(m.scale_base), 2 * train_len),
+        )
         written.append("expectation.png")
     print(f"\nwrote {', '.join(os.path.join(out_dir, w) for w in written)}")
     return 0
@@ -358,22 +449,31 @@ def _run_resolution(config, params, model, documents, modes, max_docs, where, ou
     if not chosen:
         raise evaluation.EvaluationError(
             f"resolution needs documents of {longest} tokens; {where} has none "
-            f"(longest {max((len(d) for d in documents), default=0)})")
+            f"(longest {max((len(d) for d in documents), default=0)})"
+        )
     results = []
     for mode in modes:
         for length in (train_len, longest):
             tokens = np.stack([d[:length] for d in chosen])
             try:
-                results.append(evaluation.measure_resolution(model, params, tokens,
-                                                             block=config.block, mode=mode))
+                results.append(
+                    evaluation.measure_resolution(
+                        model, params, tokens, block=config.block, mode=mode
+                    )
+                )
             except evaluation.EvaluationError as e:
                 if len(modes) == 1:
                     raise
-                print(f"note: no resolution at length {length} without BCA: {e}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"note: no resolution at length {length} without BCA: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print("\nattention resolution (paper eq. 3 with eq. 11)\n")
     print(reports.resolution_table(results, config.model.position))
-    reports.write_json(os.path.join(out_dir, "resolution.json"),
-                       reports.resolution_json(results, train_len=train_len,
-                                               position=config.model.position, step=step,
-                                               source=where))
+    reports.write_json(
+        os.path.join(out_dir, "resolution.json"),
+        reports.resolution_json(
+            results, train_len=train_len, position=config.model.position, step=step, source=where
+        ),
+    )

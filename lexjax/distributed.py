@@ -31,13 +31,16 @@ import os
 import jax
 import numpy as np
 
-from lexjax.config import ConfigError
+from lexjax.errors import ConfigError, DistributedError
 
-__all__ = ["ClusterOptions", "DistributedError", "detect_cluster", "initialize", "any_process"]
-
-
-class DistributedError(RuntimeError):
-    """The processes of a multi-process run could not join; the message says why."""
+__all__ = [
+    "ClusterOptions",
+    "DistributedError",
+    "detect_cluster",
+    "initialize",
+    "any_process",
+    "all_processes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +71,9 @@ def detect_cluster() -> str | None:
     process's id by itself.
     """
     if os.environ.get("TPU_WORKER_HOSTNAMES") or (
-            (glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
-            and not os.environ.get("TPU_SKIP_MDS_QUERY")):
+        (glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+        and not os.environ.get("TPU_SKIP_MDS_QUERY")
+    ):
         return "Cloud TPU"
     if os.environ.get("SLURM_STEP_NODELIST") and _int_env("SLURM_NTASKS") > 1:
         return "SLURM"
@@ -84,15 +88,20 @@ def _check(options: ClusterOptions) -> bool:
     """Validates the options; True if explicit coordinator flags were given."""
     if options.mode not in ("auto", "on", "off"):
         raise ConfigError(f"--distributed={options.mode!r}: use auto, on or off")
-    given = {"coordinator_address": options.coordinator_address,
-             "num_processes": options.num_processes, "process_id": options.process_id}
+    given = {
+        "coordinator_address": options.coordinator_address,
+        "num_processes": options.num_processes,
+        "process_id": options.process_id,
+    }
     named = [k for k, v in given.items() if v is not None]
     if options.mode == "off" and named:
         raise ConfigError(f"--{named[0]} was given with --distributed=off; drop one of them")
     if named and len(named) < 3 and options.mode == "auto":
         missing = [k for k in given if k not in named]
-        raise ConfigError(f"--{', --'.join(named)} given without --{', --'.join(missing)}; "
-                          "pass all three, or none to let JAX detect the cluster")
+        raise ConfigError(
+            f"--{', --'.join(named)} given without --{', --'.join(missing)}; "
+            "pass all three, or none to let JAX detect the cluster"
+        )
     address = options.coordinator_address
     if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
         raise ConfigError(f"--coordinator_address={address!r}: use HOST:PORT of process 0")
@@ -127,7 +136,8 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
             process_id=options.process_id,
             initialization_timeout=options.initialization_timeout_s,
             heartbeat_timeout_seconds=options.heartbeat_timeout_s,
-            shutdown_timeout_seconds=options.shutdown_timeout_s)
+            shutdown_timeout_seconds=options.shutdown_timeout_s,
+        )
     except Exception as e:  # jaxlib raises its own runtime errors; report any in one line
         lines = str(e).strip().splitlines()
         reason = lines[0] if lines else type(e).__name__
@@ -135,17 +145,25 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
         raise DistributedError(
             f"could not join the multi-process run via {where} within "
             f"{options.initialization_timeout_s}s ({reason}); start every process with the "
-            "same --coordinator_address and --num_processes, and distinct --process_id") from e
+            "same --coordinator_address and --num_processes, and distinct --process_id"
+        ) from e
     # One collective while every process is here: CPU (gloo) contexts are set up on
     # first use and give up after 30 s if a peer is late, e.g. still building data.
     any_process(False)
     return how or "jax auto-detection"
 
 
+def _gather_flags(flag: bool) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(np.array([int(flag)], np.int32))
+
+
 def any_process(flag: bool) -> bool:
     """True if ``flag`` is true on any process (a collective: call it on every process)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.array([int(flag)], np.int32))
-    return bool(np.any(flags))
+    return flag if jax.process_count() == 1 else bool(np.any(_gather_flags(flag)))
+
+
+def all_processes(flag: bool) -> bool:
+    """True only if ``flag`` is true on every process (a collective)."""
+    return flag if jax.process_count() == 1 else bool(np.all(_gather_flags(flag)))

@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,20 +53,29 @@ import numpy as np
 from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax.config import ModelConfig
+from lexjax.errors import EvaluationError
 from lexjax.model import Decoder, init_cache
 
-__all__ = ["EvaluationError", "MODES", "block_positions", "block_step", "block_scan_logprobs",
-           "full_logprobs", "check_full_length", "segments", "PerplexityResult", "perplexity",
-           "ResolutionResult", "measure_resolution"]
+__all__ = [
+    "EvaluationError",
+    "MODES",
+    "block_positions",
+    "block_step",
+    "block_scan_logprobs",
+    "full_logprobs",
+    "check_full_length",
+    "segments",
+    "PerplexityResult",
+    "perplexity",
+    "ResolutionResult",
+    "measure_resolution",
+]
 
 MODES = ("bca", "full")
 
 
-class EvaluationError(ValueError):
-    """An evaluation that cannot be done as asked; the message says what to change."""
-
-
 # --------------------------------------------------------------------------- the block scan
+
 
 def block_positions(block_index, block: int):
     """Window-relative positions ``[W]`` of the current block: ``0 … w−1`` for the
@@ -90,8 +99,9 @@ def _layer_scores(intermediates) -> jax.Array:
     return jnp.stack([tree[f"layer_{i}"]["attention"]["scores"][0] for i in range(count)])
 
 
-def block_step(model: Decoder, params, carry: dict, tokens_BxW, block_index, *,
-               capture_scores: bool = False):
+def block_step(
+    model: Decoder, params, carry: dict, tokens_BxW, block_index, *, capture_scores: bool = False
+):
     """One BCA step: the current block attends to ``[previous block, itself]``.
 
     Args:
@@ -107,18 +117,25 @@ def block_step(model: Decoder, params, carry: dict, tokens_BxW, block_index, *,
     """
     B, W = tokens_BxW.shape
     positions_BxW = jnp.broadcast_to(block_positions(block_index, W), (B, W))
-    cache = {"k": carry["k"], "v": carry["v"], "valid": carry["valid"],
-             "positions": jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))}
+    cache = {
+        "k": carry["k"],
+        "v": carry["v"],
+        "valid": carry["valid"],
+        "positions": jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W)),
+    }
     scores = None
     if capture_scores:
         (logits, kv), intermediates = model.apply(
-            {"params": params}, tokens_BxW, positions_BxW, cache=cache,
-            mutable=["intermediates"])
+            {"params": params}, tokens_BxW, positions_BxW, cache=cache, mutable=["intermediates"]
+        )
         scores = _layer_scores(intermediates)
     else:
         logits, kv = model.apply({"params": params}, tokens_BxW, positions_BxW, cache=cache)
-    new_carry = {"k": kv["k"].astype(carry["k"].dtype), "v": kv["v"].astype(carry["v"].dtype),
-                 "valid": jnp.ones((B, W), bool)}
+    new_carry = {
+        "k": kv["k"].astype(carry["k"].dtype),
+        "v": kv["v"].astype(carry["v"].dtype),
+        "valid": jnp.ones((B, W), bool),
+    }
     return logits, new_carry, scores
 
 
@@ -133,7 +150,7 @@ def _pad_to(x_BxN, multiple: int):
     return jnp.pad(x_BxN, ((0, 0), (0, padded - n)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_scan(model: Decoder, block: int, capture_scores: bool):
     """``(params, inputs [B, n·w], targets [B, n·w]) → (logprobs [B, n·w], scores)``, jitted.
 
@@ -144,18 +161,22 @@ def _compiled_scan(model: Decoder, block: int, capture_scores: bool):
     def run(params, inputs_BxN, targets_BxN):
         B, N = inputs_BxN.shape
         n = N // block
-        blocks = (inputs_BxN.reshape(B, n, block).swapaxes(0, 1),
-                  targets_BxN.reshape(B, n, block).swapaxes(0, 1),
-                  jnp.arange(n, dtype=jnp.int32))
+        blocks = (
+            inputs_BxN.reshape(B, n, block).swapaxes(0, 1),
+            targets_BxN.reshape(B, n, block).swapaxes(0, 1),
+            jnp.arange(n, dtype=jnp.int32),
+        )
 
         def step(carry, xs):
             tokens_BxW, targets_BxW, index = xs
-            logits, carry, scores = block_step(model, params, carry, tokens_BxW, index,
-                                               capture_scores=capture_scores)
+            logits, carry, scores = block_step(
+                model, params, carry, tokens_BxW, index, capture_scores=capture_scores
+            )
             return carry, (_target_logprobs(logits, targets_BxW), scores)
 
         _, (logprobs_nxBxW, scores) = jax.lax.scan(
-            step, empty_carry(model.config, B, block), blocks)
+            step, empty_carry(model.config, B, block), blocks
+        )
         return logprobs_nxBxW.swapaxes(0, 1).reshape(B, N), scores
 
     return jax.jit(run)
@@ -193,11 +214,13 @@ def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
     logprobs, _ = _compiled_scan(model, block, False)(
-        params, _pad_to(inputs, block), _pad_to(targets, block))
+        params, _pad_to(inputs, block), _pad_to(targets, block)
+    )
     return logprobs[:, :n]
 
 
 # --------------------------------------------------------------------------- without BCA
+
 
 def check_full_length(config: ModelConfig, length: int) -> None:
     """Raises :class:`EvaluationError` when plain causal attention over ``length``
@@ -212,17 +235,19 @@ def check_full_length(config: ModelConfig, length: int) -> None:
         raise EvaluationError(
             f"learned absolute positions have a table of {config.max_len}; length {length} "
             "without BCA would need positions beyond it (evaluate it with BCA, whose "
-            "window-relative positions stay below train_len)")
+            "window-relative positions stay below train_len)"
+        )
     if config.position == "xpos":
         limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
         if length / 2 > limit:
             raise EvaluationError(
                 f"length {length} without BCA puts XPOS positions at ±{length // 2}, beyond "
                 f"the {config.dtype} safe range ±{int(limit)} for scale_base "
-                f"{config.scale_base:g}; use BCA or a shorter length")
+                f"{config.scale_base:g}; use BCA or a shorter length"
+            )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_full(model: Decoder, chunk: int):
     """``(params, inputs [B, n·C], targets) → logprobs``: causal attention over all
     earlier positions, C queries per step against an ``n·C``-slot cache."""
@@ -233,27 +258,29 @@ def _compiled_full(model: Decoder, chunk: int):
         # Unwritten slots keep position 0 (and are invalid), so XPOS's centring
         # shift spans only the positions used so far: |p| ≤ N/2.
         cache = init_cache(model.config, B, N)
-        chunks = (inputs_BxN.reshape(B, n, chunk).swapaxes(0, 1),
-                  targets_BxN.reshape(B, n, chunk).swapaxes(0, 1),
-                  jnp.arange(n, dtype=jnp.int32))
+        chunks = (
+            inputs_BxN.reshape(B, n, chunk).swapaxes(0, 1),
+            targets_BxN.reshape(B, n, chunk).swapaxes(0, 1),
+            jnp.arange(n, dtype=jnp.int32),
+        )
 
         def step(cache, xs):
             tokens_BxC, targets_BxC, index = xs
             start = index * chunk
-            positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32),
-                                             (B, chunk))
-            logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC,
-                                     cache=cache)
+            positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
             at = (0, 0, start, 0, 0)
-            cache = dict(cache,
-                         k=jax.lax.dynamic_update_slice(cache["k"], kv["k"].astype(
-                             cache["k"].dtype), at),
-                         v=jax.lax.dynamic_update_slice(cache["v"], kv["v"].astype(
-                             cache["v"].dtype), at),
-                         positions=jax.lax.dynamic_update_slice(
-                             cache["positions"], positions_BxC, (0, start)),
-                         valid=jax.lax.dynamic_update_slice(
-                             cache["valid"], jnp.ones((B, chunk), bool), (0, start)))
+            cache = dict(
+                cache,
+                k=jax.lax.dynamic_update_slice(cache["k"], kv["k"].astype(cache["k"].dtype), at),
+                v=jax.lax.dynamic_update_slice(cache["v"], kv["v"].astype(cache["v"].dtype), at),
+                positions=jax.lax.dynamic_update_slice(
+                    cache["positions"], positions_BxC, (0, start)
+                ),
+                valid=jax.lax.dynamic_update_slice(
+                    cache["valid"], jnp.ones((B, chunk), bool), (0, start)
+                ),
+            )
             return cache, _target_logprobs(logits, targets_BxC)
 
         _, logprobs_nxBxC = jax.lax.scan(step, cache, chunks)
@@ -278,12 +305,12 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
         # n ≤ max_len, a training-sized matrix; padding could stand past the
         # table, where a lookup is NaN and 0·NaN would reach the real tokens.
         chunk = n
-    logprobs = _compiled_full(model, chunk)(params, _pad_to(inputs, chunk),
-                                             _pad_to(targets, chunk))
+    logprobs = _compiled_full(model, chunk)(params, _pad_to(inputs, chunk), _pad_to(targets, chunk))
     return logprobs[:, :n]
 
 
 # --------------------------------------------------------------------------- perplexity
+
 
 def segments(documents: Sequence[np.ndarray], length: int, max_length: int) -> np.ndarray:
     """``[docs · ⌊max_length/length⌋, length + 1]`` int32: the paper's segments.
@@ -298,19 +325,20 @@ def segments(documents: Sequence[np.ndarray], length: int, max_length: int) -> n
     rows = []
     for doc in documents:
         if len(doc) < max_length + 1:
-            raise EvaluationError(f"a document of {len(doc)} tokens is shorter than "
-                                  f"max_length + 1 = {max_length + 1}")
+            raise EvaluationError(
+                f"a document of {len(doc)} tokens is shorter than max_length + 1 = {max_length + 1}"
+            )
         for start in range(0, max_length - length + 1, length):
-            rows.append(np.asarray(doc[start:start + length + 1], np.int32))
+            rows.append(np.asarray(doc[start : start + length + 1], np.int32))
     return np.stack(rows) if rows else np.zeros((0, length + 1), np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class PerplexityResult:
-    mode: str          # "bca" | "full"
+    mode: str  # "bca" | "full"
     length: int
     perplexity: float
-    nll: float         # mean negative log-likelihood per token (nats)
+    nll: float  # mean negative log-likelihood per token (nats)
     tokens: int
     documents: int
     seconds: float
@@ -322,18 +350,24 @@ class PerplexityResult:
 def _batches(rows: np.ndarray, batch: int):
     """Fixed-size batches (the last one padded with zero rows) and their real row counts."""
     for start in range(0, len(rows), batch):
-        part = rows[start:start + batch]
+        part = rows[start : start + batch]
         real = len(part)
         if real < batch:
             part = np.concatenate([part, np.zeros((batch - real, rows.shape[1]), rows.dtype)])
         yield part, real
 
 
-def perplexity(model: Decoder, params, documents: Sequence[np.ndarray],
-               lengths: Iterable[int], *, block: int, modes: Iterable[str] = MODES,
-               tokens_per_batch: int = 8192,
-               progress: Callable[[int, int, str], None] | None = None
-               ) -> list[PerplexityResult]:
+def perplexity(
+    model: Decoder,
+    params,
+    documents: Sequence[np.ndarray],
+    lengths: Iterable[int],
+    *,
+    block: int,
+    modes: Iterable[str] = MODES,
+    tokens_per_batch: int = 8192,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
     Args:
@@ -378,19 +412,29 @@ def perplexity(model: Decoder, params, documents: Sequence[np.ndarray],
                 if progress is not None:
                     progress(done, total, f"{mode} {length}")
             nll = nll_sum / count
-            results.append(PerplexityResult(mode, length, math.exp(nll), nll, count,
-                                            len(documents), time.perf_counter() - start))
+            results.append(
+                PerplexityResult(
+                    mode,
+                    length,
+                    math.exp(nll),
+                    nll,
+                    count,
+                    len(documents),
+                    time.perf_counter() - start,
+                )
+            )
     return results
 
 
 # --------------------------------------------------------------------------- resolution
 
+
 @dataclasses.dataclass(frozen=True)
 class ResolutionResult:
-    mode: str               # "bca" | "full"
+    mode: str  # "bca" | "full"
     length: int
-    per_layer: tuple        # R of paper eq. 3 for each layer
-    mean: float             # mean over layers
+    per_layer: tuple  # R of paper eq. 3 for each layer
+    mean: float  # mean over layers
     expected_scores: tuple  # per layer, s[n] for n = 0 … max distance (eq. 11)
     documents: int
 
@@ -398,20 +442,19 @@ class ResolutionResult:
         return dataclasses.asdict(self)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_dense_scores(model: Decoder):
     """``(params, inputs [B, N]) → [L, N, N]``: causal pre-softmax scores averaged
     over texts and heads (the average is taken on the device to keep L×B×H×N² off it)."""
 
     def run(params, inputs_BxN):
-        _, intermediates = model.apply({"params": params}, inputs_BxN,
-                                       mutable=["intermediates"])
+        _, intermediates = model.apply({"params": params}, inputs_BxN, mutable=["intermediates"])
         return jnp.mean(_layer_scores(intermediates), axis=(1, 2))
 
     return jax.jit(run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_window_scores(model: Decoder, block: int):
     """``(params, inputs [B, n·w]) → [n, L, W, 2W]``: each BCA window's scores
     (queries: its block; keys: [previous block, its block]) averaged over texts and heads."""
@@ -423,8 +466,9 @@ def _compiled_window_scores(model: Decoder, block: int):
 
         def step(carry, xs):
             tokens_BxW, index = xs
-            _, carry, scores = block_step(model, params, carry, tokens_BxW, index,
-                                          capture_scores=True)
+            _, carry, scores = block_step(
+                model, params, carry, tokens_BxW, index, capture_scores=True
+            )
             return carry, jnp.mean(scores, axis=(1, 2))
 
         return jax.lax.scan(step, empty_carry(model.config, B, block), blocks)[1]
@@ -455,8 +499,9 @@ def _pooled_expected_scores(scores_list, masks_list):
     return total[:, :last] / np.maximum(count[:last], 1)
 
 
-def measure_resolution(model: Decoder, params, tokens_BxN, *, block: int,
-                       mode: str) -> ResolutionResult:
+def measure_resolution(
+    model: Decoder, params, tokens_BxN, *, block: int, mode: str
+) -> ResolutionResult:
     """Attention resolution per layer (paper eq. 3) from measured scores (eq. 11).
 
     ``s[n]`` is the pre-softmax score of query i and key i − n averaged over
@@ -484,8 +529,9 @@ def measure_resolution(model: Decoder, params, tokens_BxN, *, block: int,
         mask = np.tril(np.ones((n, n), bool))
         curves = _pooled_expected_scores([scores], [mask])
     else:
-        windows = np.asarray(_compiled_window_scores(model, block)(
-            params, _pad_to(tokens_BxN, block)))
+        windows = np.asarray(
+            _compiled_window_scores(model, block)(params, _pad_to(tokens_BxN, block))
+        )
         q = np.arange(block)[:, None]
         k = np.arange(2 * block)[None, :]
         score_sets, mask_sets = [], []
@@ -497,5 +543,11 @@ def measure_resolution(model: Decoder, params, tokens_BxN, *, block: int,
             mask_sets.append(np.asarray(previous | (current & real)) & (b * block + q < n))
         curves = _pooled_expected_scores(score_sets, mask_sets)
     per_layer = np.asarray(res_lib.attention_resolution(curves))
-    return ResolutionResult(mode, n, tuple(float(r) for r in per_layer),
-                            float(per_layer.mean()), tuple(map(tuple, curves.tolist())), B)
+    return ResolutionResult(
+        mode,
+        n,
+        tuple(float(r) for r in per_layer),
+        float(per_layer.mean()),
+        tuple(map(tuple, curves.tolist())),
+        B,
+    )

@@ -40,7 +40,7 @@ __all__ = ["prefill", "decode_step", "sample_logits", "generate"]
 State = dict[str, Any]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_prefill(model: Decoder, block: int):
     def run(params, prompt_BxN, length):
         """prompt padded to n·w tokens; ``length`` real ones, in the last block."""
@@ -53,21 +53,30 @@ def _compiled_prefill(model: Decoder, block: int):
             _, carry, _ = block_step(model, params, carry, tokens_BxW, index)
             return carry, None
 
-        previous, _ = jax.lax.scan(step, empty_carry(model.config, B, block),
-                                   (blocks[:-1], jnp.arange(n - 1, dtype=jnp.int32)))
+        previous, _ = jax.lax.scan(
+            step,
+            empty_carry(model.config, B, block),
+            (blocks[:-1], jnp.arange(n - 1, dtype=jnp.int32)),
+        )
         logits, current, _ = block_step(model, params, previous, blocks[-1], n - 1)
         filled = length - (n - 1) * block
         slots = jnp.arange(block)
         cache = {
             "k": jnp.concatenate([previous["k"], current["k"]], axis=2),
             "v": jnp.concatenate([previous["v"], current["v"]], axis=2),
-            "positions": jnp.broadcast_to(jnp.concatenate(
-                [slots.astype(jnp.int32), block_positions(n - 1, block)]), (B, 2 * block)),
+            "positions": jnp.broadcast_to(
+                jnp.concatenate([slots.astype(jnp.int32), block_positions(n - 1, block)]),
+                (B, 2 * block),
+            ),
             "valid": jnp.concatenate(
-                [previous["valid"], jnp.broadcast_to(slots < filled, (B, block))], axis=1),
+                [previous["valid"], jnp.broadcast_to(slots < filled, (B, block))], axis=1
+            ),
         }
-        state = {"cache": cache, "filled": jnp.asarray(filled, jnp.int32),
-                 "first": jnp.asarray(n == 1)}
+        state = {
+            "cache": cache,
+            "filled": jnp.asarray(filled, jnp.int32),
+            "first": jnp.asarray(n == 1),
+        }
         return logits[:, filled - 1], state
 
     return jax.jit(run)
@@ -96,8 +105,9 @@ def _decode(model: Decoder, params, state: State, token_B, block: int):
     # A full current block becomes the previous one; its keys keep their values
     # and are re-encoded at 0 … w−1 from now on.
     rotate = filled == block
-    halves = lambda x, axis: jnp.concatenate(  # noqa: E731
-        [jax.lax.slice_in_dim(x, block, 2 * block, axis=axis)] * 2, axis=axis)
+    halves = lambda x, axis: jnp.concatenate(
+        [jax.lax.slice_in_dim(x, block, 2 * block, axis=axis)] * 2, axis=axis
+    )
     k = jnp.where(rotate, halves(cache["k"], 2), cache["k"])
     v = jnp.where(rotate, halves(cache["v"], 2), cache["v"])
     empty = jnp.concatenate([jnp.ones((B, block), bool), jnp.zeros((B, block), bool)], axis=1)
@@ -107,22 +117,25 @@ def _decode(model: Decoder, params, state: State, token_B, block: int):
 
     position = jnp.where(first, filled, block + filled).astype(jnp.int32)
     positions_Bx1 = jnp.broadcast_to(position, (B, 1))
-    logits, kv = model.apply({"params": params}, token_B[:, None], positions_Bx1,
-                             cache={"k": k, "v": v, "valid": valid,
-                                    "positions": cache["positions"]})
+    logits, kv = model.apply(
+        {"params": params},
+        token_B[:, None],
+        positions_Bx1,
+        cache={"k": k, "v": v, "valid": valid, "positions": cache["positions"]},
+    )
     slot = block + filled
     cache = {
         "k": jax.lax.dynamic_update_slice_in_dim(k, kv["k"].astype(k.dtype), slot, axis=2),
         "v": jax.lax.dynamic_update_slice_in_dim(v, kv["v"].astype(v.dtype), slot, axis=2),
-        "positions": jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions_Bx1,
-                                                         slot, axis=1),
-        "valid": jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((B, 1), bool), slot,
-                                                     axis=1),
+        "positions": jax.lax.dynamic_update_slice_in_dim(
+            cache["positions"], positions_Bx1, slot, axis=1
+        ),
+        "valid": jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((B, 1), bool), slot, axis=1),
     }
     return logits[:, 0], {"cache": cache, "filled": filled + 1, "first": first}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_decode(model: Decoder, block: int):
     return jax.jit(functools.partial(_decode, model, block=block))
 
@@ -132,8 +145,7 @@ def decode_step(model: Decoder, params, state: State, token_B, *, block: int):
     return _compiled_decode(model, block)(params, state, jnp.asarray(token_B, jnp.int32))
 
 
-def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0):
+def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """One token per row: greedy when ``temperature == 0``, else sampled from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
     tokens (0: all) and to the smallest set whose probability reaches ``top_p``
@@ -166,14 +178,14 @@ def _check_sampling(temperature, top_k, top_p, max_new_tokens):
         raise EvaluationError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_generate(model: Decoder, block: int, max_new_tokens: int, temperature: float,
-                       top_k: int, top_p: float):
+@functools.cache
+def _compiled_generate(
+    model: Decoder, block: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float
+):
     def run(params, logits_BxV, state, rng):
         def step(carry, key):
             logits, state = carry
-            token = sample_logits(logits, key, temperature=temperature, top_k=top_k,
-                                  top_p=top_p)
+            token = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
             logits, state = _decode(model, params, state, token, block)
             return (logits, state), token
 
@@ -184,8 +196,18 @@ def _compiled_generate(model: Decoder, block: int, max_new_tokens: int, temperat
     return jax.jit(run)
 
 
-def generate(model: Decoder, params, prompt_BxP, *, block: int, max_new_tokens: int, rng,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+def generate(
+    model: Decoder,
+    params,
+    prompt_BxP,
+    *,
+    block: int,
+    max_new_tokens: int,
+    rng,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
 
     The cache never holds more than 2w tokens, so any number of tokens can be
@@ -193,5 +215,6 @@ def generate(model: Decoder, params, prompt_BxP, *, block: int, max_new_tokens: 
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     logits, state = prefill(model, params, prompt_BxP, block=block)
-    return _compiled_generate(model, block, int(max_new_tokens), float(temperature),
-                              int(top_k), float(top_p))(params, logits, state, rng)
+    return _compiled_generate(
+        model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p)
+    )(params, logits, state, rng)

@@ -33,8 +33,9 @@ def causal(q_len: int, k_len: int | None = None):
     q_len = _check_size("q_len", q_len)
     k_len = q_len if k_len is None else _check_size("k_len", k_len)
     if k_len < q_len:
-        raise ValueError(f"k_len ({k_len}) must be ≥ q_len ({q_len}): the queries are the "
-                         "last q_len keys")
+        raise ValueError(
+            f"k_len ({k_len}) must be ≥ q_len ({q_len}): the queries are the last q_len keys"
+        )
     i = jnp.arange(q_len)[:, None]
     j = jnp.arange(k_len)[None, :]
     return j <= i + (k_len - q_len)

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from lexjax import attention as attn_lib
-from lexjax import masks, positions as pos_lib
+from lexjax import masks
+from lexjax import positions as pos_lib
 from lexjax.config import ModelConfig
 
 __all__ = ["Decoder", "init_cache", "count_params"]
@@ -34,7 +35,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 def _init(axes, scale=1.0):
     return nn.with_logical_partitioning(
-        nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal"), axes)
+        nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal"), axes
+    )
 
 
 class Attention(nn.Module):
@@ -46,9 +48,14 @@ class Attention(nn.Module):
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
         def proj(name):
-            return nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=False, dtype=dtype,
-                                   param_dtype=pdtype, name=name,
-                                   kernel_init=_init(("embed", "heads", "kv")))(x_BxTxD)
+            return nn.DenseGeneral(
+                (c.num_heads, c.head_dim),
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=pdtype,
+                name=name,
+                kernel_init=_init(("embed", "heads", "kv")),
+            )(x_BxTxD)
 
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = proj("query"), proj("key"), proj("value")
         new_kv = (k_BxTxHxK, v_BxTxHxK)
@@ -59,14 +66,22 @@ class Attention(nn.Module):
         kwargs = dict(position=c.position, mask=mask, scale_base=c.scale_base, theta=c.theta)
         if c.attention_impl == "fused" and not self.is_mutable_collection("intermediates"):
             out_BxTxHxK = attn_lib.fused_multihead_attention(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs)
+                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
+            )
         else:  # explicit scores, also whenever a caller captures them (resolution)
             out_BxTxHxK, logits = attn_lib.multihead_attention(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs)
+                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
+            )
             self.sow("intermediates", "scores", logits)
-        out_BxTxD = nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=False, dtype=dtype,
-                                    param_dtype=pdtype, name="out",
-                                    kernel_init=_init(("heads", "kv", "embed")))(out_BxTxHxK)
+        out_BxTxD = nn.DenseGeneral(
+            c.d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=pdtype,
+            name="out",
+            kernel_init=_init(("heads", "kv", "embed")),
+        )(out_BxTxHxK)
         return out_BxTxD, new_kv
 
 
@@ -81,24 +96,35 @@ class Block(nn.Module):
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
         def norm(name):
-            return nn.LayerNorm(dtype=dtype, param_dtype=pdtype, name=name,
-                                scale_init=nn.with_logical_partitioning(
-                                    nn.initializers.ones, ("embed",)),
-                                bias_init=nn.with_logical_partitioning(
-                                    nn.initializers.zeros, ("embed",)))
+            return nn.LayerNorm(
+                dtype=dtype,
+                param_dtype=pdtype,
+                name=name,
+                scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            )
 
-        h, new_kv = Attention(c, name="attention")(norm("ln_attention")(x_BxTxD), q_pos_BxT,
-                                                   k_pos_BxS, mask, layer_cache)
+        h, new_kv = Attention(c, name="attention")(
+            norm("ln_attention")(x_BxTxD), q_pos_BxT, k_pos_BxS, mask, layer_cache
+        )
         x_BxTxD = x_BxTxD + h
-        h = nn.Dense(c.mlp_dim, dtype=dtype, param_dtype=pdtype, name="mlp_in",
-                     kernel_init=_init(("embed", "mlp")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",))
-                     )(norm("ln_mlp")(x_BxTxD))
+        h = nn.Dense(
+            c.mlp_dim,
+            dtype=dtype,
+            param_dtype=pdtype,
+            name="mlp_in",
+            kernel_init=_init(("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+        )(norm("ln_mlp")(x_BxTxD))
         h = nn.gelu(h)
-        h = nn.Dense(c.d_model, dtype=dtype, param_dtype=pdtype, name="mlp_out",
-                     kernel_init=_init(("mlp", "embed")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",))
-                     )(h)
+        h = nn.Dense(
+            c.d_model,
+            dtype=dtype,
+            param_dtype=pdtype,
+            name="mlp_out",
+            kernel_init=_init(("mlp", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        )(h)
         return x_BxTxD + h, new_kv
 
 
@@ -121,24 +147,45 @@ class Decoder(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-                 cache: dict | None = None, block: int | None = None):
+    def __call__(
+        self,
+        tokens_BxT,
+        positions_BxT=None,
+        segment_ids_BxT=None,
+        *,
+        cache: dict | None = None,
+        block: int | None = None,
+    ):
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-        embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=pdtype,
-                         name="embed", embedding_init=nn.with_logical_partitioning(
-                             nn.initializers.normal(1.0), ("vocab", "embed")))
+        embed = nn.Embed(
+            c.vocab_size,
+            c.d_model,
+            dtype=dtype,
+            param_dtype=pdtype,
+            name="embed",
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(1.0), ("vocab", "embed")
+            ),
+        )
         x_BxTxD = embed(tokens_BxT)
         if c.position == "sinusoidal":
             x_BxTxD = x_BxTxD + pos_lib.sinusoidal(positions_BxT, c.d_model).astype(dtype)
         elif c.position == "learned":
-            table = nn.Embed(c.max_len, c.d_model, dtype=dtype, param_dtype=pdtype,
-                             name="position_embed", embedding_init=nn.with_logical_partitioning(
-                                 nn.initializers.normal(0.02), ("positions", "embed")))
+            table = nn.Embed(
+                c.max_len,
+                c.d_model,
+                dtype=dtype,
+                param_dtype=pdtype,
+                name="position_embed",
+                embedding_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(0.02), ("positions", "embed")
+                ),
+            )
             x_BxTxD = x_BxTxD + table(positions_BxT)
         # A zero no-op unless the "perturbations" collection is passed: lets tests
         # take gradients with respect to each token's input vector.
@@ -156,45 +203,59 @@ class Decoder(nn.Module):
         else:
             k_pos_BxS = jnp.concatenate([cache["positions"], positions_BxT], axis=1)
             valid = jnp.concatenate([cache["valid"], jnp.ones((B, T), bool)], axis=1)
-            mask = (masks.causal_by_position(positions_BxT, k_pos_BxS)
-                    & valid[:, None, :])[:, None]
+            mask = (masks.causal_by_position(positions_BxT, k_pos_BxS) & valid[:, None, :])[:, None]
             layer_caches = (cache["k"], cache["v"])
 
         block_cls = Block
         if c.remat:
             block_cls = nn.remat(Block, prevent_cse=not c.scan_layers)
         if c.scan_layers:
-            stack = nn.scan(block_cls, variable_axes={"params": 0, "intermediates": 0},
-                            split_rngs={"params": True},
-                            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-                            length=c.num_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
             x_BxTxD, (k_LxBxTxHxK, v_LxBxTxHxK) = stack(c, name="layers")(
-                x_BxTxD, layer_caches, positions_BxT, k_pos_BxS, mask)
+                x_BxTxD, layer_caches, positions_BxT, k_pos_BxS, mask
+            )
         else:
             ks, vs = [], []
             for layer in range(c.num_layers):
-                layer_cache = None if layer_caches is None else (
-                    layer_caches[0][layer], layer_caches[1][layer])
+                layer_cache = (
+                    None
+                    if layer_caches is None
+                    else (layer_caches[0][layer], layer_caches[1][layer])
+                )
                 x_BxTxD, (k, v) = block_cls(c, name=f"layer_{layer}")(
-                    x_BxTxD, layer_cache, positions_BxT, k_pos_BxS, mask)
+                    x_BxTxD, layer_cache, positions_BxT, k_pos_BxS, mask
+                )
                 ks.append(k)
                 vs.append(v)
             k_LxBxTxHxK, v_LxBxTxHxK = jnp.stack(ks), jnp.stack(vs)
 
-        x_BxTxD = nn.LayerNorm(dtype=dtype, param_dtype=pdtype, name="ln_final",
-                               scale_init=nn.with_logical_partitioning(nn.initializers.ones,
-                                                                       ("embed",)),
-                               bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                      ("embed",)))(x_BxTxD)
+        x_BxTxD = nn.LayerNorm(
+            dtype=dtype,
+            param_dtype=pdtype,
+            name="ln_final",
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        )(x_BxTxD)
         x_BxTxD = x_BxTxD.astype(jnp.float32)
         if c.tie_embeddings:
             table_VxD = jnp.asarray(embed.embedding, jnp.float32)
-            logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, table_VxD) * (c.d_model ** -0.5)
+            logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, table_VxD) * (c.d_model**-0.5)
         else:
-            logits_BxTxV = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.float32,
-                                    param_dtype=pdtype, name="unembed",
-                                    kernel_init=_init(("embed", "vocab")))(x_BxTxD)
+            logits_BxTxV = nn.Dense(
+                c.vocab_size,
+                use_bias=False,
+                dtype=jnp.float32,
+                param_dtype=pdtype,
+                name="unembed",
+                kernel_init=_init(("embed", "vocab")),
+            )(x_BxTxD)
         return logits_BxTxV.astype(jnp.float32), {"k": k_LxBxTxHxK, "v": v_LxBxTxHxK}
 
 
@@ -202,9 +263,12 @@ def init_cache(config: ModelConfig, batch: int, size: int, dtype=None) -> dict[s
     """An empty cache of ``size`` slots: zeros, position 0, all invalid."""
     dtype = dtype or _DTYPES[config.dtype]
     shape = (config.num_layers, batch, size, config.num_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-            "positions": jnp.zeros((batch, size), jnp.int32),
-            "valid": jnp.zeros((batch, size), bool)}
+    return {
+        "k": jnp.zeros(shape, dtype),
+        "v": jnp.zeros(shape, dtype),
+        "positions": jnp.zeros((batch, size), jnp.int32),
+        "valid": jnp.zeros((batch, size), bool),
+    }
 
 
 def count_params(params) -> int:

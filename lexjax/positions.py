@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["xpos", "rope", "alibi_slopes", "alibi_bias", "sinusoidal", "xpos_decay_base",
-           "max_safe_position"]
+__all__ = [
+    "xpos",
+    "rope",
+    "alibi_slopes",
+    "alibi_bias",
+    "sinusoidal",
+    "xpos_decay_base",
+    "max_safe_position",
+]
 
 # ln of the largest finite value of each result dtype; see max_safe_position.
 _LOG_MAX = {
@@ -40,8 +47,9 @@ def xpos_decay_base(head_dim: int, gamma: float = 0.4) -> np.ndarray:
     return ((2.0 * i / head_dim + gamma) / (1.0 + gamma)).astype(np.float32)
 
 
-def max_safe_position(scale_base: float = 512.0, gamma: float = 0.4, dtype=jnp.float32,
-                      margin: float = 1e3) -> float:
+def max_safe_position(
+    scale_base: float = 512.0, gamma: float = 0.4, dtype=jnp.float32, margin: float = 1e3
+) -> float:
     """Largest |position| at which a key scale ζ_0^(-|p|/b) stays finite in ``dtype``.
 
     The key scale grows as ``(1/ζ_0)^(p/b)`` with ``1/ζ_0 = (1+γ)/γ`` (3.5 for
@@ -53,21 +61,28 @@ def max_safe_position(scale_base: float = 512.0, gamma: float = 0.4, dtype=jnp.f
     """
     dtype = jnp.dtype(dtype)
     log_growth = math.log((1.0 + gamma) / gamma)
-    return (_LOG_MAX.get(dtype, _LOG_MAX[jnp.dtype(jnp.float32)]) - math.log(margin)) \
-        * scale_base / log_growth
+    return (
+        (_LOG_MAX.get(dtype, _LOG_MAX[jnp.dtype(jnp.float32)]) - math.log(margin))
+        * scale_base
+        / log_growth
+    )
 
 
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary encodings, got {head_dim}; "
-                         "choose d_model/num_heads even")
+        raise ValueError(
+            f"head_dim must be even for rotary encodings, got {head_dim}; "
+            "choose d_model/num_heads even"
+        )
 
 
 def _check_positions(x, positions):
     positions = jnp.asarray(positions)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integers, got dtype {positions.dtype}; "
-                         "pass token indices, e.g. jnp.arange(seq)")
+        raise ValueError(
+            f"positions must be integers, got dtype {positions.dtype}; "
+            "pass token indices, e.g. jnp.arange(seq)"
+        )
     if x.ndim < 3:
         raise ValueError(f"x must be [..., seq, heads, head_dim], got shape {x.shape}")
     lead = x.shape[:-2]
@@ -76,8 +91,10 @@ def _check_positions(x, positions):
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's "
-                         f"[..., seq] = {lead}; give one position per token")
+        raise ValueError(
+            f"positions of shape {positions.shape} do not broadcast to x's "
+            f"[..., seq] = {lead}; give one position per token"
+        )
     return positions
 
 
@@ -121,8 +138,15 @@ def _rotate(x, positions, theta: float, log_scale_per_position=None):
     return rotated.reshape(x.shape).astype(x.dtype)
 
 
-def xpos(x, positions, *, scale_base: float = 512.0, theta: float = 10000.0,
-         gamma: float = 0.4, downscale: bool = False):
+def xpos(
+    x,
+    positions,
+    *,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+    gamma: float = 0.4,
+    downscale: bool = False,
+):
     """XPOS (paper eq. 5-6): rotary encoding with per-dimension exponential decay.
 
     Args:

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.evaluation import PerplexityResult, ResolutionResult
 
-__all__ = ["perplexity_table", "perplexity_json", "plot_perplexity", "resolution_table",
-           "resolution_json", "plot_expectation", "write_json"]
+__all__ = [
+    "perplexity_table",
+    "perplexity_json",
+    "plot_perplexity",
+    "resolution_table",
+    "resolution_json",
+    "plot_expectation",
+    "write_json",
+]
 
 _MODE_NAMES = {"bca": "BCA", "full": "without BCA"}
 
@@ -26,17 +33,22 @@ def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
     lengths = sorted({r.length for r in results})
     modes = [m for m in ("bca", "full") if any(r.mode == m for r in results)]
     cell = {(r.mode, r.length): r for r in results}
-    lines = ["| " + " | ".join(["model"] + [str(n) for n in lengths]) + " |",
-             "|" + "---|" * (len(lengths) + 1)]
+    lines = [
+        "| " + " | ".join(["model"] + [str(n) for n in lengths]) + " |",
+        "|" + "---|" * (len(lengths) + 1),
+    ]
     for mode in modes:
         row = [f"{position} {_MODE_NAMES[mode]}"]
         row += [f"{cell[mode, n].perplexity:.3f}" if (mode, n) in cell else "–" for n in lengths]
         lines.append("| " + " | ".join(row) + " |")
     some = results[0]
     lines.append("")
-    lines.append(f"{some.documents} documents; tokens per cell: "
-                 + ", ".join(f"{n}: {cell[m, n].tokens}" for m in modes[:1] for n in lengths
-                             if (m, n) in cell))
+    lines.append(
+        f"{some.documents} documents; tokens per cell: "
+        + ", ".join(
+            f"{n}: {cell[m, n].tokens}" for m in modes[:1] for n in lengths if (m, n) in cell
+        )
+    )
     return "\n".join(lines)
 
 
@@ -48,9 +60,16 @@ def perplexity_json(results: Sequence[PerplexityResult], *, train_len: int, **ex
     """
     rows = []
     for r in results:
-        row = {"mode": r.mode, "length": r.length, "perplexity": r.perplexity,
-               "tokens": r.tokens, "documents": r.documents, "nll": r.nll,
-               "seconds": r.seconds, "tokens_per_second": r.tokens / max(r.seconds, 1e-9)}
+        row = {
+            "mode": r.mode,
+            "length": r.length,
+            "perplexity": r.perplexity,
+            "tokens": r.tokens,
+            "documents": r.documents,
+            "nll": r.nll,
+            "seconds": r.seconds,
+            "tokens_per_second": r.tokens / max(r.seconds, 1e-9),
+        }
         rows.append(row)
     return {"train_len": train_len, **extra, "results": rows}
 
@@ -66,13 +85,16 @@ def write_json(path: str, value: dict) -> None:
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
-def plot_perplexity(results: Sequence[PerplexityResult], path: str, *, train_len: int,
-                    title: str) -> None:
+def plot_perplexity(
+    results: Sequence[PerplexityResult], path: str, *, train_len: int, title: str
+) -> None:
     """Perplexity against length (log x), one line per mode, the training length marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -95,32 +117,56 @@ def plot_perplexity(results: Sequence[PerplexityResult], path: str, *, train_len
 def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
     """Markdown in the spirit of paper Table 3: a row per (mode, length), R per layer and mean."""
     layers = len(results[0].per_layer)
-    lines = ["| model | length | " + " | ".join(f"layer {i + 1}" for i in range(layers))
-             + " | mean |", "|" + "---|" * (layers + 3)]
+    lines = [
+        "| model | length | " + " | ".join(f"layer {i + 1}" for i in range(layers)) + " | mean |",
+        "|" + "---|" * (layers + 3),
+    ]
     for r in results:
-        lines.append(f"| {position} {_MODE_NAMES[r.mode]} | {r.length} | "
-                     + " | ".join(f"{x:.3g}" for x in r.per_layer) + f" | {r.mean:.3g} |")
+        lines.append(
+            f"| {position} {_MODE_NAMES[r.mode]} | {r.length} | "
+            + " | ".join(f"{x:.3g}" for x in r.per_layer)
+            + f" | {r.mean:.3g} |"
+        )
     return "\n".join(lines)
 
 
 def resolution_json(results: Sequence[ResolutionResult], *, train_len: int, **extra) -> dict:
-    return {"train_len": train_len, **extra,
-            "results": [{"mode": r.mode, "length": r.length, "per_layer": list(r.per_layer),
-                         "mean": r.mean, "documents": r.documents,
-                         "expected_scores": [list(s) for s in r.expected_scores]}
-                        for r in results]}
+    return {
+        "train_len": train_len,
+        **extra,
+        "results": [
+            {
+                "mode": r.mode,
+                "length": r.length,
+                "per_layer": list(r.per_layer),
+                "mean": r.mean,
+                "documents": r.documents,
+                "expected_scores": [list(s) for s in r.expected_scores],
+            }
+            for r in results
+        ],
+    }
 
 
-def plot_expectation(path: str, *, head_dim: int, scale_base: float, theta: float,
-                     max_distance: int) -> None:
+def plot_expectation(
+    path: str, *, head_dim: int, scale_base: float, theta: float, max_distance: int
+) -> None:
     """Paper Figure 1: expected score against distance for RoPE and XPOS (eq. 8)."""
     plt = _pyplot()
     distance = np.arange(max_distance + 1)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(distance, res_lib.xpos_expectation(distance, head_dim, scale_base=scale_base,
-                                               theta=theta, gamma=None), label="RoPE")
-    ax.plot(distance, res_lib.xpos_expectation(distance, head_dim, scale_base=scale_base,
-                                               theta=theta), label="XPOS")
+    ax.plot(
+        distance,
+        res_lib.xpos_expectation(
+            distance, head_dim, scale_base=scale_base, theta=theta, gamma=None
+        ),
+        label="RoPE",
+    )
+    ax.plot(
+        distance,
+        res_lib.xpos_expectation(distance, head_dim, scale_base=scale_base, theta=theta),
+        label="XPOS",
+    )
     ax.set_xlabel("relative distance")
     ax.set_ylabel("expected attention score")
     ax.set_title(f"head_dim {head_dim}, scale_base {scale_base:g}")

@@ -66,8 +66,14 @@ def expected_scores(scores, mask=None):
     return means.reshape(*lead, k_len)
 
 
-def xpos_expectation(distances, head_dim: int, *, scale_base: float = 512.0,
-                     theta: float = 10000.0, gamma: float | None = 0.4):
+def xpos_expectation(
+    distances,
+    head_dim: int,
+    *,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+    gamma: float | None = 0.4,
+):
     """Expected XPOS score at each distance (paper eq. 8), the curves of Figure 1.
 
     ``g[n] = Σ_i cos(n·θ_i) · ζ_i^(n/b)`` with θ_i = theta^(-2i/d),

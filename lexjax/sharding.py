@@ -12,7 +12,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lexjax.config import Config, check_mesh
 
@@ -30,10 +31,8 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = check_mesh(config, len(devices), jax.process_count())
     if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                             devices=devices)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-                axis_types=(AxisType.Auto,) * 3)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def param_shardings(boxed_tree, mesh: Mesh, rules):

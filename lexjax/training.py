@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -28,14 +29,19 @@ import optax
 from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, to_dict
+from lexjax.errors import TrainingError
 from lexjax.model import Decoder, count_params
 
-__all__ = ["TrainState", "make_optimizer", "learning_rate_schedule", "loss_fn", "Trainer",
-           "TrainingError", "flops_per_token", "train"]
-
-
-class TrainingError(RuntimeError):
-    """Training cannot continue (non-finite loss, bad workdir); the message says why."""
+__all__ = [
+    "TrainState",
+    "make_optimizer",
+    "learning_rate_schedule",
+    "loss_fn",
+    "Trainer",
+    "TrainingError",
+    "flops_per_token",
+    "train",
+]
 
 
 @flax.struct.dataclass
@@ -65,17 +71,25 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     """Global-norm clipping + AdamW; no weight decay on biases and LayerNorm scales."""
     o = config.optim
-    decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
-        optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                    weight_decay=o.weight_decay, mask=decay_mask))
+        optax.adamw(
+            learning_rate_schedule(config),
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=decay_mask,
+        ),
+    )
 
 
 def loss_fn(params, model: Decoder, batch) -> tuple[jax.Array, jax.Array]:
     """Mean next-token cross-entropy over real tokens (segment id > 0); returns (loss, weight)."""
-    logits, _ = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                            batch["segment_ids"])
+    logits, _ = model.apply(
+        {"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"]
+    )
     weights = (batch["segment_ids"] > 0).astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     total = jnp.sum(weights)
@@ -132,7 +146,9 @@ class Trainer:
         abstract = nn.unbox(boxed)
         self.abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract, self.state_shardings)
+            abstract,
+            self.state_shardings,
+        )
         self.batch_sharding = shard_lib.batch_sharding(self.mesh, self.rules)
         self.num_params = count_params(abstract.params)
         self._build_steps()
@@ -145,12 +161,12 @@ class Trainer:
         def init(rng):
             tokens = jnp.zeros((1, config.train_len), jnp.int32)
             params = nn.unbox(model.init(rng, tokens)["params"])
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                              opt_state=tx.init(params))
+            return TrainState(
+                step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params)
+            )
 
         def grads_of(params, batch):
-            (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, model, batch)
+            (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model, batch)
             return loss, weight, grads
 
         def train_step(state: TrainState, batch):
@@ -158,18 +174,21 @@ class Trainer:
                 loss, _, grads = grads_of(state.params, batch)
             else:
                 micro = jax.tree_util.tree_map(
-                    lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+                    lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch
+                )
 
                 def body(carry, mb):
                     loss, weight, grads = grads_of(state.params, mb)
                     total_loss, total_weight, total_grads = carry
                     total_grads = jax.tree_util.tree_map(
-                        lambda a, g: a + g * weight, total_grads, grads)
+                        lambda a, g: a + g * weight, total_grads, grads
+                    )
                     return (total_loss + loss * weight, total_weight + weight, total_grads), None
 
                 zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
                 (loss, weight, grads), _ = jax.lax.scan(
-                    body, (jnp.zeros(()), jnp.zeros(()), zeros), micro)
+                    body, (jnp.zeros(()), jnp.zeros(()), zeros), micro
+                )
                 weight = jnp.maximum(weight, 1.0)
                 loss = loss / weight
                 grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
@@ -183,13 +202,20 @@ class Trainer:
             params = optax.apply_updates(state.params, updates)
             # A non-finite step never reaches the state: the loop stops on it and
             # the state it would have saved is the last good one.
-            keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
-                lambda n, o: jnp.where(finite, n, o), new, old)
-            new_state = TrainState(step=state.step + finite.astype(jnp.int32),
-                                   params=keep(params, state.params),
-                                   opt_state=keep(opt_state, state.opt_state))
-            metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                       "learning_rate": learning_rate_schedule(config)(state.step)}
+            keep = lambda new, old: jax.tree_util.tree_map(
+                lambda n, o: jnp.where(finite, n, o), new, old
+            )
+            new_state = TrainState(
+                step=state.step + finite.astype(jnp.int32),
+                params=keep(params, state.params),
+                opt_state=keep(opt_state, state.opt_state),
+            )
+            metrics = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "finite": finite,
+                "learning_rate": learning_rate_schedule(config)(state.step),
+            }
             return new_state, metrics
 
         def eval_step(params, batch):
@@ -198,13 +224,17 @@ class Trainer:
 
         repl = shard_lib.replicated(self.mesh)
         self._init = jax.jit(init, out_shardings=self.state_shardings)
-        self.train_step = jax.jit(train_step,
-                                  in_shardings=(self.state_shardings, self.batch_sharding),
-                                  out_shardings=(self.state_shardings, repl),
-                                  donate_argnums=(0,))
-        self.eval_step = jax.jit(eval_step,
-                                 in_shardings=(self.state_shardings.params, self.batch_sharding),
-                                 out_shardings=(repl, repl))
+        self.train_step = jax.jit(
+            train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, repl),
+            donate_argnums=(0,),
+        )
+        self.eval_step = jax.jit(
+            eval_step,
+            in_shardings=(self.state_shardings.params, self.batch_sharding),
+            out_shardings=(repl, repl),
+        )
 
     def init_state(self, seed: int | None = None) -> TrainState:
         seed = self.config.seed if seed is None else seed
@@ -213,16 +243,26 @@ class Trainer:
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles each process's rows into global arrays sharded over the batch axes."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
-                for k, v in local_batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            for k, v in local_batch.items()
+        }
 
 
 def mfu_peak_flops() -> tuple[float, str]:
     """Per-device peak FLOP/s for MFU: the chip's datasheet bf16 figure where known,
     else a measured jitted float32 matmul (CPU)."""
     kind = jax.devices()[0].device_kind.lower()
-    table = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "tpu v4": 275e12,
-             "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12, "tpu v6": 918e12}
+    table = {
+        "h200": 989e12,
+        "h100": 989e12,
+        "a100": 312e12,
+        "tpu v4": 275e12,
+        "tpu v5 lite": 197e12,
+        "tpu v5e": 197e12,
+        "tpu v5p": 459e12,
+        "tpu v6": 918e12,
+    }
     for name, flops in table.items():
         if name in kind:
             return flops, f"{name} datasheet bf16 dense"
@@ -235,7 +275,7 @@ def mfu_peak_flops() -> tuple[float, str]:
         t = time.perf_counter()
         mm(a).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best, "measured f32 matmul"
+    return 2 * n**3 / best, "measured f32 matmul"
 
 
 class _StopFlag:
@@ -299,6 +339,7 @@ class _MetricsWriter:
             return
         self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
         from tensorboardX import SummaryWriter
+
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, values: dict[str, float]):
@@ -320,11 +361,22 @@ class _MetricsWriter:
 def _validation_batches(config: Config, count: int):
     """A fixed list of validation batches (this process's rows), the same at every eval."""
     from lexjax import data as data_lib
-    source = data_lib.load_source(config.data.name, "validation", data_dir=config.data.data_dir,
-                                  files=config.data.files, text_feature=config.data.text_feature)
+
+    source = data_lib.load_source(
+        config.data.name,
+        "validation",
+        data_dir=config.data.data_dir,
+        files=config.data.files,
+        text_feature=config.data.text_feature,
+    )
     it = data_lib.make_train_iterator(
-        source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
-        seed=0, shard_index=jax.process_index(), shard_count=jax.process_count())
+        source,
+        seq_len=config.train_len,
+        batch_size=config.batch_size // jax.process_count(),
+        seed=0,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
     return [next(it) for _ in range(count)]
 
 
@@ -332,14 +384,21 @@ def _check_workdir(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
-        raise TrainingError(f"cannot create workdir {workdir}: {e.strerror}; choose a "
-                            "writable --workdir") from None
+        raise TrainingError(
+            f"cannot create workdir {workdir}: {e.strerror}; choose a writable --workdir"
+        ) from None
     if not os.access(workdir, os.W_OK):
         raise TrainingError(f"workdir {workdir} is not writable; choose a writable --workdir")
 
 
-def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
-          progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+def train(
+    config: Config,
+    workdir: str,
+    *,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
 
     Resumes from the latest good checkpoint in ``workdir/checkpoints`` (state
@@ -360,50 +419,93 @@ def train(config: Config, workdir: str, *, log: Callable[[str], None] = print,
         # Process 0 builds a dataset first, so processes sharing a data_dir never
         # write it at the same time; the others then load (or build their own copy).
         if is_main:
-            data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
-                                 files=config.data.files, text_feature=config.data.text_feature)
+            data_lib.load_source(
+                config.data.name,
+                "train",
+                data_dir=config.data.data_dir,
+                files=config.data.files,
+                text_feature=config.data.text_feature,
+            )
         distributed.any_process(False)
-    source = data_lib.load_source(config.data.name, "train", data_dir=config.data.data_dir,
-                                  files=config.data.files, text_feature=config.data.text_feature)
+    source = data_lib.load_source(
+        config.data.name,
+        "train",
+        data_dir=config.data.data_dir,
+        files=config.data.files,
+        text_feature=config.data.text_feature,
+    )
     data_iter = data_lib.make_train_iterator(
-        source, seq_len=config.train_len, batch_size=config.batch_size // jax.process_count(),
-        seed=config.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-        worker_count=config.data.worker_count)
+        source,
+        seq_len=config.train_len,
+        batch_size=config.batch_size // jax.process_count(),
+        seed=config.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+        worker_count=config.data.worker_count,
+    )
     # Read now, not at the first evaluation: a corpus without a validation split
     # must fail before training, not after eval_every steps of it.
     val_batches = _validation_batches(config, config.eval_batches)
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-    checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=config.keep_checkpoints,
-                                         on_corrupt=config.on_corrupt_checkpoint)
+    checkpointer = ckpt_lib.Checkpointer(
+        ckpt_dir, keep=config.keep_checkpoints, on_corrupt=config.on_corrupt_checkpoint
+    )
     try:
         state, step = _restore_or_init(trainer, checkpointer, data_iter, config, say)
-        return _loop(trainer, checkpointer, data_iter, val_batches, state, step, config,
-                     workdir, say, progress and is_main, stop_after)
+        return _loop(
+            trainer,
+            checkpointer,
+            data_iter,
+            val_batches,
+            state,
+            step,
+            config,
+            workdir,
+            say,
+            progress and is_main,
+            stop_after,
+        )
     finally:
         checkpointer.close()
 
 
 def _restore_or_init(trainer, checkpointer, data_iter, config, say):
     if checkpointer.latest_step() is None:
-        say(f"model: {trainer.num_params / 1e6:.2f} M parameters, position={config.model.position}, "
-            f"mesh {dict(trainer.mesh.shape)}")
+        say(
+            f"model: {trainer.num_params / 1e6:.2f} M parameters, position={config.model.position}, "
+            f"mesh {dict(trainer.mesh.shape)}"
+        )
         return trainer.init_state(), 0
     stored = checkpointer.restore_config()
     stored_model = (stored or {}).get("model")
     ours = dataclasses.asdict(config.model)
     if stored_model is not None and {k: stored_model.get(k) for k in ours} != ours:
         diff = sorted(k for k in ours if stored_model.get(k) != ours[k])
-        raise TrainingError(f"workdir {checkpointer.directory} holds checkpoints of another model "
-                            f"(differs in model.{', model.'.join(diff)}); use a new --workdir or "
-                            "the same model config")
-    state, _, step = checkpointer.restore(abstract_state=trainer.abstract_state,
-                                          data_iter=data_iter)
+        raise TrainingError(
+            f"workdir {checkpointer.directory} holds checkpoints of another model "
+            f"(differs in model.{', model.'.join(diff)}); use a new --workdir or "
+            "the same model config"
+        )
+    state, _, step = checkpointer.restore(
+        abstract_state=trainer.abstract_state, data_iter=data_iter
+    )
     say(f"resumed from {checkpointer.directory} at step {step}")
     return state, int(step)
 
 
-def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, config: Config,
-          workdir, say, show_progress, stop_after) -> dict[str, Any]:
+def _loop(
+    trainer: Trainer,
+    checkpointer,
+    data_iter,
+    val_batches,
+    state,
+    step,
+    config: Config,
+    workdir,
+    say,
+    show_progress,
+    stop_after,
+) -> dict[str, Any]:
     total = config.num_train_steps
     writer = _MetricsWriter(workdir, jax.process_index() == 0)
     bar = _Progress(total, step, show_progress)
@@ -425,15 +527,20 @@ def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, c
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
                     f"without saving that state (last checkpoint: step "
-                    f"{checkpointer.latest_step()} in {checkpointer.directory})")
+                    f"{checkpointer.latest_step()} in {checkpointer.directory})"
+                )
         s, m = pending[-1][0], values[-1]
         pending.clear()
         now = time.perf_counter()
         rate = (s - last["step"]) * tokens_per_step / max(now - last["time"], 1e-9)
         last.update(time=now, step=s)
-        record = {"loss": float(m["loss"]), "learning_rate": float(m["learning_rate"]),
-                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": rate,
-                  "mfu": rate * flops / (peak * jax.device_count())}
+        record = {
+            "loss": float(m["loss"]),
+            "learning_rate": float(m["learning_rate"]),
+            "grad_norm": float(m["grad_norm"]),
+            "tokens_per_sec": rate,
+            "mfu": rate * flops / (peak * jax.device_count()),
+        }
         writer.write(s, record)
         summary.update(record)
         bar.update(s, f"loss {record['loss']:.3f} {rate:,.0f} tok/s")
@@ -471,8 +578,10 @@ def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, c
                 if step % config.log_every == 0 or boundary or step % config.eval_every == 0:
                     flush()
                 if step % config.eval_every == 0 or step == total:
-                    sums = [trainer.eval_step(state.params, trainer.global_batch(b))
-                            for b in val_batches]
+                    sums = [
+                        trainer.eval_step(state.params, trainer.global_batch(b))
+                        for b in val_batches
+                    ]
                     nll, weight = map(sum, zip(*jax.device_get(sums)))
                     summary["val_loss"] = float(nll / max(weight, 1.0))
                     writer.write(step, {"val_loss": summary["val_loss"]})
@@ -488,9 +597,15 @@ def _loop(trainer: Trainer, checkpointer, data_iter, val_batches, state, step, c
         finally:
             bar.close()
             writer.close()
-    summary.update(step=step, checkpoint_dir=checkpointer.directory,
-                   stopped_by=stop.signal_name, num_params=trainer.num_params)
+    summary.update(
+        step=step,
+        checkpoint_dir=checkpointer.directory,
+        stopped_by=stop.signal_name,
+        num_params=trainer.num_params,
+    )
     if stop.signal_name:
-        say(f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
-            f"{checkpointer.directory}")
+        say(
+            f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
+            f"{checkpointer.directory}"
+        )
     return summary

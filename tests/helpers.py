@@ -10,11 +10,18 @@ from lexjax import config as cfg
 def small_config(**overrides):
     """A 2-layer, d_model-32 model at train_len 16; ``overrides`` use dotted keys."""
     values = {
-        "model": dict(num_layers=2, d_model=32, num_heads=4, mlp_dim=64, vocab_size=264,
-                      max_len=16),
-        "learning_rate": 3e-3, "warmup_steps": 2,
-        "train_len": 16, "batch_size": 8, "num_train_steps": 4, "checkpoint_every": 2,
-        "eval_every": 2, "eval_batches": 1, "log_every": 1,
+        "model": dict(
+            num_layers=2, d_model=32, num_heads=4, mlp_dim=64, vocab_size=264, max_len=16
+        ),
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "train_len": 16,
+        "batch_size": 8,
+        "num_train_steps": 4,
+        "checkpoint_every": 2,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "log_every": 1,
     }
     for key, value in overrides.items():
         section, _, name = key.rpartition(".")
@@ -24,11 +31,12 @@ def small_config(**overrides):
 
 def packed_batch(rng: np.random.Generator, batch: int, length: int, vocab: int = 258):
     """Rows of 1-3 packed documents each, in the data pipeline's format."""
-    rows = {k: np.zeros((batch, length), np.int32)
-            for k in ("inputs", "targets", "segment_ids", "positions")}
+    rows = {
+        k: np.zeros((batch, length), np.int32)
+        for k in ("inputs", "targets", "segment_ids", "positions")
+    }
     for r in range(batch):
-        cuts = np.sort(rng.choice(np.arange(2, length - 1), size=rng.integers(0, 3),
-                                  replace=False))
+        cuts = np.sort(rng.choice(np.arange(2, length - 1), size=rng.integers(0, 3), replace=False))
         starts = [0, *cuts.tolist()]
         ends = [*cuts.tolist(), length - int(rng.integers(0, 3))]
         for seg, (a, b) in enumerate(zip(starts, ends), start=1):

@@ -66,9 +66,10 @@ def alibi_slopes(n):
     a geometric sequence starting at 2^(-8/n) with that same ratio; for n not a power
     of two, those of the nearest lower power of two followed by every other slope
     of the next power of two."""
+
     def power_of_2(n):
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
-        return [start * start ** i for i in range(n)]
+        return [start * start**i for i in range(n)]
 
     if math.log2(n).is_integer():
         return power_of_2(n)

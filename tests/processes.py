@@ -18,9 +18,18 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TINY = {
-    "model.num_layers": 1, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
-    "train_len": 32, "model.max_len": 32, "batch_size": 8, "eval_batches": 1,
-    "eval_every": 1000, "log_every": 1, "warmup_steps": 2, "data.name": "textfiles",
+    "model.num_layers": 1,
+    "model.d_model": 32,
+    "model.num_heads": 4,
+    "model.mlp_dim": 64,
+    "train_len": 32,
+    "model.max_len": 32,
+    "batch_size": 8,
+    "eval_batches": 1,
+    "eval_every": 1000,
+    "log_every": 1,
+    "warmup_steps": 2,
+    "data.name": "textfiles",
 }
 
 
@@ -52,11 +61,16 @@ def train_args(workdir, files, data_dir, **overrides) -> list[str]:
 
 
 def env(devices: int, cache_dir) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def context(tmp_path_factory, name: str, devices: int):
@@ -68,15 +82,27 @@ def context(tmp_path_factory, name: str, devices: int):
 
 
 def start(args, environ, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
-                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def run(args, environ, timeout=240, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
-                          env=environ, capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def records(workdir) -> list[dict]:
@@ -101,12 +127,14 @@ def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180, poll: fl
     """Polls `predicate()` until true; fails if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (value := predicate()):
+        if value := predicate():
             return value
         if proc.poll() is not None:
             out, err = proc.communicate()
-            raise AssertionError(f"train.py exited ({proc.returncode}) before the condition:"
-                                 f"\n{out[-2000:]}\n{err[-3000:]}")
+            raise AssertionError(
+                f"train.py exited ({proc.returncode}) before the condition:"
+                f"\n{out[-2000:]}\n{err[-3000:]}"
+            )
         time.sleep(poll)
     proc.kill()
     raise AssertionError("timed out waiting for the training process")

@@ -16,8 +16,10 @@ B, TQ, TK, H, D = 2, 4, 6, 2, 8
 
 def _qkv(seed, q_len=TQ, k_len=TK):
     rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal(shape).astype(np.float32)
-                 for shape in ((B, q_len, H, D), (B, k_len, H, D), (B, k_len, H, D)))
+    return tuple(
+        rng.standard_normal(shape).astype(np.float32)
+        for shape in ((B, q_len, H, D), (B, k_len, H, D), (B, k_len, H, D))
+    )
 
 
 def _reference(q, k, v, q_pos, k_pos, position, mask):
@@ -39,13 +41,14 @@ def _padded_causal_mask():
     """Causal over TK tokens, with padding (segment 0) at the end of both examples."""
     pos = np.arange(TK, dtype=np.int32)
     segments = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 2, 2, 2, 0]], np.int32)
-    mask = (masks.causal_by_position(pos, pos)[None, None]
-            & masks.same_segment(segments, segments)[:, None])
+    mask = (
+        masks.causal_by_position(pos, pos)[None, None]
+        & masks.same_segment(segments, segments)[:, None]
+    )
     return pos, mask
 
 
 class MultiheadAttentionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters("xpos", "rope", "alibi", "none")
     def test_matches_explicit_softmax_with_mask(self, position):
@@ -53,17 +56,20 @@ class MultiheadAttentionTest(chex.TestCase):
         # Queries are the last 4 of 6 tokens at positions 20 …; the second example has
         # a padded key (segment 0) on top of the causal pattern.
         k_pos = np.arange(20, 20 + TK, dtype=np.int32)
-        q_pos = k_pos[TK - TQ:]
+        q_pos = k_pos[TK - TQ :]
         segments = np.array([[1] * TK, [0] + [1] * (TK - 1)], np.int32)
-        mask = (masks.causal_by_position(q_pos, k_pos)[None, None]
-                & masks.same_segment(segments[:, TK - TQ:], segments)[:, None])
+        mask = (
+            masks.causal_by_position(q_pos, k_pos)[None, None]
+            & masks.same_segment(segments[:, TK - TQ :], segments)[:, None]
+        )
         run = self.variant(functools.partial(attention.multihead_attention, position=position))
         out, logits = run(q, k, v, q_pos, k_pos, mask=mask)
         want_out, want_logits = _reference(q, k, v, q_pos, k_pos, position, np.asarray(mask))
         self.assertEqual(out.shape, (B, TQ, H, D))
         self.assertEqual(logits.shape, (B, H, TQ, TK))
-        np.testing.assert_allclose(np.asarray(logits, np.float64), want_logits,
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(logits, np.float64), want_logits, rtol=1e-5, atol=1e-5
+        )
         np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=1e-5)
 
     @parameterized.parameters("xpos", "rope")
@@ -71,11 +77,11 @@ class MultiheadAttentionTest(chex.TestCase):
         q, k, v = _qkv(1, TK, TK)
         pos = np.array([np.arange(TK), np.arange(TK) * 3 + 100], np.int32)
         mask = masks.causal_by_position(pos, pos)[:, None]
-        out, logits = attention.multihead_attention(q, k, v, pos, pos, position=position,
-                                                    mask=mask)
+        out, logits = attention.multihead_attention(q, k, v, pos, pos, position=position, mask=mask)
         want_out, want_logits = _reference(q, k, v, pos, pos, position, np.asarray(mask))
-        np.testing.assert_allclose(np.asarray(logits, np.float64), want_logits,
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(logits, np.float64), want_logits, rtol=1e-5, atol=1e-5
+        )
         np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=1e-5)
 
     @parameterized.parameters((jnp.float32, 100_000), (jnp.float16, 5_000))
@@ -85,11 +91,12 @@ class MultiheadAttentionTest(chex.TestCase):
         # positions offset + … must equal attention at the same small positions.
         q, k, v = (jnp.asarray(a, dtype) for a in _qkv(5))
         k_pos = np.arange(TK, dtype=np.int32)
-        q_pos = k_pos[TK - TQ:]
+        q_pos = k_pos[TK - TQ :]
         mask = masks.causal(TQ, TK)
         near = attention.multihead_attention(q, k, v, q_pos, k_pos, position="xpos", mask=mask)
-        far = attention.multihead_attention(q, k, v, q_pos + offset, k_pos + offset,
-                                            position="xpos", mask=mask)
+        far = attention.multihead_attention(
+            q, k, v, q_pos + offset, k_pos + offset, position="xpos", mask=mask
+        )
         for got, want in zip(far, near):
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             self.assertTrue(np.all(np.isfinite(got)))
@@ -99,7 +106,7 @@ class MultiheadAttentionTest(chex.TestCase):
         # The ALiBi logits are the plain logits plus −m_h·(i − j), head by head.
         q, k, v = _qkv(2)
         k_pos = np.arange(TK, dtype=np.int32)
-        q_pos = k_pos[TK - TQ:]
+        q_pos = k_pos[TK - TQ :]
         _, plain = attention.multihead_attention(q, k, v, q_pos, k_pos, position="none")
         _, alibi = attention.multihead_attention(q, k, v, q_pos, k_pos, position="alibi")
         plain, alibi = np.asarray(plain), np.asarray(alibi)
@@ -107,11 +114,15 @@ class MultiheadAttentionTest(chex.TestCase):
         for h in range(H):
             for i in range(TQ):
                 for j in range(TK):
-                    np.testing.assert_allclose(alibi[:, h, i, j] - plain[:, h, i, j],
-                                               -slopes[h] * (q_pos[i] - k_pos[j]), atol=1e-5)
+                    np.testing.assert_allclose(
+                        alibi[:, h, i, j] - plain[:, h, i, j],
+                        -slopes[h] * (q_pos[i] - k_pos[j]),
+                        atol=1e-5,
+                    )
         np.testing.assert_array_equal(
             attention.logit_bias(q_pos, k_pos, H, position="alibi")[0],
-            positions.alibi_bias(H, q_pos, k_pos))
+            positions.alibi_bias(H, q_pos, k_pos),
+        )
         self.assertIsNone(attention.logit_bias(q_pos, k_pos, H, position="xpos"))
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -133,8 +144,7 @@ class MultiheadAttentionTest(chex.TestCase):
         pos, mask = _padded_causal_mask()
 
         def loss(q, k, v):
-            out, _ = attention.multihead_attention(q, k, v, pos, pos, position="xpos",
-                                                   mask=mask)
+            out, _ = attention.multihead_attention(q, k, v, pos, pos, position="xpos", mask=mask)
             return jnp.sum(out)
 
         for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v):
@@ -156,11 +166,17 @@ class MultiheadAttentionTest(chex.TestCase):
             window = slice((b - 1) * w, (b + 1) * w)
             q_window_pos = np.arange(w, 2 * w, dtype=np.int32)
             k_window_pos = np.arange(2 * w, dtype=np.int32)
-            step, _ = run(q[:, b * w:(b + 1) * w], k[:, window], v[:, window],
-                          q_window_pos, k_window_pos,
-                          mask=masks.causal_by_position(q_window_pos, k_window_pos))
-            np.testing.assert_allclose(step, full[:, b * w:(b + 1) * w], rtol=1e-5, atol=1e-5,
-                                       err_msg=f"block {b}")
+            step, _ = run(
+                q[:, b * w : (b + 1) * w],
+                k[:, window],
+                v[:, window],
+                q_window_pos,
+                k_window_pos,
+                mask=masks.causal_by_position(q_window_pos, k_window_pos),
+            )
+            np.testing.assert_allclose(
+                step, full[:, b * w : (b + 1) * w], rtol=1e-5, atol=1e-5, err_msg=f"block {b}"
+            )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as users run it
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
+    }  # one CPU device, as users run it
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_run_mfu_quick_writes_the_json_shape(tmp_path):

@@ -8,11 +8,12 @@ import sys
 
 import grain
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lexjax.checkpoint import Checkpointer, CheckpointError
 
@@ -24,349 +25,361 @@ ROWS = 512  # big enough that OCDBT keeps the arrays in data files, not b-tree n
 
 
 def mesh_of(n):
-  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
 
 def host_params(seed=0, rows=ROWS):
-  rng = np.random.default_rng(seed)
-  return {
-      "w": rng.standard_normal((rows, 16)).astype(np.float32),
-      "b": np.zeros((16,), np.float32),
-      # Random integers do not compress, so their bytes appear verbatim on disk.
-      "counts": rng.integers(0, 2**31, (rows, 16), dtype=np.int32),
-  }
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.standard_normal((rows, 16)).astype(np.float32),
+        "b": np.zeros((16,), np.float32),
+        # Random integers do not compress, so their bytes appear verbatim on disk.
+        "counts": rng.integers(0, 2**31, (rows, 16), dtype=np.int32),
+    }
 
 
 def make_state(mesh, seed=0, rows=ROWS):
-  spec = {"w": P("data"), "b": P(), "counts": P("data")}
-  params = {
-      k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec[k]), lambda i, v=v: v[i])
-      for k, v in host_params(seed, rows).items()
-  }
-  state = {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.int32(seed)}
+    spec = {"w": P("data"), "b": P(), "counts": P("data")}
+    params = {
+        k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec[k]), lambda i, v=v: v[i])
+        for k, v in host_params(seed, rows).items()
+    }
+    state = {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.int32(seed)}
 
-  def global_array(x):  # as a jitted train step would leave it, also with several processes
-    if isinstance(x.sharding, NamedSharding):
-      return x
-    value = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i: value[i])
+    def global_array(x):  # as a jitted train step would leave it, also with several processes
+        if isinstance(x.sharding, NamedSharding):
+            return x
+        value = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i: value[i])
 
-  return jax.tree.map(global_array, state)
+    return jax.tree.map(global_array, state)
 
 
 def abstract(state, mesh, spec_for=lambda path: None):
-  def leaf(path, x):
-    spec = spec_for(jax.tree_util.keystr(path)) if x.ndim else None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec or P()))
-  return jax.tree_util.tree_map_with_path(leaf, state)
+    def leaf(path, x):
+        spec = spec_for(jax.tree_util.keystr(path)) if x.ndim else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec or P()))
+
+    return jax.tree_util.tree_map_with_path(leaf, state)
 
 
 def assert_same(a, b):
-  from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils
 
-  def host(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x)
 
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(host(x), host(y)), a, b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(host(x), host(y)), a, b)
 
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
-  """A directory with good steps 1 and 2 (different values), made once."""
-  path = tmp_path_factory.mktemp("two_steps") / "ckpt"
-  mesh = mesh_of(8)
-  ckpt = Checkpointer(path, keep=None)
-  for step in (1, 2):
-    ckpt.save(step, make_state(mesh, seed=step), config={"seed": step})
-  ckpt.close()
-  return path
+    """A directory with good steps 1 and 2 (different values), made once."""
+    path = tmp_path_factory.mktemp("two_steps") / "ckpt"
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(path, keep=None)
+    for step in (1, 2):
+        ckpt.save(step, make_state(mesh, seed=step), config={"seed": step})
+    ckpt.close()
+    return path
 
 
 def fresh_copy(two_steps, tmp_path):
-  target = tmp_path / "ckpt"
-  shutil.copytree(two_steps, target)
-  return target
+    target = tmp_path / "ckpt"
+    shutil.copytree(two_steps, target)
+    return target
 
 
 def copy_with_flipped_step_2(two_steps, tmp_path):
-  """A copy of the two-step checkpoint whose step 2 has one flipped array byte;
-  returns (path, mesh, the state saved at step 2)."""
-  path = fresh_copy(two_steps, tmp_path)
-  flip_byte(path / "2", host_params(2)["counts"])
-  mesh = mesh_of(8)
-  return path, mesh, make_state(mesh, seed=2)
+    """A copy of the two-step checkpoint whose step 2 has one flipped array byte;
+    returns (path, mesh, the state saved at step 2)."""
+    path = fresh_copy(two_steps, tmp_path)
+    flip_byte(path / "2", host_params(2)["counts"])
+    mesh = mesh_of(8)
+    return path, mesh, make_state(mesh, seed=2)
 
 
 def data_files_holding(step_dir, value):
-  """Files under step_dir/state whose bytes contain a slice of `value`."""
-  needle = np.ascontiguousarray(value[ROWS // 2 : ROWS // 2 + 8]).tobytes()
-  hits = []
-  for f in sorted(pathlib.Path(step_dir, "state").rglob("*")):
-    if f.is_file() and (at := f.read_bytes().find(needle)) >= 0:
-      hits.append((f, at))
-  assert hits, "array bytes not found verbatim in any file"
-  return hits
+    """Files under step_dir/state whose bytes contain a slice of `value`."""
+    needle = np.ascontiguousarray(value[ROWS // 2 : ROWS // 2 + 8]).tobytes()
+    hits = []
+    for f in sorted(pathlib.Path(step_dir, "state").rglob("*")):
+        if f.is_file() and (at := f.read_bytes().find(needle)) >= 0:
+            hits.append((f, at))
+    assert hits, "array bytes not found verbatim in any file"
+    return hits
 
 
 def test_round_trip_is_exact(tmp_path):
-  mesh = mesh_of(8)
-  state = make_state(mesh)
-  ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
-  assert ckpt.save(5, state, config={"model": {"d": 16}})
-  restored, config, step = ckpt.restore(abstract_state=abstract(state, mesh))
-  assert (step, config) == (5, {"model": {"d": 16}})
-  assert jax.tree.structure(restored) == jax.tree.structure(state)
-  assert_same(restored, state)
-  assert ckpt.restore_config() == {"model": {"d": 16}}
-  ckpt.close()
+    mesh = mesh_of(8)
+    state = make_state(mesh)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    assert ckpt.save(5, state, config={"model": {"d": 16}})
+    restored, config, step = ckpt.restore(abstract_state=abstract(state, mesh))
+    assert (step, config) == (5, {"model": {"d": 16}})
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert_same(restored, state)
+    assert ckpt.restore_config() == {"model": {"d": 16}}
+    ckpt.close()
 
 
 def test_restore_onto_another_mesh(tmp_path):
-  state = make_state(mesh_of(8))
-  ckpt = Checkpointer(tmp_path / "ckpt")
-  ckpt.save(1, state)
-  ckpt.wait()
-  small = mesh_of(2)
-  spec_for = lambda name: P(None, "data") if name.endswith("['w']") else None
-  target = abstract(state, small, spec_for)
-  restored, _, _ = ckpt.restore(abstract_state=target)
-  assert_same(restored, state)
-  jax.tree.map(lambda x, t: (x.sharding == t.sharding) or pytest.fail(f"{x.sharding} != {t.sharding}"), restored, target)
-  assert restored["params"]["w"].sharding.spec == P(None, "data")
-  assert len(restored["params"]["w"].sharding.device_set) == 2
-  ckpt.close()
+    state = make_state(mesh_of(8))
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, state)
+    ckpt.wait()
+    small = mesh_of(2)
+    spec_for = lambda name: P(None, "data") if name.endswith("['w']") else None
+    target = abstract(state, small, spec_for)
+    restored, _, _ = ckpt.restore(abstract_state=target)
+    assert_same(restored, state)
+    jax.tree.map(
+        lambda x, t: (x.sharding == t.sharding) or pytest.fail(f"{x.sharding} != {t.sharding}"),
+        restored,
+        target,
+    )
+    assert restored["params"]["w"].sharding.spec == P(None, "data")
+    assert len(restored["params"]["w"].sharding.device_set) == 2
+    ckpt.close()
 
 
 def test_keep_n_deletes_only_the_oldest(tmp_path):
-  mesh = mesh_of(8)
-  ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
-  for step in range(1, 5):
-    ckpt.save(step, make_state(mesh, rows=8))
-  ckpt.wait()
-  assert ckpt.all_steps() == [3, 4]
-  ckpt.close()
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    for step in range(1, 5):
+        ckpt.save(step, make_state(mesh, rows=8))
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4]
+    ckpt.close()
 
 
 def test_async_save_then_wait(tmp_path):
-  mesh = mesh_of(8)
-  state = make_state(mesh)
-  ckpt = Checkpointer(tmp_path / "ckpt", async_save=True)
-  ckpt.save(10, state)
-  ckpt.wait()
-  assert ckpt.latest_step() == 10
-  reopened = Checkpointer(tmp_path / "ckpt")
-  restored, _, step = reopened.restore(abstract_state=abstract(state, mesh))
-  assert step == 10
-  assert_same(restored, state)
-  ckpt.close()
-  reopened.close()
+    mesh = mesh_of(8)
+    state = make_state(mesh)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=True)
+    ckpt.save(10, state)
+    ckpt.wait()
+    assert ckpt.latest_step() == 10
+    reopened = Checkpointer(tmp_path / "ckpt")
+    restored, _, step = reopened.restore(abstract_state=abstract(state, mesh))
+    assert step == 10
+    assert_same(restored, state)
+    ckpt.close()
+    reopened.close()
 
 
 def test_resumed_iterator_continues_identically(tmp_path):
-  def make_iter():
-    return iter(grain.MapDataset.range(100).shuffle(seed=0).batch(4).to_iter_dataset())
+    def make_iter():
+        return iter(grain.MapDataset.range(100).shuffle(seed=0).batch(4).to_iter_dataset())
 
-  mesh = mesh_of(8)
-  state = make_state(mesh, rows=8)
-  it = make_iter()
-  for _ in range(3):
-    next(it)
-  ckpt = Checkpointer(tmp_path / "ckpt")
-  ckpt.save(3, state, data_iter=it)
-  expected = [next(it).tolist() for _ in range(5)]
-  ckpt.wait()
-  resumed = make_iter()
-  ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
-  assert [next(resumed).tolist() for _ in range(5)] == expected
-  ckpt.close()
+    mesh = mesh_of(8)
+    state = make_state(mesh, rows=8)
+    it = make_iter()
+    for _ in range(3):
+        next(it)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(3, state, data_iter=it)
+    expected = [next(it).tolist() for _ in range(5)]
+    ckpt.wait()
+    resumed = make_iter()
+    ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
+    assert [next(resumed).tolist() for _ in range(5)] == expected
+    ckpt.close()
 
 
 def truncate(step_dir, value):
-  for f, _ in data_files_holding(step_dir, value):
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    for f, _ in data_files_holding(step_dir, value):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
 def delete(step_dir, value):
-  for f, _ in data_files_holding(step_dir, value):
-    f.unlink()
+    for f, _ in data_files_holding(step_dir, value):
+        f.unlink()
 
 
 def flip_byte(step_dir, value):
-  for f, at in data_files_holding(step_dir, value):
-    data = bytearray(f.read_bytes())
-    data[at + 5] ^= 0x10
-    f.write_bytes(bytes(data))
+    for f, at in data_files_holding(step_dir, value):
+        data = bytearray(f.read_bytes())
+        data[at + 5] ^= 0x10
+        f.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage, why", [(truncate, ""), (delete, ""), (flip_byte, "checksum")])
 def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
-  path = fresh_copy(two_steps, tmp_path)
-  mesh = mesh_of(8)
-  state2 = make_state(mesh, seed=2)
-  damage(path / "2", host_params(2)["counts"])
-  ckpt = Checkpointer(path, keep=None)
-  with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
-    restored, config, step = ckpt.restore(abstract_state=abstract(state2, mesh))
-  assert (step, config) == (1, {"seed": 1})
-  assert_same(restored, make_state(mesh, seed=1))
-  lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
-  assert len(lines) == 1 and "step 2 " in lines[0] and "falling back to step 1" in lines[0]
-  assert why in lines[0]
-  assert ckpt.all_steps() == [1, 2]  # fallback deletes nothing
-  ckpt.close()
+    path = fresh_copy(two_steps, tmp_path)
+    mesh = mesh_of(8)
+    state2 = make_state(mesh, seed=2)
+    damage(path / "2", host_params(2)["counts"])
+    ckpt = Checkpointer(path, keep=None)
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        restored, config, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+    assert (step, config) == (1, {"seed": 1})
+    assert_same(restored, make_state(mesh, seed=1))
+    lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(lines) == 1 and "step 2 " in lines[0] and "falling back to step 1" in lines[0]
+    assert why in lines[0]
+    assert ckpt.all_steps() == [1, 2]  # fallback deletes nothing
+    ckpt.close()
 
 
 def test_error_mode_raises_on_damage(two_steps, tmp_path):
-  path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
-  ckpt = Checkpointer(path, on_corrupt="error")
-  with pytest.raises(CheckpointError, match="step 2 .*damaged: checksum mismatch"):
-    ckpt.restore(abstract_state=abstract(state2, mesh))
-  ckpt.close()
+    path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
+    ckpt = Checkpointer(path, on_corrupt="error")
+    with pytest.raises(CheckpointError, match="step 2 .*damaged: checksum mismatch"):
+        ckpt.restore(abstract_state=abstract(state2, mesh))
+    ckpt.close()
 
 
 def test_gc_keeps_the_last_good_step(two_steps, tmp_path):
-  path = fresh_copy(two_steps, tmp_path)
-  mesh = mesh_of(8)
-  flip_byte(path / "2", host_params(2)["counts"])
-  ckpt = Checkpointer(path, keep=1)
-  ckpt.wait()
-  assert ckpt.all_steps() == [1, 2]
-  ckpt.save(3, make_state(mesh, seed=3))
-  ckpt.wait()
-  assert ckpt.all_steps() == [3]
-  ckpt.close()
+    path = fresh_copy(two_steps, tmp_path)
+    mesh = mesh_of(8)
+    flip_byte(path / "2", host_params(2)["counts"])
+    ckpt = Checkpointer(path, keep=1)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.save(3, make_state(mesh, seed=3))
+    ckpt.wait()
+    assert ckpt.all_steps() == [3]
+    ckpt.close()
 
 
 def test_other_model_shape_is_refused(two_steps, tmp_path):
-  mesh = mesh_of(8)
-  ckpt = Checkpointer(fresh_copy(two_steps, tmp_path))
-  other = make_state(mesh, rows=64)
-  with pytest.raises(CheckpointError, match="different model shape.*new workdir"):
-    ckpt.restore(abstract_state=abstract(other, mesh))
-  ckpt.close()
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(fresh_copy(two_steps, tmp_path))
+    other = make_state(mesh, rows=64)
+    with pytest.raises(CheckpointError, match="different model shape.*new workdir"):
+        ckpt.restore(abstract_state=abstract(other, mesh))
+    ckpt.close()
 
 
 def test_bad_directories_are_reported(tmp_path):
-  blocker = tmp_path / "file"
-  blocker.write_text("")
-  with pytest.raises(CheckpointError, match="cannot create checkpoint directory"):
-    Checkpointer(blocker / "ckpt")
-  with pytest.raises(CheckpointError, match="does not exist"):
-    Checkpointer(tmp_path / "missing", read_only=True)
-  ckpt = Checkpointer(tmp_path / "empty")
-  with pytest.raises(CheckpointError, match="no complete checkpoint"):
-    ckpt.restore(abstract_state={})
-  ckpt.close()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError, match="cannot create checkpoint directory"):
+        Checkpointer(blocker / "ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpointer(tmp_path / "missing", read_only=True)
+    ckpt = Checkpointer(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        ckpt.restore(abstract_state={})
+    ckpt.close()
 
 
 def test_steps_without_commit_or_integrity_are_incomplete(two_steps, tmp_path):
-  path = fresh_copy(two_steps, tmp_path)
-  shutil.rmtree(path / "2" / "integrity")
-  shutil.copytree(path / "1", path / "3.orbax-checkpoint-tmp-1234")  # a save cut short
-  ckpt = Checkpointer(path, read_only=True)
-  assert ckpt.all_steps() == [1]
-  assert ckpt.latest_step() == 1
-  ckpt.close()
+    path = fresh_copy(two_steps, tmp_path)
+    shutil.rmtree(path / "2" / "integrity")
+    shutil.copytree(path / "1", path / "3.orbax-checkpoint-tmp-1234")  # a save cut short
+    ckpt = Checkpointer(path, read_only=True)
+    assert ckpt.all_steps() == [1]
+    assert ckpt.latest_step() == 1
+    ckpt.close()
 
 
 def test_damaged_iterator_state_falls_back(tmp_path, caplog):
-  mesh = mesh_of(8)
-  state = make_state(mesh, rows=8)
-  it = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
-  ckpt = Checkpointer(tmp_path / "ckpt")
-  for step in (1, 2):
-    next(it)
-    ckpt.save(step, state, data_iter=it)
-  ckpt.wait()
-  saved = tmp_path / "ckpt" / "2" / "data_iter" / "process_0-of-1.json"
-  saved.write_text(saved.read_text().replace('"next_index": 2', '"next_index": 7'))
-  resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
-  with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
-    _, _, step = ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
-  assert step == 1 and next(resumed).tolist() == [4, 5, 6, 7]
-  assert "step 2 " in caplog.text and "data iterator state checksum mismatch" in caplog.text
-  ckpt.close()
+    mesh = mesh_of(8)
+    state = make_state(mesh, rows=8)
+    it = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        next(it)
+        ckpt.save(step, state, data_iter=it)
+    ckpt.wait()
+    saved = tmp_path / "ckpt" / "2" / "data_iter" / "process_0-of-1.json"
+    saved.write_text(saved.read_text().replace('"next_index": 2', '"next_index": 7'))
+    resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        _, _, step = ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
+    assert step == 1 and next(resumed).tolist() == [4, 5, 6, 7]
+    assert "step 2 " in caplog.text and "data iterator state checksum mismatch" in caplog.text
+    ckpt.close()
 
 
 def test_resuming_before_a_damaged_step_moves_it_aside(two_steps, tmp_path):
-  path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
-  ckpt = Checkpointer(path, keep=None)
-  _, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
-  assert step == 1
-  assert ckpt.save(2, state2)
-  ckpt.wait()
-  assert ckpt.all_steps() == [1, 2]
-  assert [p.name.split("-")[0] for p in (path / "superseded").iterdir()] == ["2"]
-  restored, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
-  assert step == 2
-  assert_same(restored, state2)
-  assert not ckpt.save(2, state2)  # saved by this object already
-  assert ckpt.save(2, state2, force=True)
-  ckpt.wait()
-  assert len(list((path / "superseded").iterdir())) == 2
-  ckpt.close()
-
+    path, mesh, state2 = copy_with_flipped_step_2(two_steps, tmp_path)
+    ckpt = Checkpointer(path, keep=None)
+    _, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+    assert step == 1
+    assert ckpt.save(2, state2)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    assert [p.name.split("-")[0] for p in (path / "superseded").iterdir()] == ["2"]
+    restored, _, step = ckpt.restore(abstract_state=abstract(state2, mesh))
+    assert step == 2
+    assert_same(restored, state2)
+    assert not ckpt.save(2, state2)  # saved by this object already
+    assert ckpt.save(2, state2, force=True)
+    ckpt.wait()
+    assert len(list((path / "superseded").iterdir())) == 2
+    ckpt.close()
 
 
 def run_two_process_resume(process_id, port, path):
-  """One of two processes: save per-process iterator state, damage, resume."""
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  from jax.experimental import multihost_utils
+    """One of two processes: save per-process iterator state, damage, resume."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    from jax.experimental import multihost_utils
 
-  def make_iter():
-    return iter(grain.MapDataset.range(100)[process_id::2].batch(2).to_iter_dataset())
+    def make_iter():
+        return iter(grain.MapDataset.range(100)[process_id::2].batch(2).to_iter_dataset())
 
-  mesh = mesh_of(4)
-  it = make_iter()
-  for _ in range(process_id + 1):  # the processes stand at different positions
-    next(it)
-  ckpt = Checkpointer(path, keep=None)
-  ckpt.save(1, make_state(mesh, seed=1), data_iter=it)
-  expected = [next(it).tolist() for _ in range(3)]
-  ckpt.save(2, make_state(mesh, seed=2), data_iter=it)
-  ckpt.wait()
-  if process_id == 0:
-    flip_byte(pathlib.Path(path, "2"), host_params(2)["counts"])
-  multihost_utils.sync_global_devices("damaged")
+    mesh = mesh_of(4)
+    it = make_iter()
+    for _ in range(process_id + 1):  # the processes stand at different positions
+        next(it)
+    ckpt = Checkpointer(path, keep=None)
+    ckpt.save(1, make_state(mesh, seed=1), data_iter=it)
+    expected = [next(it).tolist() for _ in range(3)]
+    ckpt.save(2, make_state(mesh, seed=2), data_iter=it)
+    ckpt.wait()
+    if process_id == 0:
+        flip_byte(pathlib.Path(path, "2"), host_params(2)["counts"])
+    multihost_utils.sync_global_devices("damaged")
 
-  other = jax.make_mesh((2, 2), ("data", "model"))
-  spec_for = lambda name: P("model") if name.endswith("['w']") else None
-  resumed = make_iter()
-  restored, _, step = ckpt.restore(
-      abstract_state=abstract(make_state(mesh, seed=1), other, spec_for), data_iter=resumed
-  )
-  assert step == 1
-  assert [next(resumed).tolist() for _ in range(3)] == expected
-  assert_same(restored, make_state(mesh, seed=1))
-  ckpt.close()
-  print(f"process {process_id} resumed correctly", flush=True)
+    other = jax.make_mesh((2, 2), ("data", "model"))
+    spec_for = lambda name: P("model") if name.endswith("['w']") else None
+    resumed = make_iter()
+    restored, _, step = ckpt.restore(
+        abstract_state=abstract(make_state(mesh, seed=1), other, spec_for), data_iter=resumed
+    )
+    assert step == 1
+    assert [next(resumed).tolist() for _ in range(3)] == expected
+    assert_same(restored, make_state(mesh, seed=1))
+    ckpt.close()
+    print(f"process {process_id} resumed correctly", flush=True)
 
 
 @pytest.mark.slow
 def test_two_processes_resume_each_their_own_iterator(tmp_path):
-  import socket
-  import subprocess
+    import socket
+    import subprocess
 
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  root = pathlib.Path(__file__).parent.parent
-  path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": path}
-  procs = [
-      subprocess.Popen(
-          [sys.executable, __file__, str(i), str(port), str(tmp_path / "ckpt")],
-          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      )
-      for i in range(2)
-  ]
-  outputs = [p.communicate(timeout=120)[0] for p in procs]
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0 and f"process {i} resumed correctly" in out, out[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = pathlib.Path(__file__).parent.parent
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": path,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(i), str(port), str(tmp_path / "ckpt")],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"process {i} resumed correctly" in out, out[-3000:]
 
 
 if __name__ == "__main__":
-  run_two_process_resume(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    run_two_process_resume(int(sys.argv[1]), sys.argv[2], sys.argv[3])

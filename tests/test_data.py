@@ -105,7 +105,9 @@ def test_split_is_stable_disjoint_and_roughly_90_5_5():
     assert 0.03 < counts["validation"] / len(paths) < 0.07
     # Pinned: SHA-256 buckets do not depend on the run, machine or PYTHONHASHSEED.
     assert [builders.split_of(p) for p in ("os.py", "m30.py", "asyncio/tasks.py")] == [
-        "validation", "test", "train"
+        "validation",
+        "test",
+        "train",
     ]
 
 
@@ -156,7 +158,10 @@ def test_other_prepared_datasets_load_through_tfds_data_source(tmp_path):
     _ForeignCorpus(data_dir=tmp_path, file_format="array_record").download_and_prepare()
     source = data.load_source("foreign_corpus", "train", tmp_path, text_feature="content")
     assert sorted(source[i] for i in range(len(source))) == [f"book {i}".encode() for i in range(6)]
-    assert len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content")) == 3
+    assert (
+        len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content"))
+        == 3
+    )
     with pytest.raises(ValueError, match="text_feature= one of"):
         data.load_source("foreign_corpus", "train", tmp_path)
     assert "tensorflow" not in sys.modules
@@ -193,7 +198,9 @@ def _chunks(documents, seq_len=SEQ_LEN):
     for text in documents:
         d = data.encode_document(text)
         for start in range(0, len(d) - 1, seq_len):
-            chunks[tuple(d[:-1][start:start + seq_len]), tuple(d[1:][start:start + seq_len])] += 1
+            chunks[
+                tuple(d[:-1][start : start + seq_len]), tuple(d[1:][start : start + seq_len])
+            ] += 1
     return chunks
 
 
@@ -203,7 +210,11 @@ def _segments(batch):
         segment_ids = batch["segment_ids"][row]
         for segment in np.unique(segment_ids[segment_ids > 0]):
             where = segment_ids == segment
-            yield batch["inputs"][row][where], batch["targets"][row][where], batch["positions"][row][where]
+            yield (
+                batch["inputs"][row][where],
+                batch["targets"][row][where],
+                batch["positions"][row][where],
+            )
 
 
 def _take(iterator, count):
@@ -227,17 +238,23 @@ def test_batch_shapes_and_dtypes():
 
 
 def test_pipeline_is_deterministic_for_a_seed():
-    make = lambda seed: data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=4, seed=seed)
+    make = lambda seed: data.make_train_iterator(
+        _documents(), seq_len=SEQ_LEN, batch_size=4, seed=seed
+    )
     _assert_batches_equal(_take(make(7), 6), _take(make(7), 6))
     other = _take(make(8), 6)
-    assert any(not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(_take(make(7), 6), other))
+    assert any(
+        not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(_take(make(7), 6), other)
+    )
 
 
 def test_packing_convention():
     documents = _documents()
     expected = _chunks(documents)
     seen = collections.Counter()
-    for batch in data.make_train_iterator(documents, seq_len=SEQ_LEN, batch_size=3, seed=1, num_epochs=1):
+    for batch in data.make_train_iterator(
+        documents, seq_len=SEQ_LEN, batch_size=3, seed=1, num_epochs=1
+    ):
         padding = batch["segment_ids"] == 0
         assert not batch["inputs"][padding].any() and not batch["targets"][padding].any()
         assert not batch["positions"][padding].any()
@@ -245,7 +262,7 @@ def test_packing_convention():
             used = row[row > 0]
             # Segments are numbered 1, 2, 3, ... left to right, padding only at the end.
             np.testing.assert_array_equal(np.unique(used), np.arange(1, used.max() + 1))
-            assert np.all(np.diff(used) >= 0) and not row[len(used):].any()
+            assert np.all(np.diff(used) >= 0) and not row[len(used) :].any()
         for inputs, targets, positions in _segments(batch):
             np.testing.assert_array_equal(positions, np.arange(len(inputs)))
             np.testing.assert_array_equal(targets[:-1], inputs[1:])
@@ -258,15 +275,19 @@ def test_packing_convention():
 
 def test_long_document_continues_as_new_segments():
     document = data.encode_document("a" * (3 * SEQ_LEN + 5))
-    batches = list(data.make_train_iterator(
-        [document], seq_len=SEQ_LEN, batch_size=1, seed=0, num_epochs=1
-    ))
+    batches = list(
+        data.make_train_iterator([document], seq_len=SEQ_LEN, batch_size=1, seed=0, num_epochs=1)
+    )
     assert len(batches) == 4
     for i, batch in enumerate(batches):
         start = i * SEQ_LEN
         length = min(SEQ_LEN, len(document) - 1 - start)
-        np.testing.assert_array_equal(batch["inputs"][0, :length], document[:-1][start:start + length])
-        np.testing.assert_array_equal(batch["targets"][0, :length], document[1:][start:start + length])
+        np.testing.assert_array_equal(
+            batch["inputs"][0, :length], document[:-1][start : start + length]
+        )
+        np.testing.assert_array_equal(
+            batch["targets"][0, :length], document[1:][start : start + length]
+        )
         np.testing.assert_array_equal(batch["positions"][0, :length], np.arange(length))
         np.testing.assert_array_equal(batch["segment_ids"][0, :length], 1)
         assert not batch["segment_ids"][0, length:].any()
@@ -284,9 +305,17 @@ def _document_ids(iterator):
 def test_shards_are_disjoint_and_cover_the_source():
     documents = _documents(40)
     shards = [
-        _document_ids(data.make_train_iterator(
-            documents, seq_len=SEQ_LEN, batch_size=1, seed=3, shard_index=i, shard_count=2, num_epochs=1
-        ))
+        _document_ids(
+            data.make_train_iterator(
+                documents,
+                seq_len=SEQ_LEN,
+                batch_size=1,
+                seed=3,
+                shard_index=i,
+                shard_count=2,
+                num_epochs=1,
+            )
+        )
         for i in range(2)
     ]
     assert shards[0] and shards[1] and not shards[0] & shards[1]
@@ -307,8 +336,12 @@ def test_resume_equals_uninterrupted(taken):
 
 def test_epochs_are_reshuffled_and_finite():
     documents = _documents(30)
-    batches = list(data.make_train_iterator(documents, seq_len=SEQ_LEN, batch_size=1, seed=2, num_epochs=2))
-    segments = [(tuple(inputs), tuple(targets)) for b in batches for inputs, targets, _ in _segments(b)]
+    batches = list(
+        data.make_train_iterator(documents, seq_len=SEQ_LEN, batch_size=1, seed=2, num_epochs=2)
+    )
+    segments = [
+        (tuple(inputs), tuple(targets)) for b in batches for inputs, targets, _ in _segments(b)
+    ]
     once = _chunks(documents)
     assert collections.Counter(segments) == once + once
     half = sum(once.values())
@@ -317,9 +350,13 @@ def test_epochs_are_reshuffled_and_finite():
 
 def test_bad_pipeline_arguments():
     with pytest.raises(ValueError, match="shard_index"):
-        data.make_train_iterator(_documents(), seq_len=8, batch_size=2, seed=0, shard_index=2, shard_count=2)
+        data.make_train_iterator(
+            _documents(), seq_len=8, batch_size=2, seed=0, shard_index=2, shard_count=2
+        )
     with pytest.raises(ValueError, match="no documents"):
-        data.make_train_iterator(["one"], seq_len=8, batch_size=2, seed=0, shard_index=1, shard_count=2)
+        data.make_train_iterator(
+            ["one"], seq_len=8, batch_size=2, seed=0, shard_index=1, shard_count=2
+        )
 
 
 def test_pipeline_reads_a_prepared_dataset(corpus):
@@ -341,7 +378,9 @@ def test_eval_documents():
 
 @pytest.mark.slow
 def test_worker_processes_resume_exactly():
-    make = lambda: data.make_train_iterator(_documents(), seq_len=SEQ_LEN, batch_size=2, seed=4, worker_count=2)
+    make = lambda: data.make_train_iterator(
+        _documents(), seq_len=SEQ_LEN, batch_size=2, seed=4, worker_count=2
+    )
     iterator = make()
     _take(iterator, 3)
     state = iterator.get_state()

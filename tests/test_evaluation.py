@@ -15,15 +15,22 @@ from lexjax.model import Decoder
 
 TRAIN_LEN = 16
 W = TRAIN_LEN // 2
-BASE = ModelConfig(position="xpos", num_layers=2, d_model=32, num_heads=2, mlp_dim=64,
-                   vocab_size=40, scale_base=16.0, max_len=TRAIN_LEN)
+BASE = ModelConfig(
+    position="xpos",
+    num_layers=2,
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    vocab_size=40,
+    scale_base=16.0,
+    max_len=TRAIN_LEN,
+)
 
 
 def _model(position):
     config = dataclasses.replace(BASE, position=position)
     model = Decoder(config)
-    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, TRAIN_LEN), jnp.int32))
-                      ["params"])
+    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
     return model, params
 
 
@@ -33,8 +40,9 @@ def models():
 
 
 def _tokens(batch, length, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, BASE.vocab_size,
-                                                            (batch, length)), jnp.int32)
+    return jnp.asarray(
+        np.random.default_rng(seed).integers(0, BASE.vocab_size, (batch, length)), jnp.int32
+    )
 
 
 def _logprobs(logits, targets):
@@ -122,11 +130,12 @@ def test_resolution_pools_the_scores_each_mode_attends(models):
     bca = evaluation.measure_resolution(model, params, tokens, block=W, mode="bca")
     assert len(full.per_layer) == len(bca.per_layer) == BASE.num_layers
     assert len(full.expected_scores[0]) == 2 * TRAIN_LEN  # distances 0 … N−1
-    assert len(bca.expected_scores[0]) == 2 * W           # distances inside a window
+    assert len(bca.expected_scores[0]) == 2 * W  # distances inside a window
     # Layer 0 scores depend only on the two tokens and their distance, and up to
     # distance w every causal pair lies inside a window: both modes agree there.
-    np.testing.assert_allclose(bca.expected_scores[0][:W + 1], full.expected_scores[0][:W + 1],
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        bca.expected_scores[0][: W + 1], full.expected_scores[0][: W + 1], rtol=1e-4, atol=1e-5
+    )
     # Layer 0 depends on no other token: its expected scores by hand, eq. 11.
     (_, _), inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
     s = np.asarray(inter["intermediates"]["layer_0"]["attention"]["scores"][0]).mean((0, 1))

@@ -7,16 +7,26 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND = [sys.executable, "-m", "lexjax.experiments.extrapolation",
-           "--config=configs/extrapolation.py:smoke"]
+COMMAND = [
+    sys.executable,
+    "-m",
+    "lexjax.experiments.extrapolation",
+    "--config=configs/extrapolation.py:smoke",
+]
 
 
 def _run(out):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     # A relative --out, as in the documented command (orbax needs absolute paths inside).
-    return subprocess.run([*COMMAND, f"--out={os.path.relpath(out, ROOT)}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [*COMMAND, f"--out={os.path.relpath(out, ROOT)}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _table(path):
@@ -42,8 +52,12 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     assert header == ["model", "16", "32"]
     assert [r[0] for r in rows] == ["RoPE", "LEX (XPOS b=8 + BCA)"]
     header, rows = _table(out / "table5.md")
-    assert [r[0] for r in rows] == ["RoPE with BCA", "RoPE without BCA", "XPOS b=8 with BCA",
-                                    "XPOS b=8 without BCA"]
+    assert [r[0] for r in rows] == [
+        "RoPE with BCA",
+        "RoPE without BCA",
+        "XPOS b=8 with BCA",
+        "XPOS b=8 without BCA",
+    ]
     for row in rows:
         assert all(_number(c) > 1 for c in row[1:])
     header, rows = _table(out / "table3.md")
@@ -79,7 +93,13 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
 def test_bad_runs_are_one_line_errors(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    done = subprocess.run([*COMMAND, f"--out={tmp_path}", "--config.runs=rope/b=3"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*COMMAND, f"--out={tmp_path}", "--config.runs=rope/b=3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: runs: 'rope/b=3': /b= applies to xpos only"]

@@ -66,13 +66,17 @@ def assert_losses_match(workdir, reference_losses, steps=range(1, N + 1)):
 
 def complete_steps(workdir) -> list[int]:
     root = pathlib.Path(workdir, "checkpoints")
-    return sorted(int(p.name) for p in root.iterdir()
-                  if p.name.isdigit() and (p / "integrity").is_dir())
+    return sorted(
+        int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "integrity").is_dir()
+    )
 
 
 def tree_digest(path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(pathlib.Path(path).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(pathlib.Path(path).rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error_line(result) -> str:
@@ -123,8 +127,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
     kill_at = int(np.random.default_rng(seed).integers(first_resume + 1, N))
     logged = len(P.losses(workdir))
     proc = P.start(args(ctx, workdir), ctx[3])
-    P.wait_until(lambda: len(P.losses(workdir)) > logged and P.last_step(workdir) >= kill_at,
-                 proc)
+    P.wait_until(lambda: len(P.losses(workdir)) > logged and P.last_step(workdir) >= kill_at, proc)
     code, out, _ = P.kill(proc)
     assert f"resumed from {ckpts} at step {first_resume}" in out, (seed, out)
     second_resume = complete_steps(workdir)[-1]
@@ -197,8 +200,11 @@ def test_damaged_checkpoints_are_named_and_skipped(ctx, reference):
         assert f"falling back to step {then}" in line, line
     assert "checksum mismatch" in damaged[2]
     assert f"resumed from {ckpts} at step 6" in result.stdout
-    assert sorted(p.name.split("-")[0] for p in (ckpts / "superseded").iterdir()) == \
-        ["10", "12", "8"]
+    assert sorted(p.name.split("-")[0] for p in (ckpts / "superseded").iterdir()) == [
+        "10",
+        "12",
+        "8",
+    ]
     step, params = final_params(workdir)
     assert step == N
     assert_same_params(params, ref_params)
@@ -236,8 +242,12 @@ def tmpfs(path: pathlib.Path, size: str):
     if os.geteuid() != 0 or not shutil.which("mount"):
         yield None
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield path if mounted else None
     finally:
@@ -249,6 +259,7 @@ def _file_size_limit(limit: int):
     def limit_writes():  # in the child, before exec: writes past `limit` fail with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return limit_writes
 
 
@@ -311,8 +322,16 @@ def test_corpus_edge_cases_train(ctx):
     (corpus / "binary.txt").write_bytes(np.random.default_rng(0).bytes(4096))
     (corpus / "invalid.txt").write_bytes(b"caf\xe9 \xff\xfe \xc3\x28 end\n")
     (corpus / "huge.txt").write_bytes(b"x" * 3_000_000)
-    result = P.run(P.train_args(ctx[0] / "edge-run", files, str(ctx[0] / "edge-tfds"),
-                                num_train_steps=2, checkpoint_every=2), ctx[3])
+    result = P.run(
+        P.train_args(
+            ctx[0] / "edge-run",
+            files,
+            str(ctx[0] / "edge-tfds"),
+            num_train_steps=2,
+            checkpoint_every=2,
+        ),
+        ctx[3],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 2 steps" in result.stdout
 

@@ -12,23 +12,31 @@ from lexjax.model import Decoder
 
 TRAIN_LEN = 16
 W = TRAIN_LEN // 2
-CONFIG = ModelConfig(position="xpos", num_layers=2, d_model=32, num_heads=2, mlp_dim=64,
-                     vocab_size=40, scale_base=16.0, max_len=TRAIN_LEN)
+CONFIG = ModelConfig(
+    position="xpos",
+    num_layers=2,
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    vocab_size=40,
+    scale_base=16.0,
+    max_len=TRAIN_LEN,
+)
 
 
 @pytest.fixture(scope="module")
 def model_params():
     model = Decoder(CONFIG)
-    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, TRAIN_LEN), jnp.int32))
-                      ["params"])
+    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
     return model, params
 
 
 @pytest.mark.parametrize("prompt_len", [1, W + 3, 2 * W])
 def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len):
     model, params = model_params
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 4 * W + 3)),
-                         jnp.int32)
+    tokens = jnp.asarray(
+        np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 4 * W + 3)), jnp.int32
+    )
     logits, state = generation.prefill(model, params, tokens[:, :prompt_len], block=W)
     decoded = [logits]
     for t in range(prompt_len, tokens.shape[1] - 1):
@@ -37,19 +45,22 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len)
     decoded = jnp.stack(decoded, axis=1)  # logits after tokens prompt_len−1 … end−2
     targets = tokens[:, prompt_len:]
     by_decoding = jnp.take_along_axis(jax.nn.log_softmax(decoded), targets[..., None], -1)[..., 0]
-    by_scan = evaluation.block_scan_logprobs(model, params, tokens, W)[:, prompt_len - 1:]
+    by_scan = evaluation.block_scan_logprobs(model, params, tokens, W)[:, prompt_len - 1 :]
     np.testing.assert_allclose(by_decoding, by_scan, atol=2e-5, rtol=1e-5)
     # Every logit, not only the target's: the explicit blockwise mask (the scan's equal).
     explicit, _ = model.apply({"params": params}, tokens[:, :-1], block=W)
-    np.testing.assert_allclose(decoded, explicit[:, prompt_len - 1:], atol=5e-5, rtol=1e-5)
+    np.testing.assert_allclose(decoded, explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5)
     assert state["cache"]["k"].shape[2] == 2 * W  # bounded, whatever the length
 
 
 def test_sampling_filters():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 200)
-    draw = lambda **kw: np.asarray(jax.vmap(  # noqa: E731
-        lambda k: generation.sample_logits(logits, k, **kw))(keys))
+    draw = lambda **kw: np.asarray(
+        jax.vmap(
+            lambda k: generation.sample_logits(logits, k, **kw)
+        )(keys)
+    )
     assert set(draw(temperature=0.0).ravel()) == {0}
     assert set(draw(top_k=2).ravel()) == {0, 1}
     assert set(draw(top_p=0.7).ravel()) == {0, 1}  # 0.5 < 0.7 ≤ 0.8
@@ -60,13 +71,21 @@ def test_sampling_filters():
 def test_generation_runs_far_beyond_the_training_length(model_params):
     model, params = model_params
     prompt = jnp.ones((1, 3), jnp.int32)
-    out = generation.generate(model, params, prompt, block=W, max_new_tokens=10 * TRAIN_LEN,
-                              rng=jax.random.key(0), temperature=0.0)
+    out = generation.generate(
+        model,
+        params,
+        prompt,
+        block=W,
+        max_new_tokens=10 * TRAIN_LEN,
+        rng=jax.random.key(0),
+        temperature=0.0,
+    )
     assert out.shape == (1, 10 * TRAIN_LEN)
     # Greedy generation continues exactly as greedy decoding over the scan would.
     tokens = jnp.concatenate([prompt, out[:, :W]], axis=1)
     logits, _ = model.apply({"params": params}, tokens[:, :-1], block=W)
     np.testing.assert_array_equal(jnp.argmax(logits[:, 2:], -1), out[:, :W])
     with pytest.raises(evaluation.EvaluationError, match="top_p"):
-        generation.generate(model, params, prompt, block=W, max_new_tokens=2,
-                            rng=jax.random.key(0), top_p=0.0)
+        generation.generate(
+            model, params, prompt, block=W, max_new_tokens=2, rng=jax.random.key(0), top_p=0.0
+        )

@@ -12,7 +12,6 @@ def _enumerate(rows, cols, sees):
 
 
 class CausalTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters((1, 1), (5, 5), (3, 7), (1, 6), (4, None))
     def test_matches_enumeration(self, q_len, k_len):
@@ -28,20 +27,21 @@ class CausalTest(chex.TestCase):
     def test_bottom_right_aligned(self, q_len, k_len):
         # A block of q_len queries over k_len cached keys equals the last q_len rows of
         # the full causal mask.
-        np.testing.assert_array_equal(masks.causal(q_len, k_len),
-                                      np.asarray(masks.causal(k_len))[k_len - q_len:])
+        np.testing.assert_array_equal(
+            masks.causal(q_len, k_len), np.asarray(masks.causal(k_len))[k_len - q_len :]
+        )
 
 
 class BlockwiseCausalTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters((8, 4), (10, 4), (7, 3), (5, 8), (6, 1), (1, 1), (12, 6))
     def test_matches_enumeration(self, length, block):
         got = self.variant(masks.blockwise_causal, static_argnums=(0, 1))(length, block)
         # Paper §3.3: query i sees key j iff j ≤ i and j lies in i's block or the one
         # before it.
-        want = _enumerate(length, length,
-                          lambda i, j: j <= i and j // block in (i // block, i // block - 1))
+        want = _enumerate(
+            length, length, lambda i, j: j <= i and j // block in (i // block, i // block - 1)
+        )
         np.testing.assert_array_equal(got, want)
 
     @parameterized.parameters((16, 4), (13, 5))
@@ -60,7 +60,6 @@ class BlockwiseCausalTest(chex.TestCase):
 
 
 class SameSegmentTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_enumeration_with_padding(self):
         # Two rows of packed documents; 0 is padding.
@@ -77,7 +76,6 @@ class SameSegmentTest(chex.TestCase):
 
 
 class CausalByPositionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_enumeration(self):
         q_pos = np.array([[2, 3], [0, 5]], np.int32)
@@ -85,7 +83,8 @@ class CausalByPositionTest(chex.TestCase):
         got = self.variant(masks.causal_by_position)(q_pos, k_pos)
         for row in range(2):
             np.testing.assert_array_equal(
-                got[row], _enumerate(2, 5, lambda i, j: k_pos[row, j] <= q_pos[row, i]))
+                got[row], _enumerate(2, 5, lambda i, j: k_pos[row, j] <= q_pos[row, i])
+            )
 
     @parameterized.parameters((16, 4), (14, 4), (9, 3), (5, 2), (3, 4))
     def test_window_relative_positions_reproduce_blockwise(self, length, w):
@@ -112,19 +111,27 @@ class CausalByPositionTest(chex.TestCase):
 
 
 class BadSizesTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("causal_zero", lambda: masks.causal(0), "q_len must be a positive integer"),
         ("causal_negative_k", lambda: masks.causal(2, -1), "k_len must be a positive integer"),
         ("causal_float", lambda: masks.causal(2.0), "q_len must be a positive integer"),
         ("causal_bool", lambda: masks.causal(True), "q_len must be a positive integer"),
         ("causal_k_shorter", lambda: masks.causal(5, 3), r"k_len \(3\) must be ≥ q_len \(5\)"),
-        ("blockwise_zero_length", lambda: masks.blockwise_causal(0, 4),
-         "length must be a positive integer"),
-        ("blockwise_zero_block", lambda: masks.blockwise_causal(8, 0),
-         "block must be a positive integer"),
-        ("blockwise_negative_block", lambda: masks.blockwise_causal(8, -4),
-         "block must be a positive integer"),
+        (
+            "blockwise_zero_length",
+            lambda: masks.blockwise_causal(0, 4),
+            "length must be a positive integer",
+        ),
+        (
+            "blockwise_zero_block",
+            lambda: masks.blockwise_causal(8, 0),
+            "block must be a positive integer",
+        ),
+        (
+            "blockwise_negative_block",
+            lambda: masks.blockwise_causal(8, -4),
+            "block must be a positive integer",
+        ),
     )
     def test_raises_value_error(self, call, message):
         with self.assertRaisesRegex(ValueError, message):

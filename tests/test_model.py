@@ -21,15 +21,16 @@ def _init(config, length=16):
 
 def _input_jacobian(model, params, batch, t, row=0):
     """d logits[row, t, :] / d (input vector of every token), summed over features."""
-    tokens = jnp.asarray(batch["inputs"][row:row + 1])
-    positions = jnp.asarray(batch["positions"][row:row + 1])
-    segments = jnp.asarray(batch["segment_ids"][row:row + 1])
+    tokens = jnp.asarray(batch["inputs"][row : row + 1])
+    positions = jnp.asarray(batch["positions"][row : row + 1])
+    segments = jnp.asarray(batch["segment_ids"][row : row + 1])
     variables = model.init(jax.random.key(1), tokens, positions, segments)
     perturbations = jax.tree_util.tree_map(jnp.zeros_like, variables["perturbations"])
 
     def logit_sum(pert):
-        logits, _ = model.apply({"params": params, "perturbations": pert}, tokens, positions,
-                                segments)
+        logits, _ = model.apply(
+            {"params": params, "perturbations": pert}, tokens, positions, segments
+        )
         return jnp.sum(logits[0, t] * jnp.arange(logits.shape[-1]))
 
     grads = jax.grad(logit_sum)(perturbations)["embedded"]
@@ -58,15 +59,20 @@ def test_cached_block_step_equals_full_forward(position):
     model, params = _init(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 16)), jnp.int32)
     full, kv = model.apply({"params": params}, tokens)
-    cache = {"k": kv["k"][:, :, :8], "v": kv["v"][:, :, :8],
-             "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
-             "valid": jnp.ones((2, 8), bool)}
-    second, _ = model.apply({"params": params}, tokens[:, 8:],
-                            jnp.broadcast_to(jnp.arange(8, 16), (2, 8)), cache=cache)
+    cache = {
+        "k": kv["k"][:, :, :8],
+        "v": kv["v"][:, :, :8],
+        "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
+        "valid": jnp.ones((2, 8), bool),
+    }
+    second, _ = model.apply(
+        {"params": params}, tokens[:, 8:], jnp.broadcast_to(jnp.arange(8, 16), (2, 8)), cache=cache
+    )
     np.testing.assert_allclose(second, full[:, 8:], rtol=1e-5, atol=1e-5)
     empty = init_cache(config.model, 2, 8)
-    first, _ = model.apply({"params": params}, tokens[:, :8],
-                           jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=empty)
+    first, _ = model.apply(
+        {"params": params}, tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=empty
+    )
     np.testing.assert_allclose(first, full[:, :8], rtol=1e-5, atol=1e-5)
 
 
@@ -75,8 +81,11 @@ def test_scan_and_remat_match_the_unrolled_layers():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 258, (2, 16)), jnp.int32)
     model, params = _init(base)
     expected, _ = model.apply({"params": params}, tokens)
-    for overrides in ({"model.scan_layers": True}, {"model.scan_layers": True, "model.remat": True},
-                      {"model.remat": True}):
+    for overrides in (
+        {"model.scan_layers": True},
+        {"model.scan_layers": True, "model.remat": True},
+        {"model.remat": True},
+    ):
         config = small_config(**overrides)
         m = Decoder(config.model)
         p = params
@@ -91,8 +100,9 @@ def test_scan_and_remat_match_the_unrolled_layers():
 def test_bfloat16_compute_keeps_float32_logits_and_params():
     config = small_config(**{"model.dtype": "bfloat16"})
     model, params = _init(config)
-    chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.float32), params))
+    chex.assert_trees_all_equal_dtypes(
+        params, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+    )
     logits, _ = model.apply({"params": params}, jnp.zeros((1, 16), jnp.int32))
     assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
 
@@ -108,5 +118,4 @@ def test_fused_attention_matches_explicit_scores(position):
     want, _ = model.apply({"params": params}, *args)
     got, _ = Decoder(fused.model).apply({"params": params}, *args)
     real = batch["segment_ids"] > 0
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)

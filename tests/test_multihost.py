@@ -36,10 +36,26 @@ def ctx(tmp_path_factory):
 def start_pair(ctx, workdir, **overrides):
     base, files, data_dir, environ = ctx
     port = P.free_port()
-    return [P.start(P.train_args(workdir, files, data_dir, **MESH, **overrides, **{
-        "-coordinator_address": f"127.0.0.1:{port}", "-num_processes": 2, "-process_id": i,
-        "-heartbeat_timeout_s": HEARTBEAT_S, "-initialization_timeout_s": 60}), environ)
-        for i in range(2)]
+    return [
+        P.start(
+            P.train_args(
+                workdir,
+                files,
+                data_dir,
+                **MESH,
+                **overrides,
+                **{
+                    "-coordinator_address": f"127.0.0.1:{port}",
+                    "-num_processes": 2,
+                    "-process_id": i,
+                    "-heartbeat_timeout_s": HEARTBEAT_S,
+                    "-initialization_timeout_s": 60,
+                },
+            ),
+            environ,
+        )
+        for i in range(2)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +79,20 @@ def test_only_process_0_prints_and_logs(two_process_run):
 def _reference(config):
     """STEPS steps in this one process on 8 devices, fed both processes' rows."""
     trainer = Trainer(config)
-    source = data_lib.load_source("textfiles", "train", data_dir=config.data.data_dir,
-                                  files=config.data.files)
-    shards = [data_lib.make_train_iterator(
-        source, seq_len=config.train_len, batch_size=config.batch_size // 2, seed=config.seed,
-        shard_index=i, shard_count=2) for i in range(2)]
+    source = data_lib.load_source(
+        "textfiles", "train", data_dir=config.data.data_dir, files=config.data.files
+    )
+    shards = [
+        data_lib.make_train_iterator(
+            source,
+            seq_len=config.train_len,
+            batch_size=config.batch_size // 2,
+            seed=config.seed,
+            shard_index=i,
+            shard_count=2,
+        )
+        for i in range(2)
+    ]
     state, losses = trainer.init_state(), []
     with jax.set_mesh(trainer.mesh):
         for _ in range(STEPS):
@@ -90,16 +115,21 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_proces
     ckpt.close()
     assert step == STEPS
     np.testing.assert_allclose([loss for _, loss in P.losses(workdir)], ref_losses, rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           jax.device_get(state.params), ref_params)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.device_get(state.params),
+        ref_params,
+    )
 
 
 def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_run):
     """Resuming needs each process's data position: a one-process train.py says so."""
     workdir, _ = two_process_run
     base, files, data_dir, environ = ctx
-    result = P.run(P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
-                   {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    result = P.run(
+        P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
+        {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
 

@@ -25,20 +25,22 @@ def _pair_norms(x):
 def _encode(kind, q, k, q_pos, k_pos, scale_base=512.0):
     if kind == "rope":
         return positions.rope(q, q_pos), positions.rope(k, k_pos)
-    return (positions.xpos(q, q_pos, scale_base=scale_base),
-            positions.xpos(k, k_pos, scale_base=scale_base, downscale=True))
+    return (
+        positions.xpos(q, q_pos, scale_base=scale_base),
+        positions.xpos(k, k_pos, scale_base=scale_base, downscale=True),
+    )
 
 
 class XposEquationTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(("query", False), ("key", True))
     def test_matches_equations_in_float64(self, downscale):
         # Small b so the decay ζ_i^(±p/b) is far from 1 at these positions.
         x = _normal(0, (2, 5, 3, 8))
         pos = np.random.default_rng(1).integers(-40, 41, size=(2, 5)).astype(np.int32)
-        encode = self.variant(functools.partial(positions.xpos, scale_base=64.0,
-                                                downscale=downscale))
+        encode = self.variant(
+            functools.partial(positions.xpos, scale_base=64.0, downscale=downscale)
+        )
         got = encode(x, pos)
         want = paper.xpos(x, pos, scale_base=64.0, downscale=downscale)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
@@ -48,8 +50,9 @@ class XposEquationTest(chex.TestCase):
         x = _normal(2, (2, 6, 2, 16))
         pos = np.arange(6, dtype=np.int32) * 37
         got = self.variant(positions.rope)(x, pos)
-        np.testing.assert_allclose(np.asarray(got, np.float64), paper.rope(x, pos),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), paper.rope(x, pos), rtol=1e-5, atol=1e-5
+        )
 
     def test_infinite_scale_base_is_rope(self):
         # ζ_i^(p/∞) = ζ_i^0 = 1 for every pair and position: no decay at all.
@@ -58,15 +61,15 @@ class XposEquationTest(chex.TestCase):
         rope = positions.rope(x, pos)
         np.testing.assert_array_equal(positions.xpos(x, pos, scale_base=math.inf), rope)
         np.testing.assert_array_equal(
-            positions.xpos(x, pos, scale_base=math.inf, downscale=True), rope)
+            positions.xpos(x, pos, scale_base=math.inf, downscale=True), rope
+        )
 
 
 class RelativePositionTest(chex.TestCase):
     """q'_m · k'_n depends only on m − n (paper §3.2), and for XPOS decays with it."""
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters(
-        ("xpos", 1000), ("xpos", -1000), ("rope", 1000), ("rope", -5000))
+    @parameterized.parameters(("xpos", 1000), ("xpos", -1000), ("rope", 1000), ("rope", -5000))
     def test_scores_depend_only_on_distance(self, kind, shift):
         q, k = _normal(4, (1, 8, 2, 16)), _normal(5, (1, 8, 2, 16))
         q_pos, k_pos = np.arange(8, dtype=np.int32), np.arange(8, dtype=np.int32)[::-1] * 3
@@ -78,8 +81,10 @@ class RelativePositionTest(chex.TestCase):
         # pairs of |q_i||k_i|·cos(…)·scale, so we allow 5e-4·Σ_i |q_i||k_i| (the
         # scores' own scale) between the two; observed: ≤ 2.2e-5.
         bound = 5e-4 * np.einsum("bqhi,bkhi->bhqk", _pair_norms(q), _pair_norms(k))
-        self.assertTrue(np.all(np.abs(scores - shifted) <= bound),
-                        f"max |Δ| / bound = {np.max(np.abs(scores - shifted) / bound):.3g}")
+        self.assertTrue(
+            np.all(np.abs(scores - shifted) <= bound),
+            f"max |Δ| / bound = {np.max(np.abs(scores - shifted) / bound):.3g}",
+        )
         # And both equal the float64 scores of the paper's equations.
         if kind == "xpos":
             want = paper.scores(paper.xpos(q, q_pos), paper.xpos(k, k_pos, downscale=True))
@@ -98,8 +103,10 @@ class RelativePositionTest(chex.TestCase):
         distance = (length - 1) - np.arange(length)
         score = paper.scores(q_enc, k_enc)[0, 0, 0]
         zeta = (2.0 * np.arange(d // 2) / d + paper.GAMMA) / (1.0 + paper.GAMMA)
-        envelope = np.sum(_pair_norms(q)[0, 0, 0] * _pair_norms(k)[0, :, 0]
-                          * zeta ** (distance[:, None] / b), axis=-1)
+        envelope = np.sum(
+            _pair_norms(q)[0, 0, 0] * _pair_norms(k)[0, :, 0] * zeta ** (distance[:, None] / b),
+            axis=-1,
+        )
         self.assertTrue(np.all(np.abs(score) <= envelope * (1 + 1e-5)))
         # The envelope at distance 399 = 6.2·b is a small fraction of the one at 0.
         self.assertLess(envelope[0] / envelope[-1], 0.35)
@@ -110,8 +117,14 @@ class RelativePositionTest(chex.TestCase):
         # maximum over each window of b distances is below that of the window before.
         d, b, length = 128, 512.0, 4096
         ones_q, ones_k = np.ones((1, 1, 1, d), np.float32), np.ones((1, length, 1, d), np.float32)
-        q_enc, k_enc = _encode("xpos", ones_q, ones_k, np.array([length - 1], np.int32),
-                               np.arange(length, dtype=np.int32), scale_base=b)
+        q_enc, k_enc = _encode(
+            "xpos",
+            ones_q,
+            ones_k,
+            np.array([length - 1], np.int32),
+            np.arange(length, dtype=np.int32),
+            scale_base=b,
+        )
         score = paper.scores(q_enc, k_enc)[0, 0, 0][::-1]  # index = distance m − n
         want = np.array([2 * paper.expected_xpos_score(n, d, scale_base=b) for n in range(length)])
         np.testing.assert_allclose(score, want, rtol=1e-4, atol=1e-3)
@@ -121,7 +134,6 @@ class RelativePositionTest(chex.TestCase):
 
 
 class XposBroadcastTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_positions_seq_and_batch_seq(self):
         x = _normal(8, (3, 5, 2, 8))
@@ -132,8 +144,9 @@ class XposBroadcastTest(chex.TestCase):
         by_one_seq = encode(x, pos[None])
         np.testing.assert_array_equal(by_seq, by_batch_seq)
         np.testing.assert_array_equal(by_seq, by_one_seq)
-        np.testing.assert_allclose(np.asarray(by_seq, np.float64), paper.xpos(x, pos),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(by_seq, np.float64), paper.xpos(x, pos), rtol=1e-5, atol=1e-5
+        )
 
     def test_batch_positions_differ_per_row(self):
         x = _normal(9, (2, 4, 1, 8))
@@ -141,18 +154,19 @@ class XposBroadcastTest(chex.TestCase):
         got = positions.xpos(x, pos, downscale=True)
         for row in range(2):
             np.testing.assert_array_equal(
-                got[row], positions.xpos(x[row], pos[row], downscale=True))
-        np.testing.assert_allclose(np.asarray(got, np.float64),
-                                   paper.xpos(x, pos, downscale=True), rtol=1e-5, atol=1e-5)
+                got[row], positions.xpos(x[row], pos[row], downscale=True)
+            )
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), paper.xpos(x, pos, downscale=True), rtol=1e-5, atol=1e-5
+        )
 
 
 class LowPrecisionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(
         # Unit roundoff u of the result dtype (8 and 11 significand bits).
-        ("bfloat16", jnp.bfloat16, 2.0 ** -8),
-        ("float16", jnp.float16, 2.0 ** -11),
+        ("bfloat16", jnp.bfloat16, 2.0**-8),
+        ("float16", jnp.float16, 2.0**-11),
     )
     def test_finite_and_close_to_float32_inside_the_safe_range(self, dtype, unit_roundoff):
         b = 512.0
@@ -173,11 +187,20 @@ class LowPrecisionTest(chex.TestCase):
         # error is ≤ Σ |q_j||k_j|·(2u + u²) ≤ |q'||k'|·(2u + u²) (Cauchy–Schwarz);
         # we allow |q'||k'|·4u, plus 1e-6 for float16 subnormals.
         low, ref = paper.scores(q_low, k_low), paper.scores(q32, k32)
-        bound = 4 * unit_roundoff * np.einsum(
-            "bqh,bkh->bhqk", np.linalg.norm(np.asarray(q32, np.float64), axis=-1),
-            np.linalg.norm(np.asarray(k32, np.float64), axis=-1)) + 1e-6
-        self.assertTrue(np.all(np.abs(low - ref) <= bound),
-                        f"max |Δ| / bound = {np.max(np.abs(low - ref) / bound):.3g}")
+        bound = (
+            4
+            * unit_roundoff
+            * np.einsum(
+                "bqh,bkh->bhqk",
+                np.linalg.norm(np.asarray(q32, np.float64), axis=-1),
+                np.linalg.norm(np.asarray(k32, np.float64), axis=-1),
+            )
+            + 1e-6
+        )
+        self.assertTrue(
+            np.all(np.abs(low - ref) <= bound),
+            f"max |Δ| / bound = {np.max(np.abs(low - ref) / bound):.3g}",
+        )
 
     @parameterized.parameters(jnp.float32, jnp.bfloat16, jnp.float16)
     def test_result_dtype_is_input_dtype(self, dtype):
@@ -200,28 +223,28 @@ class LowPrecisionTest(chex.TestCase):
 
     def test_float16_overflows_beyond_the_safe_range(self):
         # DESIGN.md: 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
-        encoded = positions.xpos(jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512]),
-                                 downscale=True)
+        encoded = positions.xpos(
+            jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512]), downscale=True
+        )
         self.assertTrue(np.isinf(np.asarray(encoded, np.float32)).any())
 
 
 class AlibiTest(chex.TestCase):
-
     def test_slopes_power_of_two(self):
-        np.testing.assert_array_equal(positions.alibi_slopes(8),
-                                      [2.0 ** -h for h in range(1, 9)])
+        np.testing.assert_array_equal(positions.alibi_slopes(8), [2.0**-h for h in range(1, 9)])
 
     @parameterized.parameters(1, 2, 3, 4, 6, 12, 16, 24)
     def test_slopes_match_reference_interpolation(self, num_heads):
-        np.testing.assert_allclose(positions.alibi_slopes(num_heads),
-                                   paper.alibi_slopes(num_heads), rtol=1e-6)
+        np.testing.assert_allclose(
+            positions.alibi_slopes(num_heads), paper.alibi_slopes(num_heads), rtol=1e-6
+        )
 
     def test_slopes_six_heads_by_hand(self):
         # The 4 slopes of H = 4 (2^-2, 2^-4, 2^-6, 2^-8), then every other slope of
         # H = 8 (2^-1, 2^-3, …): the first two of those.
-        np.testing.assert_array_equal(positions.alibi_slopes(6),
-                                      [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8,
-                                       2.0 ** -1, 2.0 ** -3])
+        np.testing.assert_array_equal(
+            positions.alibi_slopes(6), [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_bias_is_minus_slope_times_distance(self):
@@ -234,8 +257,9 @@ class AlibiTest(chex.TestCase):
         for h in range(4):
             for i in range(3):
                 for j in range(6):
-                    self.assertAlmostEqual(float(bias[h, i, j]),
-                                           -slopes[h] * (q_pos[i] - k_pos[j]), places=6)
+                    self.assertAlmostEqual(
+                        float(bias[h, i, j]), -slopes[h] * (q_pos[i] - k_pos[j]), places=6
+                    )
 
     def test_bias_with_batch_positions(self):
         q_pos = np.array([[0, 1], [10, 11]], np.int32)
@@ -243,12 +267,12 @@ class AlibiTest(chex.TestCase):
         bias = positions.alibi_bias(3, q_pos, k_pos)
         self.assertEqual(bias.shape, (2, 3, 2, 3))
         for row in range(2):
-            np.testing.assert_array_equal(bias[row],
-                                          positions.alibi_bias(3, q_pos[row], k_pos[row]))
+            np.testing.assert_array_equal(
+                bias[row], positions.alibi_bias(3, q_pos[row], k_pos[row])
+            )
 
 
 class SinusoidalTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_values(self):
         pos, dim = np.array([[0, 1, 7], [100, 2000, 3]], np.int32), 10
@@ -265,45 +289,75 @@ class SinusoidalTest(chex.TestCase):
 
 
 class BadArgumentsTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
-        ("xpos_odd_head_dim", lambda: positions.xpos(jnp.ones((1, 2, 1, 5)), jnp.arange(2)),
-         "head_dim must be even"),
-        ("rope_odd_head_dim", lambda: positions.rope(jnp.ones((1, 2, 1, 7)), jnp.arange(2)),
-         "head_dim must be even"),
+        (
+            "xpos_odd_head_dim",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 5)), jnp.arange(2)),
+            "head_dim must be even",
+        ),
+        (
+            "rope_odd_head_dim",
+            lambda: positions.rope(jnp.ones((1, 2, 1, 7)), jnp.arange(2)),
+            "head_dim must be even",
+        ),
         ("decay_base_odd_head_dim", lambda: positions.xpos_decay_base(3), "head_dim must be even"),
-        ("float_positions", lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2.0)),
-         "positions must be integers"),
-        ("rope_float_positions",
-         lambda: positions.rope(jnp.ones((1, 2, 1, 4)), np.array([0.0, 1.0])),
-         "positions must be integers"),
-        ("positions_too_long", lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.arange(4)),
-         r"positions of shape \(4,\) do not broadcast"),
-        ("positions_wrong_batch",
-         lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.zeros((3, 3), jnp.int32)),
-         r"positions of shape \(3, 3\) do not broadcast"),
-        ("positions_extra_axis",
-         lambda: positions.rope(jnp.ones((3, 1, 4)), jnp.zeros((2, 3), jnp.int32)),
-         "do not broadcast"),
-        ("x_without_heads", lambda: positions.xpos(jnp.ones((3, 4)), jnp.arange(3)),
-         r"x must be \[..., seq, heads, head_dim\]"),
-        ("zero_scale_base",
-         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=0.0),
-         "scale_base must be positive"),
-        ("negative_scale_base",
-         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=-512.0),
-         "scale_base must be positive"),
-        ("nan_scale_base",
-         lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=math.nan),
-         "scale_base must be positive"),
-        ("sinusoidal_odd_dim", lambda: positions.sinusoidal(jnp.arange(3), 5),
-         "dim must be even"),
-        ("sinusoidal_float_positions", lambda: positions.sinusoidal(jnp.arange(3.0), 4),
-         "positions must be integers"),
+        (
+            "float_positions",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2.0)),
+            "positions must be integers",
+        ),
+        (
+            "rope_float_positions",
+            lambda: positions.rope(jnp.ones((1, 2, 1, 4)), np.array([0.0, 1.0])),
+            "positions must be integers",
+        ),
+        (
+            "positions_too_long",
+            lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.arange(4)),
+            r"positions of shape \(4,\) do not broadcast",
+        ),
+        (
+            "positions_wrong_batch",
+            lambda: positions.xpos(jnp.ones((2, 3, 1, 4)), jnp.zeros((3, 3), jnp.int32)),
+            r"positions of shape \(3, 3\) do not broadcast",
+        ),
+        (
+            "positions_extra_axis",
+            lambda: positions.rope(jnp.ones((3, 1, 4)), jnp.zeros((2, 3), jnp.int32)),
+            "do not broadcast",
+        ),
+        (
+            "x_without_heads",
+            lambda: positions.xpos(jnp.ones((3, 4)), jnp.arange(3)),
+            r"x must be \[..., seq, heads, head_dim\]",
+        ),
+        (
+            "zero_scale_base",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=0.0),
+            "scale_base must be positive",
+        ),
+        (
+            "negative_scale_base",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=-512.0),
+            "scale_base must be positive",
+        ),
+        (
+            "nan_scale_base",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=math.nan),
+            "scale_base must be positive",
+        ),
+        ("sinusoidal_odd_dim", lambda: positions.sinusoidal(jnp.arange(3), 5), "dim must be even"),
+        (
+            "sinusoidal_float_positions",
+            lambda: positions.sinusoidal(jnp.arange(3.0), 4),
+            "positions must be integers",
+        ),
         ("alibi_no_heads", lambda: positions.alibi_slopes(0), "num_heads must be positive"),
-        ("alibi_float_positions",
-         lambda: positions.alibi_bias(2, jnp.arange(2.0), jnp.arange(2)),
-         "q_positions must be integers"),
+        (
+            "alibi_float_positions",
+            lambda: positions.alibi_bias(2, jnp.arange(2.0), jnp.arange(2)),
+            "q_positions must be integers",
+        ),
     )
     def test_raises_value_error(self, call, message):
         with self.assertRaisesRegex(ValueError, message):

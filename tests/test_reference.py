@@ -50,7 +50,7 @@ GOLDEN = HERE / "golden" / "xpos_reference.npz"
 RUNNER = HERE / "reference" / "make_golden.py"
 RTOL = ATOL = 1e-5
 SCORE_TOL = 1e-5
-BF16_SCORE_TOL = 2.0 ** -6
+BF16_SCORE_TOL = 2.0**-6
 
 
 def assert_scores_close(scores, expected, q_enc, k_enc, tol):
@@ -65,12 +65,14 @@ def assert_scores_close(scores, expected, q_enc, k_enc, tol):
     assert np.all(excess <= 0), (
         f"{np.sum(excess > 0)} of {excess.size} scores off by more than {tol:g}·Σ|q'k'|; "
         f"worst at {worst}: got {scores[worst]}, expected {expected[worst]}, "
-        f"allowed ±{bound[worst]:.3g}")
+        f"allowed ±{bound[worst]:.3g}"
+    )
 
 
 # ---------------------------------------------------------------- lexjax side
 # Inputs arrive in torchscale's layouts: XPOS takes [batch*heads, seq, head_dim],
 # MultiheadAttention takes [batch, seq, embed] with nn.Linear weights.
+
 
 def _to_lexjax(x, dtype):
     """[BH, L, d] → [1, L, BH, d]: heads become lexjax's head axis."""
@@ -102,8 +104,9 @@ def _encode_and_score(xq, xk, q_pos, k_pos, *, scale_base, via):
         q_enc = positions.xpos(xq, q_pos, scale_base=scale_base)
         k_enc = positions.xpos(xk, k_pos, scale_base=scale_base, downscale=True)
     elif via == "encode_qk":
-        q_enc, k_enc = attention.encode_qk(xq, xk, q_pos, k_pos, position="xpos",
-                                           scale_base=scale_base)
+        q_enc, k_enc = attention.encode_qk(
+            xq, xk, q_pos, k_pos, position="xpos", scale_base=scale_base
+        )
     else:
         raise ValueError(via)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q_enc, k_enc, preferred_element_type=jnp.float32)
@@ -138,8 +141,9 @@ def lexjax_attention(x, weights, *, num_heads, scale_base, step):
 @functools.partial(jax.jit, static_argnames=("scale_base",))
 def _attend(q, k, v, q_pos, k_pos, *, scale_base):
     mask = masks.causal_by_position(q_pos, k_pos)
-    out, logits = attention.multihead_attention(q, k, v, q_pos, k_pos, position="xpos", mask=mask,
-                                                scale_base=scale_base)
+    out, logits = attention.multihead_attention(
+        q, k, v, q_pos, k_pos, position="xpos", mask=mask, scale_base=scale_base
+    )
     return out, jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
 
 
@@ -156,11 +160,14 @@ def zeta(head_dim, gamma=0.4):
 
 # ------------------------------------------------------------- golden fixtures
 
+
 @functools.cache
 def golden():
     """{kind: {case: {array: value}}} from the fixture file, and {"meta": {name: value}}."""
     if not GOLDEN.exists():
-        raise FileNotFoundError(f"{GOLDEN} is missing; regenerate it with {RUNNER} (see its docstring)")
+        raise FileNotFoundError(
+            f"{GOLDEN} is missing; regenerate it with {RUNNER} (see its docstring)"
+        )
     cases = {}
     with np.load(GOLDEN) as z:
         for key in z.files:
@@ -178,8 +185,10 @@ MHA_GOLDEN = sorted(golden()["mha"])
 
 def _case(kind, name):
     c = golden()[kind][name]
-    return {key: (value.astype(np.float32) if value.dtype == np.float16 else value)
-            for key, value in c.items()}
+    return {
+        key: (value.astype(np.float32) if value.dtype == np.float16 else value)
+        for key, value in c.items()
+    }
 
 
 def test_golden_fixture_is_small_and_complete():
@@ -196,8 +205,9 @@ def test_golden_fixture_is_small_and_complete():
 @pytest.mark.parametrize("name", XPOS_GOLDEN)
 def test_xpos_scores_match_golden(name, via):
     c = _case("xpos", name)
-    q_enc, k_enc, scores = lexjax_xpos(c["q"], c["k"], scale_base=float(c["scale_base"]),
-                                       q_offset=int(c["q_offset"]), via=via)
+    q_enc, k_enc, scores = lexjax_xpos(
+        c["q"], c["k"], scale_base=float(c["scale_base"]), q_offset=int(c["q_offset"]), via=via
+    )
     assert_scores_close(scores, c["scores"], q_enc, k_enc, SCORE_TOL)
 
 
@@ -217,13 +227,19 @@ def test_xpos_vectors_match_golden_up_to_torchscale_centring(name):
 def test_attention_matches_golden(name):
     c = _case("mha", name)
     weights = {key: c[key] for key in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo")}
-    out, probs = lexjax_attention(c["x"], weights, num_heads=int(c["num_heads"]),
-                                  scale_base=float(c["scale_base"]), step=name.startswith("step"))
+    out, probs = lexjax_attention(
+        c["x"],
+        weights,
+        num_heads=int(c["num_heads"]),
+        scale_base=float(c["scale_base"]),
+        step=name.startswith("step"),
+    )
     np.testing.assert_allclose(probs, c["probs"], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(out, c["out"], rtol=RTOL, atol=ATOL)
 
 
 # ------------------------------------------------------------------ live tests
+
 
 @functools.cache
 def _runner():
@@ -232,8 +248,11 @@ def _runner():
     try:
         spec.loader.exec_module(module)
     except ImportError as err:
-        pytest.fail(f"the live reference tests need torch and torchscale ({err}); install them "
-                    f"with `bash tests/reference/install.sh <python>`", pytrace=False)
+        pytest.fail(
+            f"the live reference tests need torch and torchscale ({err}); install them "
+            f"with `bash tests/reference/install.sh <python>`",
+            pytrace=False,
+        )
     return module
 
 
@@ -246,9 +265,9 @@ def ref():
 XPOS_LIVE = [
     (32, 17, 17, 0, 512.0, 3),
     (128, 33, 33, 0, 64.0, 2),
-    (16, 1, 300, 299, 128.0, 2),   # a decoding step 300 tokens in
-    (16, 8, 40, 32, 256.0, 2),     # the last 8 queries of 40
-    (8, 5, 5, 0, 16.0, 1),         # strong decay
+    (16, 1, 300, 299, 128.0, 2),  # a decoding step 300 tokens in
+    (16, 8, 40, 32, 256.0, 2),  # the last 8 queries of 40
+    (8, 5, 5, 0, 16.0, 1),  # strong decay
 ]
 
 
@@ -278,8 +297,9 @@ def test_live_xpos_scores_bfloat16_inputs(ref, case):
     q = rng.standard_normal((bh, lq, d)).astype(np.float32)
     k = rng.standard_normal((bh, lk, d)).astype(np.float32)
     q_ref, k_ref, scores_ref = ref.reference_xpos(q, k, scale_base=b, q_offset=offset)
-    _, _, scores = lexjax_xpos(q, k, scale_base=b, q_offset=offset, dtype=jnp.bfloat16,
-                               via="encode_qk")
+    _, _, scores = lexjax_xpos(
+        q, k, scale_base=b, q_offset=offset, dtype=jnp.bfloat16, via="encode_qk"
+    )
     assert_scores_close(scores, scores_ref, q_ref, k_ref, BF16_SCORE_TOL)
 
 
@@ -315,6 +335,10 @@ def test_live_golden_fixture_is_reproducible(ref):
         for key in stored.files:
             if key.startswith("meta."):
                 continue
-            np.testing.assert_allclose(np.asarray(fresh[key], np.float32),
-                                       stored[key].astype(np.float32), rtol=RTOL, atol=ATOL,
-                                       err_msg=key)
+            np.testing.assert_allclose(
+                np.asarray(fresh[key], np.float32),
+                stored[key].astype(np.float32),
+                rtol=RTOL,
+                atol=ATOL,
+                err_msg=key,
+            )

@@ -13,13 +13,12 @@ from tests import paper
 def _geometric_resolution(r, n):
     """R for e^{s[i]} = r^i, i = 0 … n: numerator Σ_{i<n} r^i (r^i − r^{i+1}) =
     (1 − r)·Σ_{i<n} r^{2i}, denominator (Σ_{i≤n} r^i)², both summed in closed form."""
-    numerator = (1 - r) * (1 - r ** (2 * n)) / (1 - r ** 2)
+    numerator = (1 - r) * (1 - r ** (2 * n)) / (1 - r**2)
     denominator = ((1 - r ** (n + 1)) / (1 - r)) ** 2
     return numerator / denominator
 
 
 class AttentionResolutionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(
         # e = [1, 0]: numerator 1·(1 − 0) = 1, denominator 1² = 1.
@@ -36,16 +35,21 @@ class AttentionResolutionTest(chex.TestCase):
         ("dip", [0.0, -1e4, 0.0], 0.25),
     )
     def test_hand_computed(self, s, want):
-        self.assertAlmostEqual(float(self.variant(resolution.attention_resolution)(s)), want,
-                               places=6)
+        self.assertAlmostEqual(
+            float(self.variant(resolution.attention_resolution)(s)), want, places=6
+        )
 
     @parameterized.parameters(-3000.0, -1.5, 0.0, 7.0, 1000.0)
     def test_invariant_to_adding_a_constant(self, constant):
         # e^{s+c} = e^c·e^s: numerator and denominator both scale by e^{2c}. Adding
         # 1000 would overflow e^s computed naively.
         s = np.random.default_rng(0).standard_normal(50).astype(np.float32)
-        np.testing.assert_allclose(resolution.attention_resolution(s + constant),
-                                   resolution.attention_resolution(s), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            resolution.attention_resolution(s + constant),
+            resolution.attention_resolution(s),
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
     def test_flat_curve_has_zero_resolution(self):
         self.assertEqual(float(resolution.attention_resolution(np.full(1000, 3.25))), 0.0)
@@ -54,8 +58,11 @@ class AttentionResolutionTest(chex.TestCase):
     def test_geometric_decay_matches_closed_form(self, decay, n):
         # s[i] = −decay·i, so e^{s[i]} = r^i with r = e^{−decay}.
         s = -decay * np.arange(n + 1)
-        np.testing.assert_allclose(resolution.attention_resolution(s),
-                                   _geometric_resolution(math.exp(-decay), n), rtol=1e-4)
+        np.testing.assert_allclose(
+            resolution.attention_resolution(s),
+            _geometric_resolution(math.exp(-decay), n),
+            rtol=1e-4,
+        )
 
     def test_sharp_decay_approaches_its_limit(self):
         # As n → ∞ the geometric R tends to (1 − r)²/(1 + r), which → 1 as r → 0: all
@@ -63,8 +70,11 @@ class AttentionResolutionTest(chex.TestCase):
         s = -20.0 * np.arange(100)
         self.assertAlmostEqual(float(resolution.attention_resolution(s)), 1.0, places=6)
         r = math.exp(-0.5)
-        self.assertAlmostEqual(float(resolution.attention_resolution(-0.5 * np.arange(2000))),
-                               (1 - r) ** 2 / (1 + r), places=5)
+        self.assertAlmostEqual(
+            float(resolution.attention_resolution(-0.5 * np.arange(2000))),
+            (1 - r) ** 2 / (1 + r),
+            places=5,
+        )
 
     def test_over_the_last_axis(self):
         s = np.random.default_rng(1).standard_normal((3, 2, 9))
@@ -86,16 +96,18 @@ def _expected_scores_by_loop(scores, mask=None):
     out = np.full((*lead, k_len), np.nan)
     for idx in np.ndindex(*lead):
         for n in range(k_len):
-            values = [scores[idx + (i, j)]
-                      for i in range(q_len) for j in range(k_len)
-                      if i + k_len - q_len - j == n and (mask is None or mask[idx + (i, j)])]
+            values = [
+                scores[idx + (i, j)]
+                for i in range(q_len)
+                for j in range(k_len)
+                if i + k_len - q_len - j == n and (mask is None or mask[idx + (i, j)])
+            ]
             if values:
                 out[idx + (n,)] = np.mean(values)
     return out
 
 
 class ExpectedScoresTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(("square", 6, 6), ("more_keys", 3, 7), ("one_query", 1, 5))
     def test_matches_loop(self, q_len, k_len):
@@ -121,8 +133,9 @@ class ExpectedScoresTest(chex.TestCase):
         scores = rng.standard_normal((3, 4, 8)).astype(np.float32)
         mask = rng.random((3, 4, 8)) < 0.6
         got = resolution.expected_scores(scores, mask)
-        np.testing.assert_allclose(got, _expected_scores_by_loop(scores, mask),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got, _expected_scores_by_loop(scores, mask), rtol=1e-5, atol=1e-6
+        )
 
     def test_fewer_keys_than_queries(self):
         with self.assertRaisesRegex(ValueError, "k ≥ q"):
@@ -136,7 +149,6 @@ def _largest_rise(g):
 
 
 class XposExpectationTest(chex.TestCase):
-
     @parameterized.parameters(64, 128)
     def test_matches_eq8_and_starts_at_half_the_head_dim(self, head_dim):
         n = np.arange(0, 4097, 7)

@@ -28,8 +28,9 @@ def _run_steps(trainer, batches):
 
 
 def test_tiny_model_overfits_one_batch():
-    config = small_config(**{"num_train_steps": 80, "warmup_steps": 5,
-                             "learning_rate": 1e-2, "mesh.data": 1})
+    config = small_config(
+        **{"num_train_steps": 80, "warmup_steps": 5, "learning_rate": 1e-2, "mesh.data": 1}
+    )
     batch = packed_batch(np.random.default_rng(0), 8, 16)
     _, losses = _run_steps(Trainer(config, jax.devices()[:1]), [batch] * 80)
     assert losses[-1] < 0.25 * losses[0], losses[::10]
@@ -40,12 +41,12 @@ def test_gradient_accumulation_equals_one_big_batch():
     summation order (1e-5)."""
     batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(2)]
     one = Trainer(small_config(**{"mesh.data": 1}), jax.devices()[:1])
-    two = Trainer(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": 2}),
-                  jax.devices()[:1])
+    two = Trainer(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": 2}), jax.devices()[:1])
     (p1, l1), (p2, l2) = _run_steps(one, batches), _run_steps(two, batches)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           p2, p1)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p2, p1
+    )
 
 
 MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 2, 4), "tensor")]
@@ -62,14 +63,21 @@ def one_device_run():
 def test_sharded_meshes_match_one_device(one_device_run, shape, preset):
     """Same losses and parameters after 3 steps, up to float32 summation order (1e-5)."""
     batches, (params_1, losses_1) = one_device_run
-    config = small_config(**{"mesh.data": shape[0], "mesh.fsdp": shape[1],
-                             "mesh.tensor": shape[2], "sharding": preset})
+    config = small_config(
+        **{
+            "mesh.data": shape[0],
+            "mesh.fsdp": shape[1],
+            "mesh.tensor": shape[2],
+            "sharding": preset,
+        }
+    )
     trainer = Trainer(config)
     assert dict(trainer.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
     params_n, losses_n = _run_steps(trainer, batches)
     np.testing.assert_allclose(losses_n, losses_1, rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           params_n, params_1)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_n, params_1
+    )
 
 
 def test_optimizer_state_is_sharded_like_the_params():
@@ -93,9 +101,14 @@ def _textfiles(tmp_path):
 
 
 def _train_config(tmp_path, **overrides):
-    values = {"data.name": "textfiles", "data.files": _textfiles(tmp_path),
-              "data.data_dir": str(tmp_path / "tfds"), "num_train_steps": 6,
-              "checkpoint_every": 3, "eval_every": 3}
+    values = {
+        "data.name": "textfiles",
+        "data.files": _textfiles(tmp_path),
+        "data.data_dir": str(tmp_path / "tfds"),
+        "num_train_steps": 6,
+        "checkpoint_every": 3,
+        "eval_every": 3,
+    }
     values.update(overrides)
     return small_config(**values)
 
@@ -129,13 +142,22 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def test_restore_onto_another_device_count(tmp_path):
-    config = _train_config(tmp_path, **{"num_train_steps": 2, "checkpoint_every": 2,
-                                        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    config = _train_config(
+        tmp_path,
+        **{
+            "num_train_steps": 2,
+            "checkpoint_every": 2,
+            "mesh.data": 2,
+            "mesh.fsdp": 2,
+            "mesh.tensor": 2,
+        },
+    )
     workdir = str(tmp_path / "run")
     train(config, workdir, log=lambda _: None, progress=False)
     params_8, _ = _final_params(workdir, config)
-    small = cfg.from_configdict({**cfg.to_dict(config), "mesh": {"data": 2, "fsdp": 1,
-                                                               "tensor": 1}})
+    small = cfg.from_configdict(
+        {**cfg.to_dict(config), "mesh": {"data": 2, "fsdp": 1, "tensor": 1}}
+    )
     trainer = Trainer(small, jax.devices()[:2])
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
     state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
@@ -146,21 +168,34 @@ def test_restore_onto_another_device_count(tmp_path):
 
 def _train_cli(*args, env_extra=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("flag,expected", [
-    ("--config.model.num_heads=3", "model.num_heads=3 does not divide model.d_model=256"),
-    ("--config.model.position=relative", "model.position='relative' is unknown"),
-    ("--config.model.d_model=248", "head_dim = d_model/num_heads = 31 is odd"),
-    ("--config.mesh.tensor=3", "mesh (-1, 1, 3) cannot fill 1 devices"),
-    ("--config.data.name=textfiles", "data.name=textfiles needs data.files"),
-])
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--config.model.num_heads=3", "model.num_heads=3 does not divide model.d_model=256"),
+        ("--config.model.position=relative", "model.position='relative' is unknown"),
+        ("--config.model.d_model=248", "head_dim = d_model/num_heads = 31 is odd"),
+        ("--config.mesh.tensor=3", "mesh (-1, 1, 3) cannot fill 1 devices"),
+        ("--config.data.name=textfiles", "data.name=textfiles needs data.files"),
+    ],
+)
 def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
     extra = ["--config.model.num_heads=8"] if "d_model=248" in flag else []
-    result = _train_cli(f"--workdir={tmp_path}", flag, *extra,
-                        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    result = _train_cli(
+        f"--workdir={tmp_path}",
+        flag,
+        *extra,
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -170,13 +205,23 @@ def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
 def test_train_program_end_to_end(tmp_path):
     workdir = tmp_path / "run"
     result = _train_cli(
-        f"--workdir={workdir}", "--config.num_train_steps=2", "--config.model.num_layers=1",
-        "--config.model.d_model=32", "--config.model.mlp_dim=64", "--config.train_len=32",
-        "--config.model.max_len=32", "--config.batch_size=8", "--config.eval_batches=1",
-        "--config.data.name=textfiles", f"--config.data.files={_textfiles(tmp_path)}",
-        f"--config.data.data_dir={tmp_path / 'tfds'}")
+        f"--workdir={workdir}",
+        "--config.num_train_steps=2",
+        "--config.model.num_layers=1",
+        "--config.model.d_model=32",
+        "--config.model.mlp_dim=64",
+        "--config.train_len=32",
+        "--config.model.max_len=32",
+        "--config.batch_size=8",
+        "--config.eval_batches=1",
+        "--config.data.name=textfiles",
+        f"--config.data.files={_textfiles(tmp_path)}",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"next: python eval.py --workdir={workdir}" in result.stdout
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu"} <= set(records[0])
+    assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu"} <= set(
+        records[0]
+    )
     assert any((workdir / "tensorboard").iterdir())

@@ -1,8 +1,8 @@
 """Data for lexjax: byte tokenizer, TF-less TFDS ArrayRecord datasets, grain pipelines.
 
-    source = load_source("python_stdlib", "train")          # raw text, random access
-    it = make_train_iterator(source, seq_len=256, batch_size=8, seed=0)
-    batch = next(it)   # inputs, targets, segment_ids, positions: int32 [8, 256]
+source = load_source("python_stdlib", "train")          # raw text, random access
+it = make_train_iterator(source, seq_len=256, batch_size=8, seed=0)
+batch = next(it)   # inputs, targets, segment_ids, positions: int32 [8, 256]
 """
 
 from lexjax.data.builders import (

@@ -114,7 +114,7 @@ def fingerprint(root: str, relpaths: list[str]) -> str:
     digest = hashlib.sha256()
     for relpath in sorted(relpaths):
         content = hashlib.sha256(Path(root, relpath).read_bytes()).hexdigest()
-        digest.update(f"{relpath}\0{content}\n".encode("utf-8"))
+        digest.update(f"{relpath}\0{content}\n".encode())
     return digest.hexdigest()
 
 
@@ -127,7 +127,7 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {
-        "1.0.0": "One document per file; 90/5/5 split by SHA-256 of the relative path.",
+        "1.0.0": "One document per file; 90/5/5 split by SHA-256 of the relative path."
     }
 
     def __init__(self, *, file_format: str = "array_record", **kwargs):
@@ -237,12 +237,16 @@ def prepare(
         make = functools.partial(PythonStdlib, data_dir=data_dir, max_files=max_files)
     elif name == "textfiles":
         if max_files is not None:
-            raise ValueError("max_files= applies to 'python_stdlib' only; narrow the files= glob instead")
+            raise ValueError(
+                "max_files= applies to 'python_stdlib' only; narrow the files= glob instead"
+            )
         if files is not None:
             glob_files(files)  # Fail on a bad glob before touching data_dir.
         make = functools.partial(TextFiles, data_dir=data_dir, files=files)
     else:
-        raise ValueError(f"prepare() builds {BUILDER_NAMES}, not {name!r}; prepare other datasets with `tfds build`")
+        raise ValueError(
+            f"prepare() builds {BUILDER_NAMES}, not {name!r}; prepare other datasets with `tfds build`"
+        )
 
     builder = make()
     if builder.is_prepared() and overwrite:
@@ -322,7 +326,9 @@ def load_source(
         records = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot read split {split!r} of {name!r} from {data_dir}: {reason}") from e
+        raise ValueError(
+            f"cannot read split {split!r} of {name!r} from {data_dir}: {reason}"
+        ) from e
     features = records.dataset_info.features
     if text_feature not in features.keys():
         raise ValueError(

@@ -17,9 +17,9 @@ never crosses a row boundary and the model never sees positions >= seq_len.
 
 from collections.abc import Iterator, Sequence
 
-from absl import flags
 import grain
 import numpy as np
+from absl import flags
 
 from lexjax.data import tokenizer
 
@@ -37,7 +37,6 @@ def as_document(document: str | bytes | np.ndarray) -> np.ndarray:
 
 # Transforms live at module level so grain worker processes can unpickle them.
 class _Tokenize(grain.transforms.Map):
-
     def map(self, document):
         return as_document(document)
 
@@ -53,7 +52,7 @@ class _ChunkPairs(grain.experimental.FlatMapTransform):
     def flat_map(self, document):
         inputs, targets = document[:-1], document[1:]
         return [
-            {"inputs": inputs[i:i + self.seq_len], "targets": targets[i:i + self.seq_len]}
+            {"inputs": inputs[i : i + self.seq_len], "targets": targets[i : i + self.seq_len]}
             for i in range(0, len(inputs), self.seq_len)
         ]
 

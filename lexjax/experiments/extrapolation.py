@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -102,8 +101,10 @@ def eval_lengths(multipliers: str, train_len: int) -> list[int]:
         except ValueError:
             raise ExperimentError(f"multipliers: {item!r} is not a number") from None
         if value < 1 or value != int(value):
-            raise ExperimentError(f"multipliers: {item} × train_len {train_len} = {value:g} is "
-                                  "not a positive whole number of tokens")
+            raise ExperimentError(
+                f"multipliers: {item} × train_len {train_len} = {value:g} is "
+                "not a positive whole number of tokens"
+            )
         lengths.append(int(value))
     if not lengths:
         raise ExperimentError("multipliers is empty; e.g. '1,2,4'")
@@ -134,8 +135,10 @@ def _stage_done(path: str, config: Config) -> dict | None:
     if stored.get("config") != ours:
         theirs = stored.get("config") or {}
         diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        raise ExperimentError(f"{path} was written for another training config (differs in "
-                              f"{', '.join(diff)}); use a new --out or the same config")
+        raise ExperimentError(
+            f"{path} was written for another training config (differs in "
+            f"{', '.join(diff)}); use a new --out or the same config"
+        )
     return stored
 
 
@@ -145,8 +148,9 @@ def _held_out(config: Config, split: str, min_tokens: int) -> list[np.ndarray]:
 
     d = config.data
     try:
-        source = data_lib.load_source(d.name, split, data_dir=d.data_dir, files=d.files,
-                                      text_feature=d.text_feature)
+        source = data_lib.load_source(
+            d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
+        )
     except ValueError as e:
         raise ExperimentError(f"held-out text: {e}") from None
     return list(data_lib.eval_documents(source, min_len=min_tokens))
@@ -165,22 +169,30 @@ def machine() -> dict:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     device = jax.devices()[0]
-    return {"cpu": model, "cores": cores, "backend": jax.default_backend(),
-            "devices": f"{jax.device_count()} × {device.device_kind}",
-            "jax": jax.__version__, "python": platform.python_version()}
+    return {
+        "cpu": model,
+        "cores": cores,
+        "backend": jax.default_backend(),
+        "devices": f"{jax.device_count()} × {device.device_kind}",
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _train_stage(spec, config, workdir, log) -> dict | None:
     """Trains (or resumes) one run; None when a signal stopped it before the last step."""
-    from lexjax import checkpoint as ckpt_lib, training
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import training
 
     path = os.path.join(workdir, "train.json")
     done = _stage_done(path, config)
     if done is not None:
         log(f"[{spec.name}] trained already ({done['summary']['step']} steps)")
         return done
-    log(f"[{spec.name}] training {config.num_train_steps} steps of "
-        f"{config.batch_size}×{config.train_len} tokens")
+    log(
+        f"[{spec.name}] training {config.num_train_steps} steps of "
+        f"{config.batch_size}×{config.train_len} tokens"
+    )
     start = time.perf_counter()
     try:
         summary = training.train(config, workdir, log=log)
@@ -189,22 +201,31 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     if summary.get("stopped_by"):
         return None
     summary.pop("checkpoint_dir", None)
-    record = {"config": to_dict(config), "run": spec.name, "summary": summary,
-              "tokens": summary["step"] * config.batch_size * config.train_len,
-              "seconds": time.perf_counter() - start}
+    record = {
+        "config": to_dict(config),
+        "run": spec.name,
+        "summary": summary,
+        "tokens": summary["step"] * config.batch_size * config.train_len,
+        "seconds": time.perf_counter() - start,
+    }
     from lexjax import reports
+
     reports.write_json(path, record)
     return _read_json(path)
 
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per mode and attention resolution of one trained run, each stage once."""
-    from lexjax import checkpoint as ckpt_lib, cli, evaluation, reports
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import cli, evaluation, reports
     from lexjax.model import Decoder
 
     lengths, documents = plan["lengths"], plan["documents"]
-    todo = [m for m in MODES if _stage_done(os.path.join(workdir, f"perplexity_{m}.json"),
-                                            config) is None]
+    todo = [
+        m
+        for m in MODES
+        if _stage_done(os.path.join(workdir, f"perplexity_{m}.json"), config) is None
+    ]
     resolution_path = os.path.join(workdir, "resolution.json")
     if _stage_done(resolution_path, config) is None:
         todo.append("resolution")
@@ -217,7 +238,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
     model = Decoder(stored_config.model)
     for mode in (m for m in MODES if m in todo):
-        docs = documents[:plan["docs"][mode]]
+        docs = documents[: plan["docs"][mode]]
         usable = []
         for length in lengths:
             try:
@@ -226,54 +247,92 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
                 usable.append(length)
             except evaluation.EvaluationError as e:
                 log(f"[{spec.name}] no {length} without BCA: {e}")
-        log(f"[{spec.name}] perplexity {mode}: {len(docs)} documents, lengths "
-            f"{', '.join(map(str, usable))}")
+        log(
+            f"[{spec.name}] perplexity {mode}: {len(docs)} documents, lengths "
+            f"{', '.join(map(str, usable))}"
+        )
         start = time.perf_counter()
-        results = evaluation.perplexity(model, params, docs, usable, block=config.block,
-                                        modes=[mode], tokens_per_batch=plan["tokens_per_batch"])
+        results = evaluation.perplexity(
+            model,
+            params,
+            docs,
+            usable,
+            block=config.block,
+            modes=[mode],
+            tokens_per_batch=plan["tokens_per_batch"],
+        )
         for r in results:
-            log(f"[{spec.name}]   {mode} {r.length:>6}: perplexity {r.perplexity:.4f} "
-                f"({r.seconds:.0f} s)")
-        reports.write_json(os.path.join(workdir, f"perplexity_{mode}.json"), {
-            "config": to_dict(config), "run": spec.name, "step": step,
-            "seconds": time.perf_counter() - start,
-            "results": [r.as_dict() for r in results]})
+            log(
+                f"[{spec.name}]   {mode} {r.length:>6}: perplexity {r.perplexity:.4f} "
+                f"({r.seconds:.0f} s)"
+            )
+        reports.write_json(
+            os.path.join(workdir, f"perplexity_{mode}.json"),
+            {
+                "config": to_dict(config),
+                "run": spec.name,
+                "step": step,
+                "seconds": time.perf_counter() - start,
+                "results": [r.as_dict() for r in results],
+            },
+        )
     if "resolution" in todo:
         start = time.perf_counter()
-        docs = [d for d in documents if len(d) >= 2 * config.train_len][:plan["docs"]["resolution"]]
+        docs = [d for d in documents if len(d) >= 2 * config.train_len][
+            : plan["docs"]["resolution"]
+        ]
         results = []
         for mode in MODES:
             for length in (config.train_len, 2 * config.train_len):
                 try:
                     tokens = np.stack([d[:length] for d in docs])
-                    results.append(evaluation.measure_resolution(model, params, tokens,
-                                                                 block=config.block, mode=mode))
+                    results.append(
+                        evaluation.measure_resolution(
+                            model, params, tokens, block=config.block, mode=mode
+                        )
+                    )
                 except evaluation.EvaluationError as e:
                     log(f"[{spec.name}] no resolution at {length} ({mode}): {e}")
         for r in results:
             log(f"[{spec.name}]   resolution {r.mode} {r.length}: {r.mean:.3g}")
-        reports.write_json(resolution_path, {
-            "config": to_dict(config), "run": spec.name, "step": step,
-            "seconds": time.perf_counter() - start,
-            "results": [r.as_dict() for r in results]})
+        reports.write_json(
+            resolution_path,
+            {
+                "config": to_dict(config),
+                "run": spec.name,
+                "step": step,
+                "seconds": time.perf_counter() - start,
+                "results": [r.as_dict() for r in results],
+            },
+        )
 
 
 def _plan(exp, shared_config: Config) -> dict:
     """Lengths and held-out documents shared by every run."""
     lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
-    docs = {"bca": int(exp["bca_docs"]), "full": int(exp["full_docs"]),
-            "resolution": int(exp["resolution_docs"])}
+    docs = {
+        "bca": int(exp["bca_docs"]),
+        "full": int(exp["full_docs"]),
+        "resolution": int(exp["resolution_docs"]),
+    }
     if min(docs.values()) < 1:
         raise ExperimentError("bca_docs, full_docs and resolution_docs must be positive")
     longest = max(lengths[-1] + 1, 2 * shared_config.train_len)
     documents = _held_out(shared_config, exp["eval_split"], longest)
     if not documents:
-        raise ExperimentError(f"no {exp['eval_split']} document of {shared_config.data.name} has "
-                              f"{longest} tokens; use smaller multipliers")
-    documents = documents[:max(docs.values())]
-    return {"lengths": lengths, "documents": documents, "docs": docs,
-            "eval_split": exp["eval_split"],
-            "tokens_per_batch": int(exp["tokens_per_batch"]), "longest": longest}
+        raise ExperimentError(
+            f"no {exp['eval_split']} document of {shared_config.data.name} has "
+            f"{longest} tokens; use smaller multipliers"
+        )
+    documents = documents[: max(docs.values())]
+    return {
+        "lengths": lengths,
+        "documents": documents,
+        "docs": docs,
+        "eval_split": exp["eval_split"],
+        "tokens_per_batch": int(exp["tokens_per_batch"]),
+        "longest": longest,
+    }
 
 
 def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
@@ -282,11 +341,16 @@ def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
 
     path = os.path.join(out, "timing.json")
     timing = _read_json(path) if os.path.exists(path) else {"invocations": []}
-    timing["invocations"].append({
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "wall_seconds": time.perf_counter() - wall_start,
-        "load_average_start": load_start, "load_average_end": os.getloadavg(),
-        "outcome": outcome, "argv": sys.argv})
+    timing["invocations"].append(
+        {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+            "wall_seconds": time.perf_counter() - wall_start,
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+            "outcome": outcome,
+            "argv": sys.argv,
+        }
+    )
     timing["machine"] = machine()
     reports.write_json(path, timing)
     return timing
@@ -309,13 +373,16 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         raise ExperimentError(f"train.{e}") from None
     shared = json.loads(json.dumps(to_dict(shared_config)))
     shared.pop("sharding_rules", None)
-    specs = parse_runs(exp["runs"], scale_base=shared_config.model.scale_base,
-                       seed=shared_config.seed)
+    specs = parse_runs(
+        exp["runs"], scale_base=shared_config.model.scale_base, seed=shared_config.seed
+    )
     configs = [_run_config(shared, spec) for spec in specs]
     plan = _plan(exp, shared_config)
-    log(f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
+    log(
+        f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
-        f"of ≥ {plan['longest']} tokens")
+        f"of ≥ {plan['longest']} tokens"
+    )
     os.makedirs(out, exist_ok=True)
     stopped, outcome = False, "error"
     try:
@@ -369,8 +436,14 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file(
-        "config", os.path.join(_ROOT, "configs", "extrapolation.py"),
-        "Experiment config; a preset after ':' (small, paper, smoke).", lock_config=True)
-    _OUT = flags.DEFINE_string("out", os.path.join("runs", "extrapolation"),
-                               "Output directory (resumable: finished stages are skipped).")
+        "config",
+        os.path.join(_ROOT, "configs", "extrapolation.py"),
+        "Experiment config; a preset after ':' (small, paper, smoke).",
+        lock_config=True,
+    )
+    _OUT = flags.DEFINE_string(
+        "out",
+        os.path.join("runs", "extrapolation"),
+        "Output directory (resumable: finished stages are skipped).",
+    )
     app.run(main)

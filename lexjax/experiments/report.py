@@ -11,16 +11,40 @@ import os
 
 import numpy as np
 
-from lexjax import reports, resolution as res_lib
+from lexjax import reports
+from lexjax import resolution as res_lib
 
-__all__ = ["OUTPUTS", "collect", "write_all", "variant_label", "table2", "table3", "table5",
-           "seeds_table", "expected_resolution_table"]
+__all__ = [
+    "OUTPUTS",
+    "collect",
+    "write_all",
+    "variant_label",
+    "table2",
+    "table3",
+    "table5",
+    "seeds_table",
+    "expected_resolution_table",
+]
 
-OUTPUTS = ("table2.md", "table3.md", "table5.md", "seeds.md", "results.json", "summary.md",
-           "perplexity.png", "figure1.png", "scores.png")
+OUTPUTS = (
+    "table2.md",
+    "table3.md",
+    "table5.md",
+    "seeds.md",
+    "results.json",
+    "summary.md",
+    "perplexity.png",
+    "figure1.png",
+    "scores.png",
+)
 _ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
-_NAMES = {"sinusoidal": "Transformer (sinusoidal)", "learned": "Transformer (learned)",
-          "alibi": "ALiBi", "rope": "RoPE", "none": "NoPE"}
+_NAMES = {
+    "sinusoidal": "Transformer (sinusoidal)",
+    "learned": "Transformer (learned)",
+    "alibi": "ALiBi",
+    "rope": "RoPE",
+    "none": "NoPE",
+}
 _MODE = {"bca": "with BCA", "full": "without BCA"}
 
 
@@ -54,44 +78,82 @@ def collect(out, specs, config, plan, timing) -> dict:
         resolution = {}
         for r in stored["results"]:
             resolution.setdefault(r["mode"], {})[str(r["length"])] = {
-                "mean": r["mean"], "per_layer": r["per_layer"],
+                "mean": r["mean"],
+                "per_layer": r["per_layer"],
                 "score_range": _score_range(r["expected_scores"]),
-                "mean_scores": np.mean(r["expected_scores"], axis=0).tolist()}
+                "mean_scores": np.mean(r["expected_scores"], axis=0).tolist(),
+            }
         s = trained["summary"]
-        runs.append({"name": spec.name, "position": spec.position,
-                     "scale_base": spec.variant[1], "seed": spec.seed,
-                     "num_params": s["num_params"], "steps": s["step"], "tokens": trained["tokens"],
-                     "loss": s.get("loss"), "val_loss": s.get("val_loss"),
-                     "train_seconds": trained["seconds"], "eval_seconds": eval_seconds,
-                     "perplexity": perplexity, "resolution": resolution})
+        runs.append(
+            {
+                "name": spec.name,
+                "position": spec.position,
+                "scale_base": spec.variant[1],
+                "seed": spec.seed,
+                "num_params": s["num_params"],
+                "steps": s["step"],
+                "tokens": trained["tokens"],
+                "loss": s.get("loss"),
+                "val_loss": s.get("val_loss"),
+                "train_seconds": trained["seconds"],
+                "eval_seconds": eval_seconds,
+                "perplexity": perplexity,
+                "resolution": resolution,
+            }
+        )
     m = config.model
     scale_bases = sorted({r["scale_base"] for r in runs if r["position"] == "xpos"}) or [
-        m.scale_base]
+        m.scale_base
+    ]
     expected = []
     for n in (config.train_len, 2 * config.train_len):
         distances = np.arange(n)
         curves = [("RoPE", None)] + [(f"XPOS b={b:g}", b) for b in scale_bases]
         for name, b in curves:
-            g = np.asarray(res_lib.xpos_expectation(
-                distances, m.head_dim, scale_base=b or 1.0, theta=m.theta,
-                gamma=None if b is None else 0.4))
-            expected.append({"curve": name, "length": n,
-                             "raw": float(res_lib.attention_resolution(g)),
-                             "scaled": float(res_lib.attention_resolution(g / np.sqrt(m.head_dim)))})
+            g = np.asarray(
+                res_lib.xpos_expectation(
+                    distances,
+                    m.head_dim,
+                    scale_base=b or 1.0,
+                    theta=m.theta,
+                    gamma=None if b is None else 0.4,
+                )
+            )
+            expected.append(
+                {
+                    "curve": name,
+                    "length": n,
+                    "raw": float(res_lib.attention_resolution(g)),
+                    "scaled": float(res_lib.attention_resolution(g / np.sqrt(m.head_dim))),
+                }
+            )
     invocations = timing["invocations"]
     return {
-        "train_len": config.train_len, "lengths": plan["lengths"],
+        "train_len": config.train_len,
+        "lengths": plan["lengths"],
         "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
-        "eval_split": plan.get("eval_split"), "data": config.data.name,
-        "model": {"num_layers": m.num_layers, "d_model": m.d_model, "num_heads": m.num_heads,
-                  "head_dim": m.head_dim, "mlp_dim": m.mlp_dim, "dtype": m.dtype},
-        "train": {"batch_size": config.batch_size, "num_train_steps": config.num_train_steps,
-                  "learning_rate": config.learning_rate,
-                  "schedule": config.optim.schedule, "warmup_steps": config.warmup_steps},
+        "eval_split": plan.get("eval_split"),
+        "data": config.data.name,
+        "model": {
+            "num_layers": m.num_layers,
+            "d_model": m.d_model,
+            "num_heads": m.num_heads,
+            "head_dim": m.head_dim,
+            "mlp_dim": m.mlp_dim,
+            "dtype": m.dtype,
+        },
+        "train": {
+            "batch_size": config.batch_size,
+            "num_train_steps": config.num_train_steps,
+            "learning_rate": config.learning_rate,
+            "schedule": config.optim.schedule,
+            "warmup_steps": config.warmup_steps,
+        },
         "machine": timing["machine"],
         "wall_seconds": sum(i["wall_seconds"] for i in invocations),
         "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],
-        "runs": runs, "expected_resolution": expected,
+        "runs": runs,
+        "expected_resolution": expected,
     }
 
 
@@ -132,8 +194,9 @@ def table2(c) -> str:
     for label, position, _, group in _variants(c["runs"]):
         mode = "bca" if position == "xpos" else "full"
         name = f"LEX ({label} + BCA)" if position == "xpos" else label
-        lines.append(_row(name + _seeds_note(group),
-                          [_fmt(_mean(group, mode, n)) for n in c["lengths"]]))
+        lines.append(
+            _row(name + _seeds_note(group), [_fmt(_mean(group, mode, n)) for n in c["lengths"]])
+        )
     return "\n".join(lines)
 
 
@@ -142,8 +205,12 @@ def table5(c) -> str:
     lines = [_header("model", c["lengths"])]
     for label, _, _, group in _variants(c["runs"]):
         for mode in ("bca", "full"):
-            lines.append(_row(f"{label} {_MODE[mode]}{_seeds_note(group)}",
-                              [_fmt(_mean(group, mode, n)) for n in c["lengths"]]))
+            lines.append(
+                _row(
+                    f"{label} {_MODE[mode]}{_seeds_note(group)}",
+                    [_fmt(_mean(group, mode, n)) for n in c["lengths"]],
+                )
+            )
     return "\n".join(lines)
 
 
@@ -151,15 +218,13 @@ def table3(c) -> str:
     """Paper Table 3: attention resolution (mean over layers) at 1× and 2× train_len, and the
     spread max − min of the measured expected scores s[n] that R depends on."""
     n1, n2 = c["train_len"], 2 * c["train_len"]
-    lines = [_header("model", [f"R at {n1}", f"R at {n2}", f"s range at {n1}",
-                               f"s range at {n2}"])]
+    lines = [_header("model", [f"R at {n1}", f"R at {n2}", f"s range at {n1}", f"s range at {n2}"])]
     for label, _, _, group in _variants(c["runs"]):
         for mode in ("bca", "full"):
             cells = []
             for key in ("mean", "score_range"):
                 for n in (n1, n2):
-                    values = [r["resolution"].get(mode, {}).get(str(n), {}).get(key)
-                              for r in group]
+                    values = [r["resolution"].get(mode, {}).get(str(n), {}).get(key) for r in group]
                     values = [v for v in values if v is not None]
                     mean = float(np.mean(values)) if values else None
                     cells.append(f"{mean:.3g}" if key == "mean" and values else _fmt(mean))
@@ -176,8 +241,12 @@ def seeds_table(c) -> str:
     for label, _, _, group in multi:
         for mode in ("bca", "full"):
             for r in sorted(group, key=lambda r: r["seed"]):
-                lines.append(_row(f"{label} {_MODE[mode]}, seed {r['seed']}",
-                                  [_fmt(r["perplexity"][mode].get(str(n))) for n in c["lengths"]]))
+                lines.append(
+                    _row(
+                        f"{label} {_MODE[mode]}, seed {r['seed']}",
+                        [_fmt(r["perplexity"][mode].get(str(n))) for n in c["lengths"]],
+                    )
+                )
     by = {(v[1], v[2]): v[3] for v in multi}
     rope = by.get(("rope", None))
     xpos = [k for k in by if k[0] == "xpos"]
@@ -190,8 +259,10 @@ def seeds_table(c) -> str:
                     continue
                 cells = []
                 for n in c["lengths"]:
-                    a, b = x[r["seed"]]["perplexity"][mode].get(str(n)), r["perplexity"][mode].get(
-                        str(n))
+                    a, b = (
+                        x[r["seed"]]["perplexity"][mode].get(str(n)),
+                        r["perplexity"][mode].get(str(n)),
+                    )
                     cells.append("–" if a is None or b is None else f"{a - b:+.3f}")
                 lines.append(_row(f"{_MODE[mode]}, seed {r['seed']}", cells))
     return "\n".join(lines)
@@ -205,8 +276,13 @@ def expected_resolution_table(c) -> str:
     head = [f"R(g) at {n}" for n in lengths] + [f"R(g/√d) at {n}" for n in lengths]
     lines = [_header("curve", head)]
     for curve in curves:
-        lines.append(_row(curve, [_fmt(value[curve, n]["raw"]) for n in lengths]
-                          + [_fmt(value[curve, n]["scaled"]) for n in lengths]))
+        lines.append(
+            _row(
+                curve,
+                [_fmt(value[curve, n]["raw"]) for n in lengths]
+                + [_fmt(value[curve, n]["scaled"]) for n in lengths],
+            )
+        )
     return "\n".join(lines)
 
 
@@ -221,8 +297,14 @@ def plot_perplexity(c, path) -> None:
             points = [(n, v) for n, v in points if v is not None]
             if points:
                 values += [v for _, v in points]
-                ax.plot(*zip(*points), style, marker="o", markersize=3, color=f"C{i}",
-                        label=f"{label} {_MODE[mode]}")
+                ax.plot(
+                    *zip(*points),
+                    style,
+                    marker="o",
+                    markersize=3,
+                    color=f"C{i}",
+                    label=f"{label} {_MODE[mode]}",
+                )
     ax.axvline(c["train_len"], color="gray", linestyle=":", label=f"train_len {c['train_len']}")
     ax.set_xscale("log", base=2)
     if values and max(values) / min(values) > 4:
@@ -242,13 +324,21 @@ def plot_figure1(c, path) -> None:
     bases = sorted({r["scale_base"] for r in c["runs"] if r["position"] == "xpos"})
     m = c["model"]
     distance = np.arange(c["lengths"][-1] + 1)
-    fig, axes = plt.subplots(1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8), squeeze=False
+    )
     for ax, b in zip(axes[0], bases or [512.0]):
-        ax.plot(distance, res_lib.xpos_expectation(distance, m["head_dim"], gamma=None),
-                label="RoPE", linewidth=0.8)
-        ax.plot(distance, res_lib.xpos_expectation(distance, m["head_dim"], scale_base=b),
-                label=f"XPOS b={b:g}")
+        ax.plot(
+            distance,
+            res_lib.xpos_expectation(distance, m["head_dim"], gamma=None),
+            label="RoPE",
+            linewidth=0.8,
+        )
+        ax.plot(
+            distance,
+            res_lib.xpos_expectation(distance, m["head_dim"], scale_base=b),
+            label=f"XPOS b={b:g}",
+        )
         ax.axvline(c["train_len"], color="gray", linestyle=":", label="train_len")
         ax.set_xlabel("relative distance")
         ax.set_ylabel("expected score g[n]")
@@ -285,7 +375,8 @@ def _settings(c) -> str:
     first = c["runs"][0]
     m, t, mach = c["model"], c["train"], c["machine"]
     loads = [i["load_average_start"][0] for i in c["invocations"]] + [
-        i["load_average_end"][0] for i in c["invocations"]]
+        i["load_average_end"][0] for i in c["invocations"]
+    ]
     lines = [
         f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads "
         f"(head_dim {m['head_dim']}), mlp {m['mlp_dim']}, {m['dtype']}; "
@@ -305,17 +396,20 @@ def _settings(c) -> str:
     ]
     per_run = ["| run | loss | validation loss | train s | eval s |", "|---|---|---|---|---|"]
     for r in c["runs"]:
-        per_run.append(f"| {r['name']} | {_fmt(r['loss'])} | {_fmt(r['val_loss'])} | "
-                       f"{r['train_seconds']:.0f} | {r['eval_seconds']:.0f} |")
+        per_run.append(
+            f"| {r['name']} | {_fmt(r['loss'])} | {_fmt(r['val_loss'])} | "
+            f"{r['train_seconds']:.0f} | {r['eval_seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n\n" + "\n".join(per_run)
 
 
 def write_all(out, c) -> None:
-    tables = {"table2.md": ("Perplexity by evaluation length (paper Table 2)", table2(c)),
-              "table5.md": ("With and without blockwise causal attention (paper Table 5)",
-                            table5(c)),
-              "table3.md": ("Attention resolution, mean over layers (paper Table 3)", table3(c)),
-              "seeds.md": ("Seeds", seeds_table(c))}
+    tables = {
+        "table2.md": ("Perplexity by evaluation length (paper Table 2)", table2(c)),
+        "table5.md": ("With and without blockwise causal attention (paper Table 5)", table5(c)),
+        "table3.md": ("Attention resolution, mean over layers (paper Table 3)", table3(c)),
+        "seeds.md": ("Seeds", seeds_table(c)),
+    }
     for name, (title, body) in tables.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             f.write(f"## {title}\n\n{body}\n")
@@ -327,7 +421,9 @@ def write_all(out, c) -> None:
     for name in ("table2.md", "table5.md", "table3.md", "seeds.md"):
         title, body = tables[name]
         parts.append(f"## {title}\n\n{body}")
-    parts.append("## Resolution of the expected-score curves (eq. 8), for comparison\n\n"
-                 + expected_resolution_table(c))
+    parts.append(
+        "## Resolution of the expected-score curves (eq. 8), for comparison\n\n"
+        + expected_resolution_table(c)
+    )
     with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
         f.write("\n\n".join(parts) + "\n")

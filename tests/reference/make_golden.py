@@ -49,7 +49,6 @@ import pathlib
 
 import numpy as np
 import torch
-
 from torchscale.architecture.config import DecoderConfig
 from torchscale.component.multihead_attention import MultiheadAttention
 from torchscale.component.xpos_relative_position import XPOS
@@ -77,8 +76,10 @@ def reference_xpos(q, k, *, scale_base: float, q_offset: int = 0):
     if q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or head_dim")
     if q.shape[1] + q_offset != k.shape[1]:
-        raise ValueError("torchscale centres queries and keys alike only when "
-                         f"Lq + q_offset == Lk; got {q.shape[1]} + {q_offset} != {k.shape[1]}")
+        raise ValueError(
+            "torchscale centres queries and keys alike only when "
+            f"Lq + q_offset == Lk; got {q.shape[1]} + {q_offset} != {k.shape[1]}"
+        )
     module = XPOS(q.shape[-1], scale_base)
     q_enc = module(_torch(q), offset=q_offset, downscale=False)
     k_enc = module(_torch(k), offset=0, downscale=True)
@@ -88,8 +89,12 @@ def reference_xpos(q, k, *, scale_base: float, q_offset: int = 0):
 
 def _attention_module(weights, num_heads: int, scale_base: float):
     embed_dim = weights["wq"].shape[0]
-    args = DecoderConfig(decoder_embed_dim=embed_dim, decoder_attention_heads=num_heads,
-                         xpos_rel_pos=True, xpos_scale_base=scale_base)
+    args = DecoderConfig(
+        decoder_embed_dim=embed_dim,
+        decoder_attention_heads=num_heads,
+        xpos_rel_pos=True,
+        xpos_scale_base=scale_base,
+    )
     module = MultiheadAttention(args, embed_dim, num_heads, dropout=0.0, self_attention=True)
     for proj in ("q", "k", "v", "o"):
         layer = getattr(module, "out_proj" if proj == "o" else f"{proj}_proj")
@@ -124,8 +129,14 @@ def reference_attention_step(x, weights, *, num_heads: int, scale_base: float):
     module = _attention_module(weights, num_heads, scale_base)
     prefix, last = _torch(x[:, :-1]), _torch(x[:, -1:])
     state = {}
-    module(prefix, prefix, prefix, incremental_state=state,
-           attn_mask=_causal_mask(prefix.shape[1]), is_first_step=True)
+    module(
+        prefix,
+        prefix,
+        prefix,
+        incremental_state=state,
+        attn_mask=_causal_mask(prefix.shape[1]),
+        is_first_step=True,
+    )
     out, probs = module(last, last, last, incremental_state=state, is_first_step=False)
     return _numpy(out), _numpy(probs.transpose(0, 1))
 
@@ -136,7 +147,7 @@ def random_inputs(rng, shape):
 
 
 def random_weights(rng, embed_dim: int):
-    std = embed_dim ** -0.5
+    std = embed_dim**-0.5
     weights = {}
     for name in WEIGHT_NAMES:
         shape = (embed_dim, embed_dim) if name[0] == "w" else (embed_dim,)
@@ -146,12 +157,13 @@ def random_weights(rng, embed_dim: int):
 
 # (name, head_dim, Lq, Lk, q_offset, scale_base, batch*heads, store encoded vectors)
 XPOS_CASES = [
-    (f"d{d}_L{length}_b{b}", d, length, length, 0, float(b), 2 if length <= 17 else 1,
-     length <= 17)
-    for d in (8, 16, 64) for length in (16, 64) for b in (512, 128)
+    (f"d{d}_L{length}_b{b}", d, length, length, 0, float(b), 2 if length <= 17 else 1, length <= 17)
+    for d in (8, 16, 64)
+    for length in (16, 64)
+    for b in (512, 128)
 ] + [
     ("d16_L17_b512_odd", 16, 17, 17, 0, 512.0, 2, True),
-    ("d16_step_L64_b128", 16, 1, 64, 63, 128.0, 2, True),   # one decoding step
+    ("d16_step_L64_b128", 16, 1, 64, 63, 128.0, 2, True),  # one decoding step
     ("d64_step_L40_b512", 64, 1, 40, 39, 512.0, 2, True),
     ("d16_chunk4_L24_b128", 16, 4, 24, 20, 128.0, 2, True),  # last 4 queries of 24
 ]
@@ -165,18 +177,26 @@ MHA_CASES = [
 
 
 def make_golden(seed: int = 0) -> dict[str, np.ndarray]:
-    import torchscale  # noqa: F401  (version lookup below)
     from importlib.metadata import version
 
+    import torchscale  # noqa: F401  (version lookup below)
+
     rng = np.random.default_rng(seed)
-    arrays = {"meta.torch": np.array(torch.__version__),
-              "meta.torchscale": np.array(version("torchscale")),
-              "meta.seed": np.array(seed)}
+    arrays = {
+        "meta.torch": np.array(torch.__version__),
+        "meta.torchscale": np.array(version("torchscale")),
+        "meta.seed": np.array(seed),
+    }
     for name, d, lq, lk, offset, b, bh, store_enc in XPOS_CASES:
         q, k = random_inputs(rng, (bh, lq, d)), random_inputs(rng, (bh, lk, d))
         q_enc, k_enc, scores = reference_xpos(q, k, scale_base=b, q_offset=offset)
-        case = {"q": q.astype(np.float16), "k": k.astype(np.float16), "scale_base": np.array(b),
-                "q_offset": np.array(offset), "scores": scores}
+        case = {
+            "q": q.astype(np.float16),
+            "k": k.astype(np.float16),
+            "scale_base": np.array(b),
+            "q_offset": np.array(offset),
+            "scores": scores,
+        }
         if store_enc:
             case.update(q_enc=q_enc, k_enc=k_enc)
         arrays.update({f"xpos.{name}.{key}": value for key, value in case.items()})
@@ -185,8 +205,13 @@ def make_golden(seed: int = 0) -> dict[str, np.ndarray]:
         weights = random_weights(rng, heads * head_dim)
         run = reference_attention if kind == "causal" else reference_attention_step
         out, probs = run(x, weights, num_heads=heads, scale_base=b)
-        case = {"x": x.astype(np.float16), "num_heads": np.array(heads), "scale_base": np.array(b),
-                "out": out, "probs": probs}
+        case = {
+            "x": x.astype(np.float16),
+            "num_heads": np.array(heads),
+            "scale_base": np.array(b),
+            "out": out,
+            "probs": probs,
+        }
         case.update({key: w.astype(np.float16) for key, w in weights.items()})
         arrays.update({f"mha.{name}.{key}": value for key, value in case.items()})
     return arrays
@@ -201,8 +226,10 @@ def main():
     arrays = make_golden(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **arrays)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB, {len(arrays)} arrays; "
-          f"torch {arrays['meta.torch']}, torchscale {arrays['meta.torchscale']})")
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB, {len(arrays)} arrays; "
+        f"torch {arrays['meta.torch']}, torchscale {arrays['meta.torchscale']})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""Errors a user can cause, their exit statuses, and the one-line report.
+
+Every error lexjax raises for something the user can change derives from
+:class:`LexjaxError` and carries the exit status of its kind. The programs
+(``train.py``, ``eval.py``, the experiment) catch it in one place
+(:func:`lexjax.cli.main`) and print ``error: <one line>`` on stderr:
+
+======  =============================================  ======================
+status  kind                                           class
+======  =============================================  ======================
+0       success (also: stopped by SIGTERM and saved)
+1       an unexpected failure (a bug): a traceback
+2       configuration, flags, a missing config file     :class:`ConfigError`
+3       data: corpus, files, documents                  :class:`DataError`
+4       checkpoint or workdir                           :class:`CheckpointError`
+5       training stopped (a non-finite loss)            :class:`TrainingError`
+6       evaluation or generation cannot be done as      :class:`EvaluationError`
+        asked
+7       the processes of a multi-host run cannot join   :class:`DistributedError`
+======  =============================================  ======================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LexjaxError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "TrainingError",
+    "EvaluationError",
+    "DistributedError",
+    "one_line",
+]
+
+
+class LexjaxError(Exception):
+    """Something the user can change; the message says what."""
+
+    exit_code = 1
+
+
+class ConfigError(LexjaxError, ValueError):
+    """A configuration value or flag is invalid."""
+
+    exit_code = 2
+
+
+class DataError(LexjaxError, ValueError):
+    """The data cannot be read or does not serve the request."""
+
+    exit_code = 3
+
+
+class CheckpointError(LexjaxError, RuntimeError):
+    """A checkpoint or workdir cannot be written or read."""
+
+    exit_code = 4
+
+
+class TrainingError(LexjaxError, RuntimeError):
+    """Training cannot continue (e.g. a non-finite loss)."""
+
+    exit_code = 5
+
+
+class EvaluationError(LexjaxError, ValueError):
+    """An evaluation or generation that cannot be done as asked."""
+
+    exit_code = 6
+
+
+class DistributedError(LexjaxError, RuntimeError):
+    """The processes of a multi-process run could not join."""
+
+    exit_code = 7
+
+
+def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300) -> str:
+    """The first line of an error's message (its type name if it has none).
+
+    ``innermost`` follows ``__cause__``/``__context__`` to the deepest error
+    first: for library failures (orbax, tensorstore) that is where the
+    operating system's reason is.
+    """
+    if innermost:
+        seen = {id(error)}
+        while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            error = cause
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    if innermost and lines:
+        text = f"{type(error).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,72 @@
+"""The one progress display of every program: a bar on a terminal, plain lines elsewhere.
+
+On a terminal a single line is redrawn in place (with a rate and an ETA).
+When the stream is not a terminal (Colab's ``!python``, nohup, CI logs) it
+prints plain ``label done/total ...`` lines, at most one per
+``min_interval_s`` seconds and always the last one, so a long evaluation is
+never silent and a log holds no escape codes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """``update(done, text)`` as work advances; ``close()`` at the end.
+
+    Args:
+      total: the amount of work (steps, tokens).
+      label: what is counted, printed before ``done/total``.
+      start: work already done before this display began (a resumed run):
+        rates and ETAs count from here.
+      stream: where to print (default stderr).
+      enabled: False makes every call a no-op (non-zero processes).
+      min_interval_s: off a terminal, the least time between two lines.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        label: str = "",
+        start: int = 0,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        min_interval_s: float = 10.0,
+    ):
+        self.total, self.label, self.start = max(int(total), 1), label, start
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.min_interval_s = min_interval_s
+        self.t0 = time.perf_counter()
+        self._last_line = -float("inf")
+        self._drawn = False
+
+    def update(self, done: int, text: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.t0
+        eta = elapsed / max(done - self.start, 1) * max(self.total - done, 0)
+        label = f"{self.label} " if self.label else ""
+        status = f"{label}{done}/{self.total} {text}".rstrip() + f" eta {eta:.0f}s"
+        if self.tty:
+            width = 30
+            filled = int(width * min(done, self.total) / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            print(f"\r[{bar}] {status} ", end="", file=self.stream, flush=True)
+            self._drawn = True
+        elif now - self._last_line >= self.min_interval_s or done >= self.total:
+            print(status, file=self.stream, flush=True)
+            self._last_line = now
+
+    def close(self) -> None:
+        if self.tty and self._drawn:
+            print(file=self.stream, flush=True)
+        self._drawn = False
