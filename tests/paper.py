@@ -1,7 +1,7 @@
 """The paper's equations written directly, in numpy float64, as test oracles.
 
 Nothing here imports lexjax: each function is a loop over the symbols of an
-equation (Sun et al. 2022, arXiv 2212.10554; DESIGN.md "The math"), so a test
+equation (Sun et al. 2022, arXiv 2212.10554; docs/design.md "The math"), so a test
 that compares a kernel with it compares two independent computations.
 """
 

@@ -222,7 +222,7 @@ class LowPrecisionTest(chex.TestCase):
             self.assertTrue(np.all(np.isfinite(encoded)), (dtype, downscale, encoded))
 
     def test_float16_overflows_beyond_the_safe_range(self):
-        # DESIGN.md: 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
+        # 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
         encoded = positions.xpos(
             jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512]), downscale=True
         )
