@@ -200,7 +200,10 @@ def flags_parser(default_file: str):
             if match := re.match(r"--?(?:no)?config\.([^=]+)", arg):
                 _check_field(config, match[1])
         config_flags.DEFINE_config_dict(
-            "config", config, f"--config=FILE[:PRESET]: get_config() of FILE (default {path})"
+            "config",
+            config,
+            f"--config=FILE[:PRESET]: get_config() of FILE (default {default_file})",
+            sys_argv=rest,  # without --config=FILE, which names no flag of its own here
         )
         try:
             return flags.FLAGS(rest)
