@@ -157,10 +157,9 @@ def default_configdict(overrides: Mapping | None = None):
     from ml_collections import config_dict
 
     def build(cls):
-        c = config_dict.ConfigDict()
-        hints = typing.get_type_hints(cls)
+        c, defaults, hints = config_dict.ConfigDict(), cls(), typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            default = getattr(cls(), field.name)
+            default = getattr(defaults, field.name)
             if dataclasses.is_dataclass(default):
                 c[field.name] = build(type(default))
             elif default is None:
