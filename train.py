@@ -20,15 +20,11 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from lexjax import cli, distributed
+from lexjax.config import flags_parser
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(_HERE, "configs", "tiny.py"),
-    "Config file (get_config()).",
-    lock_config=True,
-)
 _WORKDIR = flags.DEFINE_string(
     "workdir",
     os.path.join("runs", "tiny"),
@@ -59,8 +55,6 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    from lexjax import cli, distributed
-
     cluster = distributed.ClusterOptions(
         mode=_DISTRIBUTED.value,
         coordinator_address=_COORDINATOR.value,
@@ -69,9 +63,11 @@ def main(argv):
         heartbeat_timeout_s=_HEARTBEAT.value,
         initialization_timeout_s=_INIT_TIMEOUT.value,
     )
-    return cli.run_training(_CONFIG.value, _WORKDIR.value, cluster)
+    return cli.run_training(flags.FLAGS.config, _WORKDIR.value, cluster)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, _HERE)  # so configs/*.py can import each other
-    app.run(main)
+    # Flag parsing runs inside cli.main too: a bad --config is one line, exit status 2.
+    parse = flags_parser(os.path.join(_HERE, "configs", "tiny.py"))
+    sys.exit(cli.main(app.run, main, flags_parser=parse))

@@ -22,44 +22,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# configs/paper.py as a literal, for machines without ml_collections (accelerator
-# hosts); bench/accelerator.py checks it against configs/paper.py where it can.
-PAPER = {
-    "model": dict(
-        position="xpos",
-        num_layers=24,
-        d_model=1024,
-        num_heads=16,
-        mlp_dim=4096,
-        vocab_size=320,
-        scale_base=512.0,
-        theta=10000.0,
-        max_len=1024,
-        tie_embeddings=True,
-        dtype="bfloat16",
-        param_dtype="float32",
-        remat=True,
-        scan_layers=True,
-        attention_impl="fused",
-    ),
-    "learning_rate": 3e-4,
-    "warmup_steps": 375,
-    "optim": dict(
-        schedule="polynomial",
-        end_lr_fraction=0.0,
-        b1=0.9,
-        b2=0.98,
-        eps=1e-6,
-        weight_decay=0.01,
-        grad_clip=1.0,
-        grad_accum_steps=1,
-    ),
-    "mesh": dict(data=1, fsdp=-1, tensor=1),
-    "sharding": "fsdp",
-    "train_len": 1024,
-    "batch_size": 512,
-    "num_train_steps": 50_000,
-}
+from configs import paper  # noqa: E402  (needs ROOT on sys.path)
+
+# What configs/paper.py changes from the defaults, as a plain dict: bench/accelerator.py
+# builds the paper config from it on hosts without ml_collections.
+PAPER = paper.OVERRIDES
 
 
 def config_dict(name: str) -> dict:

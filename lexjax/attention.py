@@ -21,10 +21,6 @@ import jax.numpy as jnp
 from lexjax import positions as pos_lib
 
 __all__ = [
-    "RELATIVE_ENCODINGS",
-    "ABSOLUTE_ENCODINGS",
-    "POSITION_KINDS",
-    "ATTENTION_IMPLS",
     "encode_qk",
     "logit_bias",
     "attention_logits",
@@ -33,13 +29,6 @@ __all__ = [
     "fused_multihead_attention",
 ]
 
-RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
-ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
-POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
-# "explicit": scores materialised here (and available for resolution
-# measurements); "fused": jax.nn.dot_product_attention, which picks cuDNN's
-# fused kernel on NVIDIA GPUs and XLA elsewhere.
-ATTENTION_IMPLS = ("explicit", "fused")
 PositionKind = Literal["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
 
 

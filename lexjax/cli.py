@@ -1,7 +1,8 @@
 """The boundary between the command-line programs and the library.
 
-Errors a user can cause are reported as one line on stderr with a non-zero
-exit status (2 for configuration errors), never as a traceback.
+Errors a user can cause (:class:`lexjax.errors.LexjaxError`) are reported by
+:func:`main` as one line on stderr with the exit status of their kind (the
+table in :mod:`lexjax.errors`), never as a traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import logging
 import os
 import sys
 
+import jax
+
+from lexjax import distributed, training
 from lexjax.config import ConfigError, from_configdict
-from lexjax.errors import LexjaxError, one_line
+from lexjax.errors import DataError, LexjaxError, one_line
 
 __all__ = ["main", "run_training", "fail"]
 
@@ -31,6 +35,7 @@ def main(program, *args, **kwargs) -> int:
 
 
 def fail(message: str, code: int = 1):
+    """Old one-line exit, still used by the eval half until it raises LexjaxErrors."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -92,29 +97,19 @@ def quiet_checkpoint_io_noise() -> None:
     sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
-def run_training(configdict, workdir: str, cluster=None) -> int:
-    """Trains from a config; ``cluster`` (a ``distributed.ClusterOptions``) joins a
-    multi-process run first. Only process 0 prints the summary."""
-    from lexjax import distributed
+def run_training(configdict, workdir: str, cluster: distributed.ClusterOptions) -> int:
+    """train.py: validates the config, joins the processes of ``cluster``, trains.
 
-    quiet_checkpoint_io_noise()
-    try:
-        config = from_configdict(configdict)
-        distributed.initialize(cluster or distributed.ClusterOptions())
-    except ConfigError as e:
-        fail(str(e), 2)
-    except distributed.DistributedError as e:
-        fail(str(e))
-    import jax
-
-    from lexjax import checkpoint, training
-
+    Only process 0 prints the summary. Errors propagate to :func:`main`.
+    """
+    config = from_configdict(configdict)
+    distributed.initialize(cluster)  # before anything touches the devices
     try:
         summary = training.train(config, workdir)
-    except ConfigError as e:
-        fail(str(e), 2)
-    except (training.TrainingError, checkpoint.CheckpointError, ValueError, OSError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except ValueError as e:  # lexjax.data reports a bad corpus as ValueError, not DataError
+        if isinstance(e, LexjaxError):
+            raise
+        raise DataError(one_line(e)) from e
     if jax.process_index() != 0:
         return 0
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:

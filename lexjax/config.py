@@ -1,52 +1,88 @@
-"""Typed, validated configuration built from ``configs/*.py`` ConfigDicts.
+"""Configuration: the one home of every default, and its validation.
 
-``configs/*.py`` files return an ``ml_collections.ConfigDict`` (overridable
-from the command line). :func:`from_configdict` turns it into frozen
-dataclasses and checks every value a user can get wrong; a bad value raises
-:class:`ConfigError` whose message names the field and the fix, which the
-programs print as one line before exiting with status 2.
+The frozen dataclasses below hold every field's default (the CPU run of
+``configs/tiny.py``). :func:`default_configdict` turns them into an
+``ml_collections.ConfigDict``, so every field is overridable from the command
+line (``--config.model.position=rope``) whatever a config file states;
+``configs/*.py`` start from it and state only what differs.
+:func:`from_configdict` turns a ConfigDict (or nested dict, e.g. the config a
+checkpoint stored, also by an older lexjax) back into a validated :class:`Config`;
+:func:`flags_parser` reads ``--config`` files and overrides for the programs. A
+bad value raises :class:`ConfigError` (exit status 2) whose one line names the
+field and the fix.
+
+This module imports no compute code: the names of the position encodings and
+attention implementations are defined here, and the model imports them.
+Mesh shapes and sharding presets live in :mod:`lexjax.sharding`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
+import glob
+import importlib.util
+import os
+import re
+import sys
+import typing
 from collections.abc import Mapping
-from typing import Any
 
-from lexjax.attention import ABSOLUTE_ENCODINGS, ATTENTION_IMPLS, POSITION_KINDS
-from lexjax.errors import ConfigError
+from lexjax.errors import ConfigError, one_line
 
 __all__ = [
+    "RELATIVE_ENCODINGS",
+    "ABSOLUTE_ENCODINGS",
+    "POSITION_KINDS",
+    "ATTENTION_IMPLS",
+    "TOKENIZER_VOCAB_SIZE",
     "ConfigError",
     "ModelConfig",
     "DataConfig",
     "OptimConfig",
     "MeshConfig",
     "Config",
+    "default_configdict",
+    "flags_parser",
     "from_configdict",
+    "REMOVED_FIELDS",
+    "unknown_field",
     "to_dict",
-    "SHARDING_PRESETS",
 ]
+
+RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
+ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
+POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
+# "explicit": scores materialised (and available for resolution measurements);
+# "fused": jax.nn.dot_product_attention, cuDNN's fused kernel on NVIDIA GPUs.
+ATTENTION_IMPLS = ("explicit", "fused")
+# lexjax.data.tokenizer.VOCAB_SIZE: 256 bytes + BOS + EOS. Importing lexjax.data here
+# would load grain and TFDS into every program; tests/test_config.py checks they agree.
+TOKENIZER_VOCAB_SIZE = 258
+# Top-level fields an older lexjax stored with its checkpoints; ignored on loading.
+# poison_step: fault injection, now a test hook (tests/), not a production setting.
+REMOVED_FIELDS = ("poison_step",)
+_DTYPES = ("float32", "bfloat16", "float16")
+_SCHEDULES = ("cosine", "polynomial", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    position: str = "xpos"
+    position: str = "xpos"  # one of POSITION_KINDS
     num_layers: int = 6
     d_model: int = 256
     num_heads: int = 4
     mlp_dim: int = 1024
-    vocab_size: int = 320
-    scale_base: float = 512.0
+    vocab_size: int = 320  # the tokenizer's 258, padded so the vocabulary shards evenly
+    scale_base: float = 512.0  # XPOS b; must be the same in training and inference
     theta: float = 10000.0
-    max_len: int = 256  # table size of learned absolute positions (= train_len)
+    max_len: int | None = None  # table size of learned absolute positions; None: train_len
     tie_embeddings: bool = True
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
     param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = False
-    attention_impl: str = "explicit"  # explicit | fused (cuDNN flash attention on GPUs)
+    attention_impl: str = "explicit"  # one of ATTENTION_IMPLS
 
     @property
     def head_dim(self) -> int:
@@ -55,8 +91,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    name: str = "python_stdlib"
-    files: str | None = None
+    name: str = "python_stdlib"  # python_stdlib | textfiles | a TFDS dataset in ArrayRecord form
+    files: str | None = None  # textfiles: a glob of the corpus files
     data_dir: str | None = None
     text_feature: str = "text"
     worker_count: int = 0
@@ -64,7 +100,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    schedule: str = "cosine"  # cosine | polynomial | constant
+    schedule: str = "cosine"  # cosine | polynomial | constant (after the warmup)
     end_lr_fraction: float = 0.1
     b1: float = 0.9
     b2: float = 0.98
@@ -76,86 +112,23 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """Mesh axis sizes; one of them may be -1: the devices left (see lexjax.sharding)."""
+
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """Resolves a single −1 to the devices left; checks the product."""
-        sizes = [self.data, self.fsdp, self.tensor]
-        names = ["mesh.data", "mesh.fsdp", "mesh.tensor"]
-        fill = [i for i, s in enumerate(sizes) if s == -1]
-        if len(fill) > 1:
-            raise ConfigError(
-                "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining devices)"
-            )
-        for n, s in zip(names, sizes):
-            if s == 0 or s < -1:
-                raise ConfigError(f"{n}={s}: use a positive size or -1")
-        known = math.prod(s for s in sizes if s != -1)
-        if fill:
-            if num_devices % known:
-                raise ConfigError(
-                    f"mesh {tuple(sizes)} cannot fill {num_devices} devices: "
-                    f"{known} does not divide {num_devices}"
-                )
-            sizes[fill[0]] = num_devices // known
-        if math.prod(sizes) != num_devices:
-            raise ConfigError(
-                f"mesh data×fsdp×tensor = {'×'.join(map(str, sizes))} = "
-                f"{math.prod(sizes)} but there are {num_devices} devices; set "
-                "one axis to -1 or make the product match"
-            )
-        return tuple(sizes)
-
-
-# Logical axis name → mesh axis (or None = replicated). One preset per
-# parallelism; ``config.sharding`` picks one and ``config.sharding_rules`` may
-# override single entries.
-SHARDING_PRESETS: dict[str, dict[str, Any]] = {
-    "data": {
-        "batch": ("data", "fsdp"),
-        "embed": None,
-        "heads": None,
-        "kv": None,
-        "mlp": None,
-        "vocab": None,
-        "layers": None,
-        "positions": None,
-    },
-    "fsdp": {
-        "batch": ("data", "fsdp"),
-        "embed": "fsdp",
-        "heads": None,
-        "kv": None,
-        "mlp": None,
-        "vocab": None,
-        "layers": None,
-        "positions": None,
-    },
-    "tensor": {
-        "batch": ("data", "fsdp"),
-        "embed": "fsdp",
-        "heads": "tensor",
-        "kv": None,
-        "mlp": "tensor",
-        "vocab": "tensor",
-        "layers": None,
-        "positions": None,
-    },
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    model: ModelConfig
-    data: DataConfig
-    optim: OptimConfig
-    mesh: MeshConfig
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train_len: int = 256
     batch_size: int = 16
     num_train_steps: int = 200
-    learning_rate: float = 1e-3  # peak, after linear warmup
+    learning_rate: float = 2e-3  # peak, after a linear warmup
     warmup_steps: int = 20
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -163,72 +136,195 @@ class Config:
     eval_batches: int = 4
     log_every: int = 10
     seed: int = 0
-    sharding: str = "tensor"
-    sharding_rules: tuple = ()
-    on_corrupt_checkpoint: str = "fallback"
-    poison_step: int = -1  # fault-injection only: make this step's loss NaN
+    sharding: str = "tensor"  # logical-axis preset of lexjax.sharding: data | fsdp | tensor
+    sharding_rules: tuple = ()  # (logical axis, mesh axes) pairs that override the preset
+    on_corrupt_checkpoint: str = "fallback"  # fallback | error
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: known chips only
 
     @property
     def block(self) -> int:
         """Blockwise-attention block size w = train_len / 2 (paper §3.3)."""
         return self.train_len // 2
 
-    def rules(self) -> tuple[tuple[str, Any], ...]:
-        table = dict(SHARDING_PRESETS[self.sharding])
-        table.update(dict(self.sharding_rules))
-        return tuple(table.items())
+
+def default_configdict(overrides: Mapping | None = None):
+    """An ``ml_collections.ConfigDict`` of every field's default, updated with ``overrides``.
+
+    Fields whose default is None become typed placeholders, so the command line
+    can set them too (``--config.data.files=...``).
+    """
+    # Imported here so the library (and bench/accelerator.py) runs without ml_collections.
+    from ml_collections import config_dict
+
+    def build(cls):
+        c, defaults, hints = config_dict.ConfigDict(), cls(), typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            default = getattr(defaults, field.name)
+            if dataclasses.is_dataclass(default):
+                c[field.name] = build(type(default))
+            elif default is None:
+                c[field.name] = config_dict.placeholder(_base_type(hints[field.name]))
+            else:
+                c[field.name] = dict(default) if field.name == "sharding_rules" else default
+        return c
+
+    c = build(Config)
+    c.update(overrides or {})
+    return c
 
 
-def _checked_fields(cls, values: Mapping[str, Any], prefix: str, skip=()) -> dict:
-    """Type-checks ``values`` against the fields of dataclass ``cls`` (minus ``skip``)."""
-    names = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ConfigError(
-            f"unknown config field {prefix}{unknown[0]}; known fields: "
-            f"{', '.join(prefix + n for n in names)}"
+def flags_parser(default_file: str):
+    """An absl ``flags_parser`` for ``app.run`` that adds the ``--config`` file flag.
+
+    As with ml_collections' ``DEFINE_config_file``: ``--config=FILE[:PRESET]``
+    (default ``default_file``) is ``get_config([PRESET])`` of FILE, read as
+    ``absl.flags.FLAGS.config``, and ``--config.FIELD=VALUE`` overrides a field.
+    Unlike it, a missing file, an unknown field (with the closest known name) or
+    a value of the wrong type raises a one-line :class:`ConfigError`, not a
+    traceback from inside flag parsing.
+    """
+    # Imported here so the library (and bench/accelerator.py) runs without ml_collections.
+    from absl import flags
+    from ml_collections import config_flags
+
+    def parse(argv: list[str]) -> list[str]:
+        path, rest, args = default_file, argv[:1], iter(argv[1:])
+        for arg in args:
+            if match := re.fullmatch(r"--?config(?:=(.*))?", arg):
+                path = next(args, "") if match[1] is None else match[1]
+            else:
+                rest.append(arg)
+        config = _load_file(path)
+        for arg in rest:
+            if match := re.match(r"--?(?:no)?config\.([^=]+)", arg):
+                _check_field(config, match[1])
+        config_flags.DEFINE_config_dict(
+            "config",
+            config,
+            f"--config=FILE[:PRESET]: get_config() of FILE (default {default_file})",
+            sys_argv=rest,  # without --config=FILE, which names no flag of its own here
         )
+        try:
+            return flags.FLAGS(rest)
+        except flags.Error as e:
+            raise ConfigError(one_line(e)) from None
+
+    return parse
+
+
+def _load_file(path: str):
+    """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]``."""
+    file, _, preset = path.partition(":")
+    if not os.path.isfile(file):
+        siblings = glob.glob(os.path.join(os.path.dirname(file), "*.py"))
+        close = difflib.get_close_matches(file, siblings, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"--config={path}: there is no file {file}{hint}")
+    spec = importlib.util.spec_from_file_location("lexjax_config_file", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*[preset][: bool(preset)])
+
+
+def _check_field(config, path: str) -> None:
+    """Raises the error of :func:`unknown_field` unless ``path`` (``a.b.c``) is in ``config``."""
+    node, parts = config, path.split(".")
+    for depth, key in enumerate(parts):
+        known = list(node.keys()) if hasattr(node, "keys") else []
+        if key not in known:
+            prefix = ".".join(parts[:depth] + [""])
+            raise unknown_field(prefix + key, [prefix + k for k in known])
+        node = node[key]
+
+
+def unknown_field(name: str, known) -> ConfigError:
+    """The error for a field that does not exist, naming the closest known field."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(known)}" * bool(known)
+    return ConfigError(f"unknown config field {name}{hint}")
+
+
+def from_configdict(values) -> Config:
+    """Builds and validates a :class:`Config` from a ConfigDict or nested dict.
+
+    Missing fields take their defaults; an unknown field is an error, except
+    the fields an older lexjax stored in its checkpoints (:data:`REMOVED_FIELDS`),
+    which are ignored with a one-line note on stderr, so old workdirs still load.
+    """
+    values = _plain(values)
+    removed = [name for name in REMOVED_FIELDS if name in values]
+    if removed:
+        print(
+            f"note: ignoring config field {', '.join(removed)} of an older lexjax",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _validated(_build(Config, {k: v for k, v in values.items() if k not in removed}, ""))
+
+
+def to_dict(config: Config) -> dict:
+    """Plain nested dict (JSON-able) of a Config, e.g. to store with a checkpoint."""
+    out = dataclasses.asdict(config)
+    out["sharding_rules"] = dict(config.sharding_rules)
+    return out
+
+
+def _plain(values) -> dict:
+    return values.to_dict() if hasattr(values, "to_dict") else dict(values)
+
+
+def _base_type(hint):
+    """``int | None`` → ``int``; other hints unchanged."""
+    return next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+
+
+def _build(cls, values: Mapping, prefix: str):
+    """An instance of dataclass ``cls`` from ``values``, type-checked field by field."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for name, value in values.items():
-        default = names[name].default
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{prefix}{name}={value!r}: expected True or False")
-        if isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{prefix}{name}={value!r}: expected an integer")
-        if isinstance(default, float) and not isinstance(value, (int, float)):
-            raise ConfigError(f"{prefix}{name}={value!r}: expected a number")
-        kwargs[name] = float(value) if isinstance(default, float) else value
-    return kwargs
+        path = prefix + name
+        if name not in names:
+            raise unknown_field(path, [prefix + n for n in names])
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], _plain(value or {}), path + ".")
+        else:
+            kwargs[name] = _checked(path, value, hints[name])
+    return cls(**kwargs)
 
 
-def _plain(value):
-    return value.to_dict() if hasattr(value, "to_dict") else dict(value)
+def _checked(path: str, value, hint):
+    """``value`` as the type of ``hint``, or a ConfigError naming ``path``."""
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    kind = _base_type(hint)
+    if kind is tuple:  # sharding_rules: a mapping or (key, value) pairs
+        return tuple((k, v) for k, v in (value.items() if isinstance(value, Mapping) else value))
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {
+        bool: isinstance(value, bool),
+        int: number and isinstance(value, int),
+        float: number,
+        str: isinstance(value, str),
+    }[kind]
+    if not ok:
+        expected = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+        raise ConfigError(f"{path}={value!r}: expected {expected[kind]}")
+    return float(value) if kind is float else value
 
 
-def from_configdict(cd) -> Config:
-    """Builds and validates a :class:`Config` from a ConfigDict or nested dict."""
-    values = _plain(cd)
-    sections = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "mesh": MeshConfig}
-    parts = {}
-    for key, cls in sections.items():
-        sub = values.pop(key, {}) or {}
-        parts[key] = cls(**_checked_fields(cls, _plain(sub), key + "."))
-    rules = tuple(tuple(kv) for kv in dict(values.pop("sharding_rules", {}) or {}).items())
-    top = _checked_fields(Config, values, "", skip=set(sections) | {"sharding_rules"})
-    config = Config(**parts, **top, sharding_rules=rules)
-    config = dataclasses.replace(
-        config,
-        model=dataclasses.replace(
-            config.model, max_len=max(config.model.max_len, config.train_len)
-        ),
-    )
-    validate(config)
-    return config
-
-
-def validate(config: Config) -> None:
+def _validated(config: Config) -> Config:
+    """Checks every value a user can get wrong; resolves ``model.max_len`` = None."""
     m = config.model
+    if m.max_len is not None and m.max_len < config.train_len:
+        raise ConfigError(
+            f"model.max_len={m.max_len} is below train_len={config.train_len}; "
+            "raise it or leave it unset (it follows train_len)"
+        )
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(m, max_len=m.max_len or config.train_len)
+    )
     if m.position not in POSITION_KINDS:
         raise ConfigError(
             f"model.position={m.position!r} is unknown; choose one of {', '.join(POSITION_KINDS)}"
@@ -237,9 +333,14 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"model.attention_impl={m.attention_impl!r}: choose one of {', '.join(ATTENTION_IMPLS)}"
         )
-    for name in ("num_layers", "d_model", "num_heads", "mlp_dim", "vocab_size"):
+    for name in ("num_layers", "d_model", "num_heads", "mlp_dim"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.vocab_size < TOKENIZER_VOCAB_SIZE:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is below the byte tokenizer's "
+            f"{TOKENIZER_VOCAB_SIZE} ids (256 bytes, BOS, EOS); use at least that"
+        )
     if m.d_model % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.d_model="
@@ -255,10 +356,8 @@ def validate(config: Config) -> None:
     if not m.scale_base > 0:
         raise ConfigError(f"model.scale_base={m.scale_base} must be positive")
     for name in ("dtype", "param_dtype"):
-        if getattr(m, name) not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"model.{name}={getattr(m, name)!r}: use float32, bfloat16 or float16"
-            )
+        if getattr(m, name) not in _DTYPES:
+            raise ConfigError(f"model.{name}={getattr(m, name)!r}: use {', '.join(_DTYPES)}")
     if config.train_len < 2 or config.train_len % 2:
         raise ConfigError(
             f"train_len={config.train_len} must be an even integer ≥ 2 (the "
@@ -276,8 +375,8 @@ def validate(config: Config) -> None:
         if getattr(config, name) < 1:
             raise ConfigError(f"{name}={getattr(config, name)} must be positive")
     o = config.optim
-    if o.schedule not in ("cosine", "polynomial", "constant"):
-        raise ConfigError(f"optim.schedule={o.schedule!r}: use cosine, polynomial or constant")
+    if o.schedule not in _SCHEDULES:
+        raise ConfigError(f"optim.schedule={o.schedule!r}: use {', '.join(_SCHEDULES)}")
     if not config.learning_rate > 0:
         raise ConfigError(f"learning_rate={config.learning_rate} must be positive")
     if config.warmup_steps < 0 or o.grad_accum_steps < 1:
@@ -287,54 +386,13 @@ def validate(config: Config) -> None:
             f"optim.grad_accum_steps={o.grad_accum_steps} must divide "
             f"batch_size={config.batch_size}"
         )
-    if config.sharding not in SHARDING_PRESETS:
-        raise ConfigError(
-            f"sharding={config.sharding!r}: choose one of {', '.join(SHARDING_PRESETS)}"
-        )
     if config.on_corrupt_checkpoint not in ("fallback", "error"):
         raise ConfigError("on_corrupt_checkpoint must be 'fallback' or 'error'")
+    if config.peak_flops is not None and not config.peak_flops > 0:
+        raise ConfigError(f"peak_flops={config.peak_flops} must be positive (FLOP/s per device)")
     d = config.data
     if d.name == "textfiles" and not d.files:
         raise ConfigError(
             "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"
         )
-
-
-def check_mesh(config: Config, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
-    """Resolves the mesh shape for ``num_devices`` and checks the batch divides it."""
-    shape = config.mesh.shape(num_devices)
-    batch_shards = shape[0] * shape[1]
-    per_step = config.batch_size // config.optim.grad_accum_steps
-    if per_step % batch_shards:
-        raise ConfigError(
-            f"batch_size/grad_accum_steps = {per_step} is not divisible by "
-            f"mesh data×fsdp = {batch_shards}; change batch_size or the mesh"
-        )
-    if per_step % num_processes:
-        raise ConfigError(
-            f"batch_size={config.batch_size} is not divisible by the {num_processes} processes"
-        )
-    m = config.model
-    rules = dict(config.rules())
-    for logical, size in (
-        ("heads", m.num_heads),
-        ("mlp", m.mlp_dim),
-        ("vocab", m.vocab_size),
-        ("embed", m.d_model),
-    ):
-        axes = rules.get(logical)
-        axes = (axes,) if isinstance(axes, str) else (axes or ())
-        n = math.prod(shape[("data", "fsdp", "tensor").index(a)] for a in axes)
-        if size % n:
-            raise ConfigError(
-                f"model {logical} size {size} is not divisible by its mesh "
-                f"axes {axes} of size {n}; change the model or the mesh"
-            )
-    return shape
-
-
-def to_dict(config: Config) -> dict:
-    """Plain nested dict (JSON-able) of a Config, e.g. to store with a checkpoint."""
-    out = dataclasses.asdict(config)
-    out["sharding_rules"] = {k: v for k, v in config.sharding_rules}
-    return out
+    return config

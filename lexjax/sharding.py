@@ -1,13 +1,16 @@
-"""Device mesh and logical-axis sharding rules.
+"""Device mesh and logical-axis sharding rules: the one home of the mesh axes.
 
 Parameters are annotated with logical axis names (``embed``, ``heads``,
 ``kv``, ``mlp``, ``vocab``, ``layers``, ``positions``) in ``lexjax.model``;
-the config's rules table maps them to the mesh axes ``data``, ``fsdp`` and
-``tensor``, so one flag (``--config.sharding=data|fsdp|tensor``) switches
-between data parallel, FSDP and tensor parallel without touching model code.
+a preset table maps them to the mesh axes ``data``, ``fsdp`` and ``tensor``,
+so one flag (``--config.sharding=data|fsdp|tensor``) switches between data
+parallel, FSDP and tensor parallel without touching model code.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,11 +18,103 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lexjax.config import Config, check_mesh
+from lexjax.config import Config, ConfigError, MeshConfig
 
-__all__ = ["MESH_AXES", "make_mesh", "param_shardings", "batch_sharding", "replicated"]
+__all__ = [
+    "MESH_AXES",
+    "SHARDING_PRESETS",
+    "rules",
+    "mesh_shape",
+    "check_mesh",
+    "make_mesh",
+    "param_shardings",
+    "batch_sharding",
+    "replicated",
+]
 
 MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis name → mesh axes (None: replicated). ``config.sharding`` picks a
+# preset; ``config.sharding_rules`` may override single entries.
+_DATA_PARALLEL = {"batch": ("data", "fsdp")} | dict.fromkeys(
+    ("embed", "heads", "kv", "mlp", "vocab", "layers", "positions")
+)
+SHARDING_PRESETS: dict[str, dict[str, Any]] = {
+    "data": _DATA_PARALLEL,
+    "fsdp": _DATA_PARALLEL | {"embed": "fsdp"},
+    "tensor": _DATA_PARALLEL
+    | {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+}
+
+
+def rules(config: Config) -> tuple[tuple[str, Any], ...]:
+    """The (logical axis, mesh axes) table of ``config.sharding`` and its overrides."""
+    if config.sharding not in SHARDING_PRESETS:
+        raise ConfigError(
+            f"sharding={config.sharding!r}: choose one of {', '.join(SHARDING_PRESETS)}"
+        )
+    return tuple((SHARDING_PRESETS[config.sharding] | dict(config.sharding_rules)).items())
+
+
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """The (data, fsdp, tensor) sizes: a single −1 becomes the devices left."""
+    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+    fill = [i for i, s in enumerate(sizes) if s == -1]
+    if len(fill) > 1:
+        raise ConfigError(
+            "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining devices)"
+        )
+    for axis, s in zip(MESH_AXES, sizes):
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{axis}={s}: use a positive size or -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if fill:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh {tuple(sizes)} cannot fill {num_devices} devices: "
+                f"{known} does not divide {num_devices}"
+            )
+        sizes[fill[0]] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ConfigError(
+            f"mesh data×fsdp×tensor = {'×'.join(map(str, sizes))} = "
+            f"{math.prod(sizes)} but there are {num_devices} devices; set "
+            "one axis to -1 or make the product match"
+        )
+    return tuple(sizes)
+
+
+def check_mesh(config: Config, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
+    """Resolves the mesh shape for ``num_devices``; checks the batch and model divide it."""
+    shape = mesh_shape(config.mesh, num_devices)
+    batch_shards = shape[0] * shape[1]
+    per_step = config.batch_size // config.optim.grad_accum_steps
+    if per_step % batch_shards:
+        raise ConfigError(
+            f"batch_size/grad_accum_steps = {per_step} is not divisible by "
+            f"mesh data×fsdp = {batch_shards}; change batch_size or the mesh"
+        )
+    if per_step % num_processes:
+        raise ConfigError(
+            f"batch_size={config.batch_size} is not divisible by the {num_processes} processes"
+        )
+    m = config.model
+    table = dict(rules(config))
+    for logical, size in (
+        ("heads", m.num_heads),
+        ("mlp", m.mlp_dim),
+        ("vocab", m.vocab_size),
+        ("embed", m.d_model),
+    ):
+        axes = table.get(logical)
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        n = math.prod(shape[MESH_AXES.index(a)] for a in axes)
+        if size % n:
+            raise ConfigError(
+                f"model {logical} size {size} is not divisible by its mesh "
+                f"axes {axes} of size {n}; change the model or the mesh"
+            )
+    return shape
 
 
 def make_mesh(config: Config, devices=None) -> Mesh:

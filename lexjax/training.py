@@ -138,7 +138,7 @@ class Trainer:
     def __init__(self, config: Config, devices=None):
         self.config = config
         self.mesh = shard_lib.make_mesh(config, devices)
-        self.rules = config.rules()
+        self.rules = shard_lib.rules(config)
         self.model = Decoder(config.model)
         self.tx = make_optimizer(config)
         boxed = _abstract_state(self.model, self.tx, config)
@@ -156,7 +156,6 @@ class Trainer:
     def _build_steps(self):
         config, model, tx = self.config, self.model, self.tx
         accum = config.optim.grad_accum_steps
-        poison = config.poison_step
 
         def init(rng):
             tokens = jnp.zeros((1, config.train_len), jnp.int32)
@@ -192,10 +191,6 @@ class Trainer:
                 weight = jnp.maximum(weight, 1.0)
                 loss = loss / weight
                 grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
-            if poison >= 0:  # steps count from 1, as in metrics.jsonl and errors
-                poisoned = state.step + 1 == poison
-                loss = jnp.where(poisoned, jnp.nan, loss)
-                grads = jax.tree_util.tree_map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
             grad_norm = optax.global_norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -1,0 +1,179 @@
+"""Configuration: one source of defaults, every field overridable, one-line errors, old configs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import extrapolation, paper, tiny
+from lexjax import config as cfg
+from lexjax import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORED_V1 = os.path.join(
+    ROOT, "tests", "fixtures", "run_v1", "checkpoints", "6", "config", "metadata"
+)
+
+
+def _python(*args, timeout=120):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+    )
+
+
+def _leaves(tree: dict, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def test_tiny_is_the_defaults_and_presets_validate():
+    assert cfg.from_configdict(tiny.get_config()) == cfg.from_configdict({})
+    assert cfg.from_configdict({}).learning_rate == 2e-3  # what configs/tiny.py always trained with
+    for preset in ("small", "paper", "smoke"):
+        train = cfg.from_configdict(extrapolation.get_config(preset).train)
+        assert train.model.max_len == train.train_len
+    big = cfg.from_configdict(paper.get_config())
+    assert (big.model.num_layers, big.train_len, big.model.max_len) == (24, 1024, 1024)
+
+
+def test_paper_states_only_what_differs():
+    defaults = dict(_leaves(cfg.to_dict(cfg.Config())))
+    for name, value in _leaves(paper.OVERRIDES):
+        assert defaults[name] != value, f"configs/paper.py restates the default {name}={value!r}"
+
+
+def test_every_field_is_overridable_from_the_command_line():
+    """Each leaf of the ConfigDict gets a non-default value on the command line, also the
+    None-default ones, with a config file (paper.py) that mentions only some of them."""
+    flags, expected = [], {}
+    for name, value in _leaves(cfg.default_configdict().to_dict()):
+        if name == "sharding_rules":  # a table, set in config files
+            continue
+        hint = cfg._base_type(_hint(name))
+        new = {bool: not value, int: 7, float: 1.5, str: "zzz"}[hint]
+        flags.append(f"--config.{name}={new}")
+        expected[name] = new
+    program = (
+        "import json, sys; from absl import flags; from lexjax import config; "
+        "config.flags_parser('configs/tiny.py')(sys.argv); "
+        "print(json.dumps(flags.FLAGS.config.to_dict()))"
+    )
+    result = _python("-c", program, "--config=configs/paper.py", *flags)
+    assert result.returncode == 0, result.stderr
+    parsed = dict(_leaves(json.loads(result.stdout)))
+    assert {name: parsed[name] for name in expected} == expected
+
+
+def _hint(dotted: str):
+    import typing
+
+    cls, *path = cfg.Config, *dotted.split(".")
+    for name in path[:-1]:
+        cls = typing.get_type_hints(cls)[name]
+    return typing.get_type_hints(cls)[path[-1]]
+
+
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        (
+            "--config.model.postion=rope",
+            "unknown config field model.postion; did you mean model.position?",
+        ),
+        ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
+        ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
+    ],
+)
+def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected):
+    result = _python("train.py", f"--workdir={tmp_path}", flag)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.stderr
+
+
+def test_unknown_field_in_a_dict_names_the_closest():
+    with pytest.raises(
+        cfg.ConfigError,
+        match=r"unknown config field optim\.weight_decy; did you mean optim\.weight_decay\?",
+    ):
+        cfg.from_configdict({"optim": {"weight_decy": 0.1}})
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"train_len": 64, "model": {"max_len": 32}}, "model.max_len=32 is below train_len=64"),
+        ({"model": {"vocab_size": 257}}, "model.vocab_size=257 is below the byte tokenizer's 258"),
+        ({"peak_flops": 0}, "peak_flops=0.0 must be positive"),
+        ({"batch_size": 1.5}, "batch_size=1.5: expected an integer"),
+    ],
+)
+def test_bad_values_are_rejected(values, message):
+    with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg.from_configdict(values)
+
+
+def test_max_len_follows_train_len_unless_larger():
+    assert cfg.from_configdict({"train_len": 64}).model.max_len == 64
+    assert cfg.from_configdict({"train_len": 64, "model": {"max_len": 96}}).model.max_len == 96
+
+
+def test_tokenizer_vocab_constant_matches_the_tokenizer():
+    from lexjax.data import tokenizer
+
+    assert cfg.TOKENIZER_VOCAB_SIZE == tokenizer.VOCAB_SIZE
+
+
+def test_config_imports_no_compute_code():
+    result = _python(
+        "-c", "import sys, lexjax.config; print(sorted({'jax', 'flax'} & set(sys.modules)))"
+    )
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_config_stored_by_an_older_lexjax_loads_with_a_note(capsys):
+    with open(STORED_V1) as f:
+        stored = json.load(f)
+    config = cfg.from_configdict(stored)
+    assert capsys.readouterr().err == "note: ignoring config field poison_step of an older lexjax\n"
+    assert (config.train_len, config.model.max_len, config.model.d_model) == (32, 32, 16)
+    now = cfg.to_dict(config)
+    assert {k: v for k, v in stored.items() if k != "poison_step"} == {
+        k: v for k, v in now.items() if k != "peak_flops"
+    }
+
+
+def test_mesh_shape_fills_one_axis_and_checks_the_product():
+    assert sharding.mesh_shape(cfg.MeshConfig(data=-1, fsdp=2), 8) == (4, 2, 1)
+    assert sharding.mesh_shape(cfg.MeshConfig(data=2, fsdp=2, tensor=2), 8) == (2, 2, 2)
+    for mesh, message in [
+        (cfg.MeshConfig(data=-1, fsdp=-1), "at most one of"),
+        (cfg.MeshConfig(tensor=3), "cannot fill 8 devices"),
+        (cfg.MeshConfig(data=2), "but there are 8 devices"),
+        (cfg.MeshConfig(fsdp=0), "mesh.fsdp=0"),
+    ]:
+        with pytest.raises(cfg.ConfigError, match=message):
+            sharding.mesh_shape(mesh, 8)
+
+
+def test_rules_are_the_preset_with_overrides():
+    config = cfg.from_configdict({"sharding": "fsdp", "sharding_rules": {"mlp": "tensor"}})
+    table = dict(sharding.rules(config))
+    assert table["embed"] == "fsdp" and table["mlp"] == "tensor" and table["heads"] is None
+    with pytest.raises(cfg.ConfigError, match="sharding='fdsp': choose one of data, fsdp, tensor"):
+        sharding.rules(cfg.from_configdict({"sharding": "fdsp"}))
+
+
+def test_check_mesh_needs_the_batch_and_model_to_divide():
+    config = cfg.from_configdict({"batch_size": 6, "mesh": {"data": 4}})
+    with pytest.raises(cfg.ConfigError, match="batch_size/grad_accum_steps = 6 is not divisible"):
+        sharding.check_mesh(config, 4)
+    config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
+    with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):
+        sharding.check_mesh(config, 4)
