@@ -114,7 +114,7 @@ def run_training(configdict, workdir: str, cluster=None) -> int:
     except ConfigError as e:
         fail(str(e), 2)
     except (training.TrainingError, checkpoint.CheckpointError, ValueError, OSError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__, getattr(e, "exit_code", 1))
     if jax.process_index() != 0:
         return 0
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
@@ -160,8 +160,8 @@ def load_run(workdir: str):
     import jax
 
     from lexjax import checkpoint as ckpt_lib
-    from lexjax import training
     from lexjax.config import MeshConfig
+    from lexjax.steps import TrainSetup
 
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax needs absolute paths
     if not os.path.isdir(directory):
@@ -179,8 +179,8 @@ def load_run(workdir: str):
             )
         config = from_configdict(stored)
         config = dataclasses.replace(config, mesh=MeshConfig(data=-1, fsdp=1, tensor=1))
-        trainer = training.Trainer(config, devices=jax.devices()[:1])
-        state, _, step = checkpointer.restore(abstract_state=trainer.abstract_state)
+        setup = TrainSetup(config, devices=jax.devices()[:1])
+        state, _, step = checkpointer.restore(abstract_state=setup.abstract_state)
     finally:
         checkpointer.close()
     return config, state.params, int(step)
