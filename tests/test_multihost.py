@@ -20,6 +20,7 @@ import pytest
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import data as data_lib
+from lexjax.errors import CheckpointError
 from lexjax.steps import TrainSetup
 from tests import processes as P
 
@@ -130,7 +131,8 @@ def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_r
         P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
         {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     )
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
 
 
