@@ -6,8 +6,8 @@
 Trains configs/paper.py's model (24 layers, d_model 1024, 16 heads, MLP 4096,
 bfloat16 compute, remat + scanned layers, train_len 1024) on synthetic batches
 for a few dozen steps over every local device, and reports tokens/s/device and
-MFU against the chip's datasheet bf16 peak (:func:`lexjax.training.mfu_peak_flops`;
-989 TFLOP/s for H100/H200) and against a measured bf16 matmul. Then the
+MFU against the chip's datasheet bf16 peak (:data:`lexjax.metrics.PEAK_FLOPS`;
+989 TFLOP/s for H100/H200; none on a CPU) and against a measured bf16 matmul. Then the
 block-scan evaluation (:func:`lexjax.evaluation.block_scan_logprobs`) at 16k
 and 64k tokens. Progress goes to stderr; the last stdout line is the JSON
 ``{"accelerator": {"value", "unit", "target", "met", ...}}``.
@@ -97,9 +97,11 @@ def matmul_peak(n: int) -> float:
 
 
 def train(config, steps: int) -> dict:
-    from lexjax.training import Trainer, flops_per_token, mfu_peak_flops
+    """Times ``steps`` of the library's jitted train step over every local device."""
+    from lexjax import metrics
+    from lexjax.steps import TrainSetup
 
-    trainer = Trainer(config)
+    setup = TrainSetup(config)
     n_dev = jax.device_count()
     rng = np.random.default_rng(0)
     local = config.batch_size // jax.process_count()
@@ -107,7 +109,7 @@ def train(config, steps: int) -> dict:
     for _ in range(2):
         rows = rng.integers(0, 258, (local, config.train_len + 1), dtype=np.int32)
         batches.append(
-            trainer.global_batch(
+            setup.global_batch(
                 {
                     "inputs": rows[:, :-1],
                     "targets": rows[:, 1:],
@@ -119,37 +121,38 @@ def train(config, steps: int) -> dict:
             )
         )
     t0 = time.perf_counter()
-    state = trainer.init_state()
-    with jax.set_mesh(trainer.mesh):
-        state, metrics = trainer.train_step(state, batches[0])
-        jax.block_until_ready(metrics)
+    state = setup.init_state()
+    with jax.set_mesh(setup.mesh):
+        state, step_metrics = setup.train_step(state, batches[0])
+        jax.block_until_ready(step_metrics)
         compile_s = time.perf_counter() - t0
         log(
             f"compiled and ran the first step in {compile_s:.1f} s "
-            f"({trainer.num_params / 1e6:.0f} M parameters, {n_dev} devices)"
+            f"({setup.num_params / 1e6:.0f} M parameters, {n_dev} devices)"
         )
         for i in range(2):  # warm
-            state, metrics = trainer.train_step(state, batches[i % 2])
+            state, step_metrics = setup.train_step(state, batches[i % 2])
         jax.block_until_ready(state)
         start = time.perf_counter()
         for i in range(steps):
-            state, metrics = trainer.train_step(state, batches[i % 2])
+            state, step_metrics = setup.train_step(state, batches[i % 2])
         jax.block_until_ready(state)
         seconds = time.perf_counter() - start
     tokens_per_sec_per_device = steps * config.batch_size * config.train_len / seconds / n_dev
-    peak, peak_source = mfu_peak_flops()
-    flops = flops_per_token(config)
+    kind = jax.devices()[0].device_kind
+    peak = metrics.peak_flops(kind)
+    flops = metrics.flops_per_token(config)
     return {
         "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "step_seconds": seconds / steps,
         "steps": steps,
         "compile_seconds": compile_s,
-        "mfu": tokens_per_sec_per_device * flops / peak,
+        "mfu": None if peak is None else tokens_per_sec_per_device * flops / peak,
         "peak_flops": peak,
-        "peak_source": peak_source,
+        "peak_source": f"{kind} datasheet bf16 dense" if peak else f"{kind}: no datasheet peak",
         "flops_per_token": flops,
-        "num_params": trainer.num_params,
-        "final_loss": float(metrics["loss"]),
+        "num_params": setup.num_params,
+        "final_loss": float(step_metrics["loss"]),
         "params": state.params,
     }
 
@@ -171,8 +174,8 @@ def evaluate(config, params, lengths: list[int], batch: int, deadline: float) ->
         evaluation.block_scan_logprobs(model, params, tokens, config.block).block_until_ready()
         seconds = min(
             common.timed(
-                lambda: evaluation.block_scan_logprobs(
-                    model, params, tokens, config.block
+                lambda t=tokens: evaluation.block_scan_logprobs(
+                    model, params, t, config.block
                 ).block_until_ready()
             )
             for _ in range(2)
@@ -212,9 +215,11 @@ def main(argv=None) -> int:
     measured_peak = matmul_peak(1024 if args.small else 8192)
     trained = train(config, steps)
     params = trained.pop("params")
+    mfu_percent = None if trained["mfu"] is None else 100 * trained["mfu"]
     log(
         f"train: {trained['tokens_per_sec_per_device']:,.0f} tokens/s/device, "
-        f"MFU {100 * trained['mfu']:.1f}% of {trained['peak_source']}"
+        + ("no MFU" if mfu_percent is None else f"MFU {mfu_percent:.1f}%")
+        + f" ({trained['peak_source']})"
     )
     evals = evaluate(config, params, lengths, 1 if args.small else args.eval_batch, deadline)
     m = config.model
@@ -223,7 +228,7 @@ def main(argv=None) -> int:
         "tokens/s/device (train)",
         "report (MFU vs datasheet bf16 peak)",
         None,
-        mfu_percent=100 * trained["mfu"],
+        mfu_percent=mfu_percent,
         mfu_vs_measured_matmul_percent=100
         * trained["tokens_per_sec_per_device"]
         * trained["flops_per_token"]

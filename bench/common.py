@@ -87,25 +87,25 @@ def train_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[dict]
 
 
 def train_timer(config, batches: list[dict], steps: int):
-    """``(trainer, timer)``: a warm jitted train step; ``timer()`` runs ``steps``
-    steps (cycling over ``batches``) and returns their seconds."""
+    """``(setup, timer)``: the library's jitted train step on one device, warm;
+    ``timer()`` runs ``steps`` steps (cycling over ``batches``) and returns their seconds."""
     import jax
 
-    from lexjax.training import Trainer
+    from lexjax.steps import TrainSetup
 
-    trainer = Trainer(config, devices=jax.devices()[:1])
-    device_batches = [trainer.global_batch(b) for b in batches]
-    box = {"state": trainer.init_state()}
+    setup = TrainSetup(config, devices=jax.devices()[:1])
+    device_batches = [setup.global_batch(b) for b in batches]
+    box = {"state": setup.init_state()}
 
     def work():
         state = box["state"]
-        with jax.set_mesh(trainer.mesh):
+        with jax.set_mesh(setup.mesh):
             for i in range(steps):
-                state, _ = trainer.train_step(state, device_batches[i % len(device_batches)])
+                state, _ = setup.train_step(state, device_batches[i % len(device_batches)])
         box["state"] = jax.block_until_ready(state)
 
     work()  # compile
-    return trainer, lambda: timed(work)
+    return setup, lambda: timed(work)
 
 
 @dataclasses.dataclass

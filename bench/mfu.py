@@ -2,7 +2,7 @@
 
 Peak: a jitted square matmul, float32 and bfloat16 inputs with float32
 accumulation (``preferred_element_type``), the best size of a few. Achieved:
-tokens/s × :func:`lexjax.training.flops_per_token` (6·matmul parameters +
+tokens/s × :func:`lexjax.metrics.flops_per_token` (6·matmul parameters +
 causal attention counted half). Each round measures the peaks and the train
 step back to back, so the ratio is taken under the same load.
 
@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
+from lexjax.metrics import flops_per_token
+from lexjax.steps import loss_fn
 
 SIZES = (512, 1024, 2048)
 
@@ -41,34 +43,33 @@ def peak(dtype, sizes=SIZES):
 
 
 def _train_rate(dtype: str, steps: int):
-    """``(trainer, batches, rate)``: ``rate()`` times ``steps`` train steps → tokens/s."""
+    """``(setup, batches, rate)``: ``rate()`` times ``steps`` train steps → tokens/s."""
     config = common.tiny_config(dtype=dtype)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
-    trainer, timer = common.train_timer(config, batches, steps)
+    setup, timer = common.train_timer(config, batches, steps)
     tokens = steps * config.batch_size * config.train_len
-    return trainer, batches, (lambda: tokens / timer())
+    return setup, batches, (lambda: tokens / timer())
 
 
-def breakdown(trainer, batch, reps: int) -> dict:
-    """Seconds of the forward loss, forward+backward, and the whole step (median of reps)."""
-    from lexjax.training import loss_fn
-
-    params = trainer.init_state().params
-    model = trainer.model
+def breakdown(setup, batch, reps: int) -> dict:
+    """Seconds of the forward loss, forward+backward (the step's own loss function,
+    jitted alone) and the library's whole train step (median of reps)."""
+    params = setup.init_state().params
+    model = setup.model
     forward = jax.jit(lambda p, b: loss_fn(p, model, b)[0])
     grads = jax.jit(lambda p, b: jax.grad(lambda q: loss_fn(q, model, b)[0])(p))
-    b = trainer.global_batch(batch)
+    b = setup.global_batch(batch)
     fns = {
         "forward": lambda: forward(params, b).block_until_ready(),
         "forward_backward": lambda: jax.block_until_ready(grads(params, b)),
     }
     for fn in fns.values():
         fn()
-    state = {"s": trainer.init_state()}
+    state = {"s": setup.init_state()}
 
     def step():
-        with jax.set_mesh(trainer.mesh):
-            state["s"], m = trainer.train_step(state["s"], b)
+        with jax.set_mesh(setup.mesh):
+            state["s"], m = setup.train_step(state["s"], b)
         jax.block_until_ready(state["s"])
 
     fns["step"] = step
@@ -77,8 +78,8 @@ def breakdown(trainer, batch, reps: int) -> dict:
     out = {k: common.Summary.of(v).median for k, v in seconds.items()}
     out["backward"] = out["forward_backward"] - out["forward"]
     out["optimizer_update"] = out["step"] - out["forward_backward"]
-    with jax.set_mesh(trainer.mesh):
-        compiled = trainer.train_step.lower(trainer.init_state(), b).compile()
+    with jax.set_mesh(setup.mesh):
+        compiled = setup.train_step.lower(setup.init_state(), b).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     out["xla_flops_per_step"] = float(cost.get("flops", float("nan")))
@@ -87,18 +88,16 @@ def breakdown(trainer, batch, reps: int) -> dict:
 
 
 def run(args) -> dict:
-    from lexjax.training import flops_per_token
-
     rounds, steps = (2, 1) if args.quick else (5, 2)
     sizes = (512, 1024) if args.quick else SIZES
     config = common.tiny_config()
     flops = flops_per_token(config)
     peaks = {"float32": peak(jnp.float32, sizes), "bfloat16": peak(jnp.bfloat16, sizes)}
-    trainers = {}
+    setups = {}
     sides = {}
     for dtype in ("float32", "bfloat16"):
-        trainer, batches, timer = _train_rate(dtype, steps)
-        trainers[dtype] = (trainer, batches)
+        setup, batches, timer = _train_rate(dtype, steps)
+        setups[dtype] = (setup, batches)
         sides[f"train_{dtype}"] = timer
         for n, fn in peaks[dtype].items():
             sides[f"peak_{dtype}_{n}"] = fn
@@ -127,8 +126,8 @@ def run(args) -> dict:
         for r in range(rounds)
     ]
     vs_best = common.ratios([t * flops for t in measured[f"train_{best}"]], best_peak)
-    trainer, batches = trainers["float32"]
-    where = breakdown(trainer, batches[0], 2 if args.quick else 4)
+    setup, batches = setups["float32"]
+    where = breakdown(setup, batches[0], 2 if args.quick else 4)
     where["analytic_flops_per_step"] = flops * config.batch_size * config.train_len
     return common.result(
         100 * headline.median,

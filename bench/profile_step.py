@@ -87,10 +87,10 @@ def main(argv=None) -> int:
 
     config = common.tiny_config(dtype=args.dtype, position=args.position)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
-    trainer, timer = common.train_timer(config, batches, args.steps)
-    with jax.set_mesh(trainer.mesh):
+    setup, timer = common.train_timer(config, batches, args.steps)
+    with jax.set_mesh(setup.mesh):
         hlo = (
-            trainer.train_step.lower(trainer.init_state(), trainer.global_batch(batches[0]))
+            setup.train_step.lower(setup.init_state(), setup.global_batch(batches[0]))
             .compile()
             .as_text()
         )

@@ -96,18 +96,18 @@ def loss_curves(num_steps: int) -> dict:
     """float32 vs bfloat16 lexjax from the same init on the same text batches."""
     import jax
 
-    from lexjax.training import Trainer
+    from lexjax.steps import TrainSetup
 
     config = common.tiny_config()
     batches = common.train_batches(config.batch_size, config.train_len, num_steps, seed=1)
     curves = {}
     for dtype in ("float32", "bfloat16"):
-        trainer = Trainer(common.tiny_config(dtype=dtype), devices=jax.devices()[:1])
-        state = trainer.init_state(seed=0)
+        setup = TrainSetup(common.tiny_config(dtype=dtype), devices=jax.devices()[:1])
+        state = setup.init_state(seed=0)
         losses = []
-        with jax.set_mesh(trainer.mesh):
+        with jax.set_mesh(setup.mesh):
             for b in batches:
-                state, m = trainer.train_step(state, trainer.global_batch(b))
+                state, m = setup.train_step(state, setup.global_batch(b))
                 losses.append(m["loss"])
         curves[dtype] = [float(x) for x in jax.device_get(losses)]
     f32, bf16 = np.asarray(curves["float32"]), np.asarray(curves["bfloat16"])

@@ -15,7 +15,7 @@ import jax
 
 from lexjax import distributed, training
 from lexjax.config import ConfigError, from_configdict
-from lexjax.errors import DataError, LexjaxError, one_line
+from lexjax.errors import LexjaxError, one_line
 
 __all__ = ["main", "run_training", "fail"]
 
@@ -104,12 +104,7 @@ def run_training(configdict, workdir: str, cluster: distributed.ClusterOptions) 
     """
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
-    try:
-        summary = training.train(config, workdir)
-    except ValueError as e:  # lexjax.data reports a bad corpus as ValueError, not DataError
-        if isinstance(e, LexjaxError):
-            raise
-        raise DataError(one_line(e)) from e
+    summary = training.train(config, workdir)
     if jax.process_index() != 0:
         return 0
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
@@ -155,8 +150,8 @@ def load_run(workdir: str):
     import jax
 
     from lexjax import checkpoint as ckpt_lib
-    from lexjax import training
     from lexjax.config import MeshConfig
+    from lexjax.steps import TrainSetup
 
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax needs absolute paths
     if not os.path.isdir(directory):
@@ -174,8 +169,8 @@ def load_run(workdir: str):
             )
         config = from_configdict(stored)
         config = dataclasses.replace(config, mesh=MeshConfig(data=-1, fsdp=1, tensor=1))
-        trainer = training.Trainer(config, devices=jax.devices()[:1])
-        state, _, step = checkpointer.restore(abstract_state=trainer.abstract_state)
+        setup = TrainSetup(config, devices=jax.devices()[:1])
+        state, _, step = checkpointer.restore(abstract_state=setup.abstract_state)
     finally:
         checkpointer.close()
     return config, state.params, int(step)

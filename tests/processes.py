@@ -93,9 +93,10 @@ def start(args, environ, **kwargs) -> subprocess.Popen:
     )
 
 
-def run(args, environ, timeout=240, **kwargs) -> subprocess.CompletedProcess:
+def run(args, environ, timeout=240, program="train.py", **kwargs) -> subprocess.CompletedProcess:
+    """Runs ``program`` (train.py, or tests/poisoned_train.py STEP) to completion."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
+        [sys.executable, str(ROOT / program), *args],
         cwd=ROOT,
         env=environ,
         capture_output=True,

@@ -12,6 +12,7 @@ import tensorflow_datasets as tfds
 
 from lexjax import data
 from lexjax.data import builders
+from lexjax.errors import DataError
 
 SEQ_LEN = 32
 
@@ -130,10 +131,23 @@ def test_changed_files_are_refused_until_overwrite(tmp_path):
     pattern = str(root / "**" / "*.txt")
     data.prepare("textfiles", data_dir, pattern)
     (root / names[0]).write_bytes(b"edited")
-    with pytest.raises(ValueError, match="overwrite=True"):
+    with pytest.raises(DataError, match="overwrite=True"):
         data.load_source("textfiles", "train", data_dir, pattern)
     data.prepare("textfiles", data_dir, pattern, overwrite=True)
     assert len(data.load_source("textfiles", "train", data_dir, pattern)) >= 1
+
+
+def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
+    """No TFDS progress bars (escape codes in logs), no download banner for a local
+    corpus, no warnings about the folder being written: one line saying what is built."""
+    root = tmp_path / "corpus"
+    names = _write_corpus(str(root), 5)
+    data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"building dataset textfiles ({len(names)} files)... done"], out
+    assert err == "", err
+    data.load_source("textfiles", "validation", tmp_path / "tfds", str(root / "**" / "*.txt"))
+    assert capfd.readouterr() == ("", "")  # built once
 
 
 class _ForeignCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -162,25 +176,25 @@ def test_other_prepared_datasets_load_through_tfds_data_source(tmp_path):
         len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content"))
         == 3
     )
-    with pytest.raises(ValueError, match="text_feature= one of"):
+    with pytest.raises(DataError, match="text_feature= one of"):
         data.load_source("foreign_corpus", "train", tmp_path)
     assert "tensorflow" not in sys.modules
 
 
 def test_bad_input_says_what_to_change(tmp_path):
-    with pytest.raises(ValueError, match="matches no files") as e:
+    with pytest.raises(DataError, match="matches no files") as e:
         data.load_source("textfiles", "train", tmp_path, str(tmp_path / "nothing" / "*.txt"))
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="tfds build pg19 --file_format=array_record"):
+    with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
-    with pytest.raises(ValueError, match="pass files="):
+    with pytest.raises(DataError, match="pass files="):
         data.load_source("textfiles", "train", tmp_path)
 
 
 def test_unknown_split_and_feature(corpus):
-    with pytest.raises(ValueError, match="Unknown split"):
+    with pytest.raises(DataError, match="Unknown split"):
         data.load_source("textfiles", "training", corpus["data_dir"])
-    with pytest.raises(ValueError, match="text_feature"):
+    with pytest.raises(DataError, match="text_feature"):
         data.load_source("textfiles", "train", corpus["data_dir"], text_feature="body")
 
 
@@ -349,11 +363,11 @@ def test_epochs_are_reshuffled_and_finite():
 
 
 def test_bad_pipeline_arguments():
-    with pytest.raises(ValueError, match="shard_index"):
+    with pytest.raises(DataError, match="shard_index"):
         data.make_train_iterator(
             _documents(), seq_len=8, batch_size=2, seed=0, shard_index=2, shard_count=2
         )
-    with pytest.raises(ValueError, match="no documents"):
+    with pytest.raises(DataError, match="no documents"):
         data.make_train_iterator(
             ["one"], seq_len=8, batch_size=2, seed=0, shard_index=1, shard_count=2
         )

@@ -97,7 +97,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
 
     from lexjax import checkpoint
     from lexjax import config as config_lib
-    from lexjax.training import Trainer
+    from lexjax.steps import TrainSetup
 
     _one_line_error(_run("eval.py", f"--workdir={tmp_path}"), "no checkpoint")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), "positive")
@@ -118,7 +118,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     stored = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
     config_dict = stored.restore_config()
     stored.close()
-    state = Trainer(config_lib.from_configdict(config_dict), jax.devices()[:1]).init_state()
+    state = TrainSetup(config_lib.from_configdict(config_dict), jax.devices()[:1]).init_state()
     config_dict["model"]["d_model"] = 64
     other = tmp_path / "other"
     writer = checkpoint.Checkpointer(str(other / "checkpoints"))

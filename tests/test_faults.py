@@ -27,7 +27,8 @@ import pytest
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
-from lexjax.training import Trainer
+from lexjax.errors import TrainingError
+from lexjax.steps import TrainSetup
 from tests import processes as P
 
 N = 12
@@ -48,7 +49,7 @@ def final_params(workdir, step=None):
     """(step, params) of a checkpoint, restored and checksum-verified in this process."""
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
     config = cfg.from_configdict({**ckpt.restore_config(step), "mesh": {"data": -1}})
-    state, _, got = ckpt.restore(step, abstract_state=Trainer(config).abstract_state)
+    state, _, got = ckpt.restore(step, abstract_state=TrainSetup(config).abstract_state)
     ckpt.close()
     return got, jax.device_get(state.params)
 
@@ -226,8 +227,9 @@ def test_damage_with_on_corrupt_error_stops_and_changes_nothing(ctx, reference):
 def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference):
     _, ref_losses, _ = reference
     workdir = ctx[0] / "nan"
-    result = P.run(args(ctx, workdir, poison_step=5), ctx[3])
+    result = P.run(["5", *args(ctx, workdir)], ctx[3], program="tests/poisoned_train.py")
     line = one_error_line(result)
+    assert result.returncode == TrainingError.exit_code, result.stderr[-3000:]
     assert "non-finite loss (nan) or gradient at step 5" in line, line
     assert "last checkpoint: step 4" in line, line
     assert complete_steps(workdir) == [2, 4]

@@ -20,7 +20,8 @@ import pytest
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import data as data_lib
-from lexjax.training import Trainer
+from lexjax.errors import CheckpointError
+from lexjax.steps import TrainSetup
 from tests import processes as P
 
 STEPS = 3
@@ -63,7 +64,7 @@ def two_process_run(ctx):
     workdir = ctx[0] / "two"
     procs = start_pair(ctx, workdir, num_train_steps=STEPS, checkpoint_every=STEPS)
     outputs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     return workdir, outputs
 
@@ -78,7 +79,7 @@ def test_only_process_0_prints_and_logs(two_process_run):
 
 def _reference(config):
     """STEPS steps in this one process on 8 devices, fed both processes' rows."""
-    trainer = Trainer(config)
+    setup = TrainSetup(config)
     source = data_lib.load_source(
         "textfiles", "train", data_dir=config.data.data_dir, files=config.data.files
     )
@@ -93,14 +94,14 @@ def _reference(config):
         )
         for i in range(2)
     ]
-    state, losses = trainer.init_state(), []
-    with jax.set_mesh(trainer.mesh):
+    state, losses = setup.init_state(), []
+    with jax.set_mesh(setup.mesh):
         for _ in range(STEPS):
             rows = [next(it) for it in shards]
             batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-            state, metrics = trainer.train_step(state, trainer.global_batch(batch))
+            state, metrics = setup.train_step(state, setup.global_batch(batch))
             losses.append(float(metrics["loss"]))
-    return trainer, losses, jax.device_get(state.params)
+    return setup, losses, jax.device_get(state.params)
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_process_run):
@@ -110,8 +111,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_proces
     ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
     config = cfg.from_configdict(ckpt.restore_config())
     assert (config.mesh.data, config.mesh.fsdp) == (2, 4)
-    trainer, ref_losses, ref_params = _reference(config)
-    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    setup, ref_losses, ref_params = _reference(config)
+    state, _, step = ckpt.restore(abstract_state=setup.abstract_state)
     ckpt.close()
     assert step == STEPS
     np.testing.assert_allclose([loss for _, loss in P.losses(workdir)], ref_losses, rtol=1e-5)
@@ -130,7 +131,8 @@ def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_r
         P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
         {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     )
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
 
 

@@ -1,5 +1,6 @@
 """Training: over-fitting, sharded meshes equal one device, resume equals uninterrupted."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,18 +12,21 @@ import pytest
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
-from lexjax.training import Trainer, train
+from lexjax import metrics
+from lexjax.optim import learning_rate_schedule
+from lexjax.steps import TrainSetup
+from lexjax.training import train
 from tests.helpers import packed_batch, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_steps(trainer, batches):
-    state = trainer.init_state()
+def _run_steps(setup, batches):
+    state = setup.init_state()
     losses = []
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(setup.mesh):
         for b in batches:
-            state, metrics = trainer.train_step(state, trainer.global_batch(b))
+            state, metrics = setup.train_step(state, setup.global_batch(b))
             losses.append(float(metrics["loss"]))
     return jax.device_get(state.params), losses
 
@@ -32,7 +36,7 @@ def test_tiny_model_overfits_one_batch():
         **{"num_train_steps": 80, "warmup_steps": 5, "learning_rate": 1e-2, "mesh.data": 1}
     )
     batch = packed_batch(np.random.default_rng(0), 8, 16)
-    _, losses = _run_steps(Trainer(config, jax.devices()[:1]), [batch] * 80)
+    _, losses = _run_steps(TrainSetup(config, jax.devices()[:1]), [batch] * 80)
     assert losses[-1] < 0.25 * losses[0], losses[::10]
 
 
@@ -40,8 +44,10 @@ def test_gradient_accumulation_equals_one_big_batch():
     """2 micro-batches of 4 rows == one batch of 8: token-weighted, so equal up to float32
     summation order (1e-5)."""
     batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(2)]
-    one = Trainer(small_config(**{"mesh.data": 1}), jax.devices()[:1])
-    two = Trainer(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": 2}), jax.devices()[:1])
+    one = TrainSetup(small_config(**{"mesh.data": 1}), jax.devices()[:1])
+    two = TrainSetup(
+        small_config(**{"mesh.data": 1, "optim.grad_accum_steps": 2}), jax.devices()[:1]
+    )
     (p1, l1), (p2, l2) = _run_steps(one, batches), _run_steps(two, batches)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     jax.tree_util.tree_map(
@@ -56,7 +62,7 @@ MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 
 def one_device_run():
     batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(3)]
     config = small_config(**{"mesh.data": 1})
-    return batches, _run_steps(Trainer(config, jax.devices()[:1]), batches)
+    return batches, _run_steps(TrainSetup(config, jax.devices()[:1]), batches)
 
 
 @pytest.mark.parametrize("shape,preset", MESHES)
@@ -71,9 +77,9 @@ def test_sharded_meshes_match_one_device(one_device_run, shape, preset):
             "sharding": preset,
         }
     )
-    trainer = Trainer(config)
-    assert dict(trainer.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
-    params_n, losses_n = _run_steps(trainer, batches)
+    setup = TrainSetup(config)
+    assert dict(setup.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
+    params_n, losses_n = _run_steps(setup, batches)
     np.testing.assert_allclose(losses_n, losses_1, rtol=1e-5)
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_n, params_1
@@ -81,8 +87,8 @@ def test_sharded_meshes_match_one_device(one_device_run, shape, preset):
 
 
 def test_optimizer_state_is_sharded_like_the_params():
-    trainer = Trainer(small_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
-    state = trainer.init_state()
+    setup = TrainSetup(small_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
+    state = setup.init_state()
     adam = state.opt_state[1][0]
     kernel = state.params["layer_0"]["mlp_in"]["kernel"]
     assert adam.mu["layer_0"]["mlp_in"]["kernel"].sharding == kernel.sharding
@@ -119,9 +125,9 @@ def _losses(workdir):
 
 
 def _final_params(workdir, config):
-    trainer = Trainer(config)
+    setup = TrainSetup(config)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    state, _, step = ckpt.restore(abstract_state=setup.abstract_state)
     ckpt.close()
     return jax.device_get(state.params), step
 
@@ -158,12 +164,56 @@ def test_restore_onto_another_device_count(tmp_path):
     small = cfg.from_configdict(
         {**cfg.to_dict(config), "mesh": {"data": 2, "fsdp": 1, "tensor": 1}}
     )
-    trainer = Trainer(small, jax.devices()[:2])
+    setup = TrainSetup(small, jax.devices()[:2])
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-    state, _, step = ckpt.restore(abstract_state=trainer.abstract_state)
+    state, _, step = ckpt.restore(abstract_state=setup.abstract_state)
     ckpt.close()
     assert step == 2 and len(state.params["embed"]["embedding"].sharding.device_set) == 2
     jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.params), params_8)
+
+
+def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_path, capsys):
+    """3 steps, then a resume asking for 5: one line names the change, steps 4-5 follow the
+    5-step schedule. Also: off a terminal the progress is one plain line per log step, and
+    MFU is written only with a peak (none is known for a CPU)."""
+    workdir = str(tmp_path / "run")
+    config = _train_config(tmp_path, num_train_steps=3)
+    first = train(config, workdir, log=print)
+    assert first["step"] == 3 and "mfu" not in first
+    out = capsys.readouterr().out
+    assert [line.split(" loss ")[0] for line in out.splitlines() if line.startswith("step ")] == [
+        "step 1/3",
+        "step 2/3",
+        "step 3/3",
+    ]
+    assert "\x1b" not in out and "\r" not in out
+
+    config = dataclasses.replace(config, num_train_steps=5)
+    lines = []
+    second = train(config, workdir, log=lines.append, progress=False, peak_flops=1e9)
+    assert second["start_step"] == 3 and second["step"] == 5
+    changed = [line for line in lines if "schedule" in line]
+    assert changed == [
+        "learning-rate schedule changed: num_train_steps 3 → 5; "
+        "from step 3 the rate follows the new schedule"
+    ], lines
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+    schedule = learning_rate_schedule(config)
+    for step in (4, 5):  # the rate of step s is the schedule at s - 1 completed steps
+        assert records[step]["learning_rate"] == pytest.approx(float(schedule(step - 1)))
+    assert "mfu" not in records[3]
+    expected = records[5]["tokens_per_sec"] * metrics.flops_per_token(config)
+    assert records[5]["mfu"] == pytest.approx(expected / (1e9 * jax.device_count()))
+
+
+def test_peak_flops_from_the_datasheet_table_or_an_override():
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert metrics.peak_flops("TPU v5 lite") == 197e12  # v5e
+    assert metrics.peak_flops("TPU v5") == 459e12  # v5p
+    assert metrics.peak_flops("cpu") is None  # unknown: no MFU rather than a guess
+    assert metrics.peak_flops("cpu", 2.5e12) == 2.5e12
 
 
 def _train_cli(*args, env_extra=None):
@@ -220,8 +270,12 @@ def test_train_program_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"next: python eval.py --workdir={workdir}" in result.stdout
+    # The corpus build is one plain line: no TFDS progress bars or warnings.
+    assert "building dataset textfiles (40 files)... done" in result.stdout
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "Downloading and preparing" not in result.stdout
+    assert "dataset_info.json" not in result.stderr
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu"} <= set(
-        records[0]
-    )
+    assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(records[0])
+    assert "mfu" not in records[0]  # a CPU has no known peak
     assert any((workdir / "tensorboard").iterdir())

@@ -13,7 +13,7 @@ per file, each example `{"text": bytes, "path": str}`:
 A file goes to train/validation/test (90/5/5) by the SHA-256 of its path
 relative to the corpus root, so the split never depends on which other files
 exist, on the machine, or on `PYTHONHASHSEED`. A split that receives no file is
-not written (TFDS refuses empty splits); asking for it raises ValueError.
+not written (TFDS refuses empty splits); asking for it raises DataError.
 
 How the build avoids TensorFlow: `tfds.core.GeneratorBasedBuilder` with
 `file_format='array_record'` and `download_and_prepare()` serializes examples
@@ -33,9 +33,11 @@ Any other TFDS dataset (e.g. 'pg19') is read through the same
 `data_dir` (e.g. `tfds build pg19 --file_format=array_record --data_dir=...`).
 """
 
+import contextlib
 import functools
 import glob
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -43,6 +45,8 @@ import sysconfig
 from pathlib import Path, PurePath
 
 import tensorflow_datasets as tfds
+
+from lexjax.errors import DataError
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
 SPLITS = ("train", "validation", "test")
@@ -102,7 +106,7 @@ def glob_files(pattern: str) -> tuple[str, list[str]]:
     root = os.path.join(*fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
-        raise ValueError(
+        raise DataError(
             f"files={pattern!r} matches no files; pass a glob of existing text "
             "files, e.g. files='/data/books/**/*.txt'"
         )
@@ -145,6 +149,15 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def list_files(self) -> tuple[str, list[str]]:
         """Returns (root, relative paths) of the input files."""
         raise NotImplementedError
+
+    # TFDS announces a download ("Downloading and preparing dataset Unknown
+    # size ...") and its end; nothing is downloaded here and prepare() says
+    # what it builds in one line.
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -211,7 +224,7 @@ class TextFiles(_FileCorpus):
 
     def list_files(self):
         if self._files is None:
-            raise ValueError("textfiles needs files='<glob>' to build, e.g. files='/data/**/*.txt'")
+            raise DataError("textfiles needs files='<glob>' to build, e.g. files='/data/**/*.txt'")
         return glob_files(self._files)
 
 
@@ -227,50 +240,73 @@ def prepare(
 
     An existing build is checked against the input files' fingerprint: for
     `python_stdlib` always, for `textfiles` when `files` is given (without it the
-    prepared data is read as is). A mismatch raises ValueError unless
+    prepared data is read as is). A mismatch raises DataError unless
     `overwrite=True`, which deletes the old build and writes a new one.
     """
     data_dir = resolve_data_dir(data_dir)
     if name == "python_stdlib":
         if files is not None:
-            raise ValueError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
+            raise DataError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
         make = functools.partial(PythonStdlib, data_dir=data_dir, max_files=max_files)
     elif name == "textfiles":
         if max_files is not None:
-            raise ValueError(
+            raise DataError(
                 "max_files= applies to 'python_stdlib' only; narrow the files= glob instead"
             )
         if files is not None:
             glob_files(files)  # Fail on a bad glob before touching data_dir.
         make = functools.partial(TextFiles, data_dir=data_dir, files=files)
     else:
-        raise ValueError(
-            f"prepare() builds {BUILDER_NAMES}, not {name!r}; prepare other datasets with `tfds build`"
+        raise DataError(
+            f"prepare() builds {BUILDER_NAMES}, not {name!r}; "
+            "prepare other datasets with `tfds build`"
         )
 
-    builder = make()
-    if builder.is_prepared() and overwrite:
-        shutil.rmtree(builder.data_path)
+    with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
         builder = make()
-    if not builder.is_prepared():
+        if overwrite and builder.is_prepared():
+            shutil.rmtree(builder.data_path)
+            builder = make()
+        prepared = builder.is_prepared()
+    if not prepared:
         if name == "textfiles" and files is None:
-            raise ValueError(
+            raise DataError(
                 f"textfiles is not prepared in {data_dir}; pass files='<glob>' "
                 "(e.g. files='/data/**/*.txt') to build it"
             )
-        builder.download_and_prepare()
+        _, relpaths = builder.list_files()
+        print(f"building dataset {name} ({len(relpaths)} files)...", end="", flush=True)
+        with _quiet_tfds():
+            builder.download_and_prepare()
+        print(" done", flush=True)
         return builder
     if name == "python_stdlib" or files is not None:
         stored = builder.info.metadata.get("source_fingerprint")
         current = fingerprint(*builder.list_files())
         if stored != current:
-            raise ValueError(
+            raise DataError(
                 f"{name} in {builder.data_path} was built from other files than "
                 f"the current ones (fingerprint {str(stored)[:12]} vs {current[:12]}); "
                 f"delete {builder.data_path} (overwrite=True in prepare()) to rebuild it, or "
                 "use another data_dir"
             )
     return builder
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+    """Silences TFDS while it looks for and writes a dataset: its tqdm bars
+    (escape codes in logs) and its absl warnings about the version folder it has
+    not written yet ("Variant folder ... has no dataset_info.json")."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    tfds.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        tfds.display_progress_bar(True)
+        absl_logger.setLevel(level)
 
 
 class TextSource:
@@ -314,11 +350,11 @@ def load_source(
     if name in BUILDER_NAMES:
         prepare(name, data_dir, files, max_files=max_files)
     elif files is not None or max_files is not None:
-        raise ValueError(f"files=/max_files= apply to {BUILDER_NAMES} only, not {name!r}")
+        raise DataError(f"files=/max_files= apply to {BUILDER_NAMES} only, not {name!r}")
     else:
         base = name.split(":")[0]
         if not glob.glob(os.path.join(data_dir, base, "**", "dataset_info.json"), recursive=True):
-            raise ValueError(
+            raise DataError(
                 f"dataset {name!r} is not prepared in {data_dir}; run `tfds build {base} "
                 f"--file_format=array_record --data_dir={data_dir}` or use one of {BUILDER_NAMES}"
             )
@@ -326,12 +362,11 @@ def load_source(
         records = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"cannot read split {split!r} of {name!r} from {data_dir}: {reason}"
-        ) from e
+        raise DataError(f"cannot read split {split!r} of {name!r} from {data_dir}: {reason}") from e
     features = records.dataset_info.features
-    if text_feature not in features.keys():
-        raise ValueError(
-            f"{name!r} has no feature {text_feature!r}; pass text_feature= one of {sorted(features.keys())}"
+    if text_feature not in features:
+        raise DataError(
+            f"{name!r} has no feature {text_feature!r}; "
+            f"pass text_feature= one of {sorted(features.keys())}"
         )
     return TextSource(records, text_feature)

@@ -22,6 +22,7 @@ import numpy as np
 from absl import flags
 
 from lexjax.data import tokenizer
+from lexjax.errors import DataError
 
 # Bounded so that set_state() and a 2-core machine do not pay for hundreds of
 # prefetched documents; reading and tokenizing a document is cheap.
@@ -102,16 +103,16 @@ def make_train_iterator(
     iterator yields the batches an uninterrupted one would.
     """
     if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len=} {batch_size=}")
+        raise DataError(f"seq_len and batch_size must be >= 1, got {seq_len=} {batch_size=}")
     if not 0 <= shard_index < shard_count:
-        raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index=} {shard_count=}")
+        raise DataError(f"need 0 <= shard_index < shard_count, got {shard_index=} {shard_count=}")
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+        raise DataError(f"seed must be in [0, 2**32), got {seed}")
     if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs must be >= 1 or None, got {num_epochs}")
+        raise DataError(f"num_epochs must be >= 1 or None, got {num_epochs}")
     ds = grain.MapDataset.source(source)[shard_index::shard_count]
     if len(ds) == 0:
-        raise ValueError(
+        raise DataError(
             f"shard {shard_index} of {shard_count} has no documents ({len(source)} in the "
             "source); use fewer shards or a larger split"
         )

@@ -1,0 +1,86 @@
+"""What training measures and where it writes it: FLOPs per token, peak FLOP/s, MFU, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from lexjax.config import Config
+
+__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "mfu", "MetricsWriter"]
+
+# Datasheet dense bf16 FLOP/s per device, by a lower-cased piece of
+# ``jax.Device.device_kind``; the first match wins ("tpu v5 lite" is v5e,
+# "tpu v5" v5p).
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("h200", 989e12),
+    ("h100", 989e12),
+    ("a100", 312e12),
+    ("tpu v4", 275e12),
+    ("tpu v5 lite", 197e12),
+    ("tpu v5e", 197e12),
+    ("tpu v5", 459e12),
+    ("tpu v6 lite", 918e12),
+    ("tpu v6e", 918e12),
+)
+
+
+def flops_per_token(config: Config) -> float:
+    """Analytic training FLOPs per token: 6·(matmul params) + causal attention (counted half).
+
+    Forward+backward = 3× forward; forward = 2 FLOPs per multiply-add. The
+    attention scores and weighted sum cost ``2·2·T·D`` per token per layer
+    forward, halved because causal attention needs only the lower triangle.
+    """
+    m = config.model
+    per_layer = 4 * m.d_model * m.d_model + 2 * m.d_model * m.mlp_dim
+    matmul_params = m.num_layers * per_layer + m.vocab_size * m.d_model
+    attention = m.num_layers * 2 * config.train_len * m.d_model
+    return 6.0 * matmul_params + 3.0 * attention
+
+
+def peak_flops(device_kind: str, override: float | None = None) -> float | None:
+    """Per-device peak FLOP/s for MFU: ``override`` if given, else the datasheet
+    figure of a known accelerator, else None (CPUs, unknown chips: MFU is not
+    reported rather than guessed)."""
+    if override is not None:
+        return float(override)
+    kind = device_kind.lower()
+    return next((flops for name, flops in PEAK_FLOPS if name in kind), None)
+
+
+def mfu(tokens_per_sec: float, config: Config, peak_per_device: float, num_devices: int) -> float:
+    """Model FLOPs utilisation: achieved analytic FLOP/s over the devices' peak."""
+    return tokens_per_sec * flops_per_token(config) / (peak_per_device * num_devices)
+
+
+class MetricsWriter:
+    """Appends ``{"step": s, ...}`` lines to ``workdir/metrics.jsonl`` and the same
+    scalars to TensorBoard event files in ``workdir/tensorboard``.
+
+    ``enabled=False`` (every process but 0) makes it write nothing.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        if enabled:
+            # Imported here: the FLOPs and MFU helpers above serve benchmarks on
+            # accelerator hosts that have only jax, flax and optax.
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        # Opened per write: a line is on disk before the next step, whatever stops the run.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for key, value in values.items():
+            self.tb.add_scalar(key, value, step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
