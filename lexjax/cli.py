@@ -12,6 +12,7 @@ import os
 import sys
 
 import jax
+from absl import logging as absl_logging
 
 from lexjax import distributed, training
 from lexjax.config import ConfigError, from_configdict
@@ -82,7 +83,8 @@ def quiet_checkpoint_io_noise() -> None:
     <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
     first is shown; every other error still reaches the default hooks.
     """
-    for handler in logging.getLogger().handlers:
+    # absl's handler joins the root logger only inside app.run, after this runs.
+    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
         handler.addFilter(_NoOrbaxErrors())
     default_unraisable, default_excepthook = sys.unraisablehook, sys.excepthook
 
