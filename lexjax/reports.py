@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from lexjax import resolution as res_lib
-from lexjax.evaluation import PerplexityResult, ResolutionResult
 
 __all__ = [
     "perplexity_table",
@@ -28,7 +27,7 @@ __all__ = [
 _MODE_NAMES = {"bca": "BCA", "full": "without BCA"}
 
 
-def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
+def perplexity_table(results: Sequence, position: str) -> str:
     """Markdown: one row per mode, one column per length (paper Table 2)."""
     lengths = sorted({r.length for r in results})
     modes = [m for m in ("bca", "full") if any(r.mode == m for r in results)]
@@ -52,7 +51,7 @@ def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
     return "\n".join(lines)
 
 
-def perplexity_json(results: Sequence[PerplexityResult], *, train_len: int, **extra) -> dict:
+def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
     """``{"train_len", "results": [{"mode", "length", "perplexity", "tokens", "documents", ...}]}``.
 
     ``seconds`` (and ``tokens_per_second``) are wall time including each
@@ -92,9 +91,7 @@ def _pyplot():
     return plt
 
 
-def plot_perplexity(
-    results: Sequence[PerplexityResult], path: str, *, train_len: int, title: str
-) -> None:
+def plot_perplexity(results: Sequence, path: str, *, train_len: int, title: str) -> None:
     """Perplexity against length (log x), one line per mode, the training length marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -114,7 +111,7 @@ def plot_perplexity(
     plt.close(fig)
 
 
-def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
+def resolution_table(results: Sequence, position: str) -> str:
     """Markdown in the spirit of paper Table 3: a row per (mode, length), R per layer and mean."""
     layers = len(results[0].per_layer)
     lines = [
@@ -130,7 +127,7 @@ def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
     return "\n".join(lines)
 
 
-def resolution_json(results: Sequence[ResolutionResult], *, train_len: int, **extra) -> dict:
+def resolution_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {
         "train_len": train_len,
         **extra,
