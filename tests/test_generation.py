@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from lexjax import evaluation, generation
-from lexjax.errors import ConfigError
 from lexjax.config import ModelConfig
+from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 
 TRAIN_LEN = 16
