@@ -442,10 +442,13 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def held_out_documents(config: Config, eval_files: str | None = None, say=_stderr):
+def held_out_documents(
+    config: Config, eval_files: str | None = None, say=_stderr, splits=("test", "validation")
+):
     """``(where, documents)``: the held-out text as int32 token arrays and its
-    description — the files of ``eval_files`` (a glob), else the run dataset's
-    ``test`` split (``validation`` where it has no test split)."""
+    description — the files of ``eval_files`` (a glob), else the first of the run
+    dataset's ``splits`` it has (by default ``test``, else ``validation``).
+    Raises :class:`DataError` when the text cannot be read."""
     try:
         if eval_files:
             root, relpaths = glob_files(eval_files)
@@ -455,15 +458,15 @@ def held_out_documents(config: Config, eval_files: str | None = None, say=_stder
                     docs.append(data_lib.encode_document(f.read()))
             return f"{len(relpaths)} files of {eval_files}", docs
         d = config.data
-        for split in ("test", "validation"):
+        for split, fallback in zip(splits, [*splits[1:], None]):
             try:
                 source = data_lib.load_source(
                     d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
                 )
             except ValueError as e:
-                if split == "validation":
+                if fallback is None:
                     raise
-                say(f"note: {e}; using the validation split")
+                say(f"note: {e}; using the {fallback} split")
                 continue
             docs = [data_lib.as_document(source[i]) for i in range(len(source))]
             return f"{d.name} {split} split", docs
@@ -616,8 +619,12 @@ def evaluate_run(
     print(reports.perplexity_table(results, position))
     written = [os.path.join(out_dir, "perplexity.json"), os.path.join(out_dir, "perplexity.png")]
     reports.write_json(written[0], reports.perplexity_json(results, **info))
+    curves = [
+        (position, m, sorted((r.length, r.perplexity) for r in results if r.mode == m))
+        for m in modes
+    ]
     reports.plot_perplexity(
-        results, written[1], train_len=train_len, title=f"{position}, train_len {train_len}"
+        curves, written[1], train_len=train_len, title=f"{position}, train_len {train_len}"
     )
     if resolution:
         measured = resolution_protocol(

@@ -25,12 +25,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lexjax import data as data_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
+from lexjax.config import Config
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
 
-__all__ = ["prefill", "decode_step", "sample_logits", "generate"]
+__all__ = ["prefill", "decode_step", "sample_logits", "check_sampling", "generate", "complete"]
 
 State = dict[str, Any]
 
@@ -120,7 +123,10 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _check_sampling(temperature, top_k, top_p, max_new_tokens):
+def check_sampling(
+    *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 1, **_
+) -> None:
+    """Raises :class:`ConfigError` for sampling parameters out of range."""
     if temperature < 0:
         raise ConfigError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
     if top_k < 0:
@@ -166,8 +172,37 @@ def generate(
     The cache never holds more than 2w tokens, so any number of tokens can be
     generated in constant memory per token.
     """
-    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     logits, state = prefill(model, params, prompt_BxP, block=block)
     return _compiled_generate(
         model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p)
     )(params, logits, state, rng)
+
+
+def complete(
+    config: Config,
+    params,
+    prompt: str,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS."""
+    tokens = np.concatenate([[data_lib.BOS], data_lib.encode(prompt)]).astype(np.int32)
+    out = generate(
+        Decoder(config.model),
+        params,
+        tokens[None],
+        block=config.block,
+        max_new_tokens=max_new_tokens,
+        rng=jax.random.key(seed),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    out = np.asarray(out[0])
+    end = np.nonzero(out == data_lib.EOS)[0]
+    return data_lib.decode(out[: end[0]] if len(end) else out)
