@@ -32,12 +32,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from lexjax.config import ModelConfig
 from lexjax.model import _DTYPES, Decoder
 
-__all__ = ["KVCache", "window_positions", "block_step", "scan_blocks", "pad_to"]
+__all__ = ["KVCache", "window_positions", "window_mask", "block_step", "scan_blocks", "pad_to"]
 
 
 @struct.dataclass
@@ -102,6 +103,18 @@ def window_positions(block: int, *, first, offsets=None) -> jax.Array:
     if offsets is None:
         offsets = jnp.arange(block, dtype=jnp.int32)
     return jnp.where(first, offsets, offsets + block).astype(jnp.int32)
+
+
+def window_mask(index: int, block: int, length: int) -> np.ndarray:
+    """bool ``[W, 2W]``: the (query, key) pairs of window ``index`` — queries its
+    block, keys ``[previous block, its block]`` — that attend, among the first
+    ``length`` tokens of the sequence (padding is never a query or a key)."""
+    q = np.arange(block)[:, None]
+    k = np.arange(2 * block)[None, :]
+    start = index * block
+    previous = (k < block) & (index > 0)
+    current = (k >= block) & (k - block <= q) & (start + k - block < length)
+    return (previous | current) & (start + q < length)
 
 
 def block_step(

@@ -37,7 +37,7 @@ from lexjax import data as data_lib
 from lexjax import positions as pos_lib
 from lexjax import reports
 from lexjax import resolution as res_lib
-from lexjax.blockwise import KVCache, pad_to, scan_blocks
+from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
 from lexjax.config import Config, ModelConfig
 from lexjax.data.builders import glob_files
 from lexjax.errors import DataError, EvaluationError, LexjaxError
@@ -414,15 +414,8 @@ def measure_resolution(
         windows = np.asarray(
             _compiled_window_scores(model, block)(params, pad_to(tokens_BxN, block))
         )
-        q = np.arange(block)[:, None]
-        k = np.arange(2 * block)[None, :]
-        score_sets, mask_sets = [], []
-        for b in range(windows.shape[0]):
-            previous = (k < block) & (b > 0)
-            current = (k >= block) & (k - block <= q)
-            real = (b * block + q < n) & (b * block + k - block < n)  # padding never counts
-            score_sets.append(windows[b])
-            mask_sets.append(np.asarray(previous | (current & real)) & (b * block + q < n))
+        score_sets = list(windows)
+        mask_sets = [window_mask(b, block, n) for b in range(len(windows))]
         curves = _pooled_expected_scores(score_sets, mask_sets)
     per_layer = np.asarray(res_lib.attention_resolution(curves))
     return ResolutionResult(
