@@ -56,12 +56,15 @@ __all__ = [
     "measure_resolution",
     "held_out_documents",
     "usable_lengths",
-    "perplexity_protocol",
     "resolution_protocol",
     "evaluate_run",
 ]
 
 MODES = ("bca", "full")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _target_logprobs(logits_BxTxV, targets_BxT):
@@ -258,6 +261,8 @@ def perplexity(
     modes: Iterable[str] = MODES,
     tokens_per_batch: int = 8192,
     progress: bool = False,
+    strict: bool = True,
+    say: Callable[[str], None] = _stderr,
 ) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
@@ -269,6 +274,8 @@ def perplexity(
       tokens_per_batch: segments are batched up to this many tokens per call.
       progress: show a :class:`lexjax.progress.Progress` on stderr, counting
         targets over all lengths and modes.
+      strict: a length :func:`check_full_length` refuses without BCA raises;
+        otherwise that mode skips it, saying so with ``say``.
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
@@ -280,40 +287,40 @@ def perplexity(
     if not documents:
         raise EvaluationError("no documents to evaluate")
     max_length = lengths[-1]
-    if "full" in modes:
+    cells = []
+    for mode in modes:
         for length in lengths:
-            check_full_length(model.config, length)
-    total = len(documents) * sum(max_length // n * n for n in lengths) * len(modes)
+            try:
+                if mode == "full":
+                    check_full_length(model.config, length)
+                cells.append((mode, length))
+            except EvaluationError as e:
+                if strict:
+                    raise
+                say(f"note: skipping length {length} without BCA: {e}")
+    total = len(documents) * sum(max_length // n * n for _, n in cells)
     bar = Progress(total, label="tokens", enabled=progress)
     done = 0
     results = []
-    for mode in modes:
-        for length in lengths:
-            rows = segments(documents, length, max_length)
-            batch = max(1, min(len(rows), tokens_per_batch // length))
-            start = time.perf_counter()
-            nll_sum, count = 0.0, 0
-            for part, real in _batches(rows, batch):
-                if mode == "bca":
-                    logprobs = block_scan_logprobs(model, params, part, block)
-                else:
-                    logprobs = full_logprobs(model, params, part, chunk=block)
-                nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
-                count += real * length
-                done += real * length
-                bar.update(done, f"{mode} {length}")
-            nll = nll_sum / count
-            results.append(
-                PerplexityResult(
-                    mode,
-                    length,
-                    math.exp(nll),
-                    nll,
-                    count,
-                    len(documents),
-                    time.perf_counter() - start,
-                )
-            )
+    for mode, length in cells:
+        rows = segments(documents, length, max_length)
+        batch = max(1, min(len(rows), tokens_per_batch // length))
+        start = time.perf_counter()
+        nll_sum, count = 0.0, 0
+        for part, real in _batches(rows, batch):
+            if mode == "bca":
+                logprobs = block_scan_logprobs(model, params, part, block)
+            else:
+                logprobs = full_logprobs(model, params, part, chunk=block)
+            nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
+            count += real * length
+            done += real * length
+            bar.update(done, f"{mode} {length}")
+        nll = nll_sum / count
+        seconds = time.perf_counter() - start
+        results.append(
+            PerplexityResult(mode, length, math.exp(nll), nll, count, len(documents), seconds)
+        )
     bar.close()
     return results
 
@@ -431,10 +438,6 @@ def measure_resolution(
 # --------------------------------------------------------------------------- the protocols
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def held_out_documents(
     config: Config, eval_files: str | None = None, say=_stderr, splits=("test", "validation")
 ):
@@ -489,41 +492,6 @@ def usable_lengths(documents, lengths, *, explicit: bool, max_docs: int, where: 
             )
         say(f"note: dropping lengths {', '.join(map(str, dropped))}: {detail}")
     return usable, [d for d in documents if len(d) >= usable[-1] + 1][:max_docs]
-
-
-def perplexity_protocol(
-    model: Decoder,
-    params,
-    documents,
-    lengths,
-    *,
-    block: int,
-    modes: Sequence[str] = MODES,
-    strict: bool = False,
-    say: Callable[[str], None] = _stderr,
-    **kwargs,
-) -> list[PerplexityResult]:
-    """:func:`perplexity` for each mode at every length it can evaluate: lengths
-    that :func:`check_full_length` refuses without BCA are skipped with a note,
-    or raise when ``strict``. ``kwargs`` go to :func:`perplexity`."""
-    results = []
-    for mode in modes:
-        mode_lengths = list(lengths)
-        if mode == "full":
-            mode_lengths = []
-            for n in lengths:
-                try:
-                    check_full_length(model.config, n)
-                    mode_lengths.append(n)
-                except EvaluationError as e:
-                    if strict:
-                        raise
-                    say(f"note: skipping length {n} without BCA: {e}")
-        if mode_lengths:
-            results += perplexity(
-                model, params, documents, mode_lengths, block=block, modes=[mode], **kwargs
-            )
-    return results
 
 
 def resolution_protocol(
@@ -591,7 +559,7 @@ def evaluate_run(
         where=where,
         say=say,
     )
-    results = perplexity_protocol(
+    results = perplexity(
         model,
         params,
         chosen,

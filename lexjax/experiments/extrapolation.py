@@ -222,13 +222,14 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         docs = plan["documents"][: plan["docs"][mode]]
         say(f"perplexity {mode}: {len(docs)} documents")
         start = time.perf_counter()
-        results = evaluation.perplexity_protocol(
+        results = evaluation.perplexity(
             model,
             params,
             docs,
             plan["lengths"],
             block=config.block,
             modes=[mode],
+            strict=False,
             say=say,
             tokens_per_batch=plan["tokens_per_batch"],
         )
