@@ -63,7 +63,8 @@ def main(argv):
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
     from lexjax import cli
 
-    return cli.run_eval(
+    return cli.main(
+        cli.run_eval,
         _WORKDIR.value,
         lengths=_LENGTHS.value,
         bca=_BCA.value,

@@ -28,10 +28,10 @@ def main(argv):
     import jax
     import numpy as np
 
-    from lexjax import cli, evaluation
+    from lexjax import checkpoint, evaluation
     from lexjax.model import Decoder
 
-    config, params, _ = cli.load_run(_WORKDIR.value)
+    config, params, _ = checkpoint.load_params(_WORKDIR.value)
     model = Decoder(config.model)
     length = _MULTIPLE.value * config.train_len
     tokens = np.random.default_rng(0).integers(0, 256, (_BATCH.value, length + 1)).astype(np.int32)

@@ -47,15 +47,19 @@ import os
 import re
 from typing import Any
 
+import flax.linen as nn
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from lexjax.config import Config, from_configdict
 from lexjax.distributed import all_processes
 from lexjax.errors import CheckpointError, one_line
+from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +293,8 @@ class Checkpointer:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
             raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: {one_line(e, innermost=True)}"
+                f"saving checkpoint step {step} to {self.directory} failed: "
+                f"{one_line(e, innermost=True)}"
             ) from e
         self._saved = {s for s in self._saved if s < step} | {step}
         return True
@@ -422,7 +427,8 @@ class Checkpointer:
             )
         except Exception as e:
             raise CheckpointError(
-                f"config of checkpoint step {step} in {self.directory} is unreadable: {one_line(e, innermost=True)}"
+                f"config of checkpoint step {step} in {self.directory} is unreadable: "
+                f"{one_line(e, innermost=True)}"
             ) from e
         return restored[_CONFIG]
 
@@ -434,7 +440,8 @@ class Checkpointer:
             return steps[-1]
         if step not in steps:
             raise CheckpointError(
-                f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}"
+                f"no complete checkpoint for step {step} in {self.directory}; "
+                f"complete steps: {steps}"
             )
         return step
 
@@ -544,7 +551,8 @@ class Checkpointer:
         record = integrity.get("data_iter")
         if record is None:
             log.warning(
-                "checkpoint step %d has no data iterator state; the iterator starts from its beginning",
+                "checkpoint step %d has no data iterator state; the iterator starts from the "
+                "beginning",
                 step,
             )
             return
@@ -568,3 +576,104 @@ class Checkpointer:
             data_iter.set_state(json.loads(state))
         else:
             data_iter.set_state(state.encode())
+
+
+# -- parameters only -----------------------------------------------------------
+
+
+def abstract_params(config: Config) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of every (unboxed) parameter of ``config``'s model."""
+    init = lambda: nn.unbox(
+        Decoder(config.model).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    )
+    return jax.eval_shape(init)
+
+
+def load_params(
+    workdir: str | os.PathLike[str], *, sharding: Any = None
+) -> tuple[Config, PyTree, int]:
+    """The parameters of the newest good checkpoint of a training workdir, with
+    the config stored beside them: ``(config, params, step)``.
+
+    Reads only the ``params`` subtree of the saved state (no optimizer moments)
+    and verifies the checksum of every array it reads; a damaged step is
+    reported and the next older one tried, as :meth:`Checkpointer.restore` does.
+    ``sharding``: one ``jax.sharding.Sharding`` for every array or a pytree of
+    them shaped like the params (any mesh); default one device.
+    """
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax: absolute
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"no checkpoint in {workdir} ({directory} does not exist); train first: "
+            f"python train.py --workdir={workdir}"
+        )
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {directory}")
+        for i, step in enumerate(reversed(steps)):
+            stored = checkpointer.restore_config(step)
+            if stored is None:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {directory} has no config; "
+                    "it was not written by train.py"
+                )
+            config = from_configdict(stored)
+            try:
+                params = _restore_params(checkpointer, step, abstract_params(config), sharding)
+            except _Damaged as e:
+                older = f"; falling back to step {steps[-i - 2]}" if i + 1 < len(steps) else ""
+                log.warning("checkpoint step %d in %s is damaged: %s%s", step, directory, e, older)
+                continue
+            return config, params, step
+    finally:
+        checkpointer.close()
+    raise CheckpointError(f"no good checkpoint in {directory}: every step is damaged")
+
+
+def _restore_params(checkpointer: Checkpointer, step: int, abstract: PyTree, sharding) -> PyTree:
+    """Restores and verifies the ``params`` subtree of ``step`` (raises _Damaged)."""
+    saved = checkpointer._read_integrity(step)["leaves"]
+    # The train state is a dataclass (".params[...]"); accept a dict state too.
+    prefix = next((p for p in (".params", "['params']") if p + "[" in "".join(saved)), ".params")
+    wanted = [(prefix + name, leaf) for name, leaf in _leaf_names(abstract)]
+    in_params = {name: r for name, r in saved.items() if name.startswith(prefix + "[")}
+    checkpointer._check_shapes(step, in_params, wanted)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, abstract)
+    # Restore in the saved dtype so the checksum applies, then cast.
+    dtypes = [np.dtype(saved[name]["dtype"]) for name, _ in wanted]
+    treedef = jax.tree_util.tree_structure(abstract)
+    restore_args = jax.tree_util.tree_unflatten(
+        treedef,
+        [
+            ocp.ArrayRestoreArgs(sharding=s, global_shape=leaf.shape, dtype=d)
+            for (_, leaf), s, d in zip(wanted, jax.tree.leaves(sharding), dtypes)
+        ],
+    )
+    error = None
+    try:
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            restored = handler.restore(
+                checkpointer._step_dir(step) / _STATE,
+                args=ocp.args.PyTreeRestore(
+                    item={"params": abstract},
+                    restore_args={"params": restore_args},
+                    partial_restore=True,
+                ),
+            )["params"]
+        finally:
+            handler.close()
+        records = [_leaf_record(x) for _, x in _leaf_names(restored)]
+    except Exception as e:
+        error = one_line(e, innermost=True)
+    if not all_processes(error is None):
+        raise _Damaged(f"orbax could not read it ({error or 'on another process'})")
+    bad = [name for (name, _), r in zip(wanted, records) if r["sha256"] != saved[name]["sha256"]]
+    if bad:
+        raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
+    return jax.tree.map(lambda x, a: x.astype(a.dtype), restored, abstract)

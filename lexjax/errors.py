@@ -2,8 +2,8 @@
 
 Every error lexjax raises for something the user can change derives from
 :class:`LexjaxError` and carries the exit status of its kind. The programs
-(``train.py``, ``eval.py``, the experiment) catch it in one place
-(:func:`lexjax.cli.main`) and print ``error: <one line>`` on stderr:
+(``train.py``, ``eval.py``, the experiment) catch it in one place (``main``
+in ``cli.py``; the experiment's own ``main``) and print ``error: <one line>`` on stderr:
 
 ======  =============================================  ======================
 status  kind                                           class

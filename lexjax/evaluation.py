@@ -1,29 +1,10 @@
-"""Evaluation at any length: the block scan, dense causal evaluation, perplexity, resolution.
+"""Evaluation at any length: perplexity and attention resolution, with and without BCA.
 
 Letters in names: B batch, N tokens, W block (w = train_len/2), L layers,
 H heads, K head_dim, V vocabulary, C query chunk.
 
-**Blockwise causal attention (BCA, paper §3.3) as a scan.** A sequence is cut
-into blocks of w tokens and ``jax.lax.scan`` runs one block step per block.
-The carry holds every layer's keys and values of the previous block *before*
-position encoding. A step calls the training :class:`lexjax.model.Decoder`
-with that carry as its ``cache``: the previous block's keys stand at window
-positions ``0 … w−1`` and the current block at ``w … 2w−1``, so queries see
-their own block causally and the whole previous block, and no distance ever
-exceeds ``2w − 1 = train_len − 1``. The first block has no previous block
-(its cache is invalid) and stands at ``0 … w−1``: for relative encodings
-(XPOS, RoPE, ALiBi) only distances matter, so that is the same as ``w … 2w−1``;
-for absolute ones (sinusoidal, learned) it is what training showed the model
-for a sequence start. Under BCA every position is below ``train_len``, so a
-learned position table of ``train_len`` entries serves any length.
-
-A key's position encoding comes from the window it is *used* in; its value
-(and, for absolute encodings, the embedding added to the token before the
-first layer) comes from the step that computed it. That is exactly
-:func:`lexjax.masks.blockwise_causal` applied over the whole sequence with
-positions ``0 … N−1`` for relative encodings (scores depend only on
-distance), and with positions ``i mod w + w·[i ≥ w]`` for absolute ones;
-the tests check both.
+**With BCA** (paper §3.3): the block scan of :mod:`lexjax.blockwise`, whose
+module docstring gives the window and its positions.
 
 **Without BCA** (the paper's "− BCA" rows): plain causal attention over
 positions ``0 … N−1``, evaluated C queries at a time against a key/value cache
@@ -43,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -50,17 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lexjax import data as data_lib
 from lexjax import positions as pos_lib
+from lexjax import reports
 from lexjax import resolution as res_lib
-from lexjax.config import ModelConfig
-from lexjax.errors import EvaluationError
-from lexjax.model import Decoder, init_cache
+from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
+from lexjax.config import Config, ModelConfig
+from lexjax.data.builders import glob_files
+from lexjax.errors import DataError, EvaluationError, LexjaxError
+from lexjax.model import Decoder
+from lexjax.progress import Progress
 
 __all__ = [
-    "EvaluationError",
     "MODES",
-    "block_positions",
-    "block_step",
     "block_scan_logprobs",
     "full_logprobs",
     "check_full_length",
@@ -69,74 +54,17 @@ __all__ = [
     "perplexity",
     "ResolutionResult",
     "measure_resolution",
+    "held_out_documents",
+    "usable_lengths",
+    "resolution_protocol",
+    "evaluate_run",
 ]
 
 MODES = ("bca", "full")
 
 
-# --------------------------------------------------------------------------- the block scan
-
-
-def block_positions(block_index, block: int):
-    """Window-relative positions ``[W]`` of the current block: ``0 … w−1`` for the
-    first block, ``w … 2w−1`` after it (the previous block holds ``0 … w−1``)."""
-    offsets = jnp.arange(block, dtype=jnp.int32)
-    return jnp.where(block_index == 0, offsets, offsets + block)
-
-
-def empty_carry(config: ModelConfig, batch: int, block: int) -> dict:
-    """The carry before the first block: w invalid slots per layer."""
-    cache = init_cache(config, batch, block)
-    return {"k": cache["k"], "v": cache["v"], "valid": cache["valid"]}
-
-
-def _layer_scores(intermediates) -> jax.Array:
-    """Sown pre-softmax scores as ``[L, B, H, Tq, Tk]`` (scanned or unrolled layers)."""
-    tree = intermediates["intermediates"]
-    if "layers" in tree:
-        return tree["layers"]["attention"]["scores"][0]
-    count = sum(1 for name in tree if name.startswith("layer_"))
-    return jnp.stack([tree[f"layer_{i}"]["attention"]["scores"][0] for i in range(count)])
-
-
-def block_step(
-    model: Decoder, params, carry: dict, tokens_BxW, block_index, *, capture_scores: bool = False
-):
-    """One BCA step: the current block attends to ``[previous block, itself]``.
-
-    Args:
-      carry: ``{"k", "v": [L, B, W, H, K], "valid": [B, W]}``, the previous
-        block's keys/values before position encoding (see :func:`empty_carry`).
-      tokens_BxW: the current block.
-      block_index: int32 scalar; 0 marks the first block (see :func:`block_positions`).
-
-    Returns:
-      ``(logits_BxWxV, new_carry, scores)``; ``new_carry`` holds this block's
-      keys/values, all valid; ``scores`` is ``[L, B, H, W, 2W]`` (the keys are
-      ``[previous, current]``) when ``capture_scores``, else None.
-    """
-    B, W = tokens_BxW.shape
-    positions_BxW = jnp.broadcast_to(block_positions(block_index, W), (B, W))
-    cache = {
-        "k": carry["k"],
-        "v": carry["v"],
-        "valid": carry["valid"],
-        "positions": jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W)),
-    }
-    scores = None
-    if capture_scores:
-        (logits, kv), intermediates = model.apply(
-            {"params": params}, tokens_BxW, positions_BxW, cache=cache, mutable=["intermediates"]
-        )
-        scores = _layer_scores(intermediates)
-    else:
-        logits, kv = model.apply({"params": params}, tokens_BxW, positions_BxW, cache=cache)
-    new_carry = {
-        "k": kv["k"].astype(carry["k"].dtype),
-        "v": kv["v"].astype(carry["v"].dtype),
-        "valid": jnp.ones((B, W), bool),
-    }
-    return logits, new_carry, scores
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _target_logprobs(logits_BxTxV, targets_BxT):
@@ -144,40 +72,20 @@ def _target_logprobs(logits_BxTxV, targets_BxT):
     return jnp.take_along_axis(logprobs, targets_BxT[..., None], axis=-1)[..., 0]
 
 
-def _pad_to(x_BxN, multiple: int):
-    n = x_BxN.shape[1]
-    padded = -(-n // multiple) * multiple
-    return jnp.pad(x_BxN, ((0, 0), (0, padded - n)))
-
-
 @functools.cache
-def _compiled_scan(model: Decoder, block: int, capture_scores: bool):
-    """``(params, inputs [B, n·w], targets [B, n·w]) → (logprobs [B, n·w], scores)``, jitted.
+def _compiled_scan(model: Decoder, block: int):
+    """``(params, inputs [B, n·w], targets [B, n·w]) → logprobs [B, n·w]``, jitted.
 
     XLA compiles the scan body once per (B, n); only its trip count depends on
-    the length, and the carry is the only state kept between blocks.
+    the length, and the previous block is the only state kept between blocks.
     """
 
     def run(params, inputs_BxN, targets_BxN):
-        B, N = inputs_BxN.shape
-        n = N // block
-        blocks = (
-            inputs_BxN.reshape(B, n, block).swapaxes(0, 1),
-            targets_BxN.reshape(B, n, block).swapaxes(0, 1),
-            jnp.arange(n, dtype=jnp.int32),
+        emit = lambda logits, targets_BxW, _: _target_logprobs(logits, targets_BxW)
+        _, logprobs_nxBxW = scan_blocks(
+            model, params, inputs_BxN, block, emit, extra_BxN=targets_BxN
         )
-
-        def step(carry, xs):
-            tokens_BxW, targets_BxW, index = xs
-            logits, carry, scores = block_step(
-                model, params, carry, tokens_BxW, index, capture_scores=capture_scores
-            )
-            return carry, (_target_logprobs(logits, targets_BxW), scores)
-
-        _, (logprobs_nxBxW, scores) = jax.lax.scan(
-            step, empty_carry(model.config, B, block), blocks
-        )
-        return logprobs_nxBxW.swapaxes(0, 1).reshape(B, N), scores
+        return logprobs_nxBxW.swapaxes(0, 1).reshape(inputs_BxN.shape)
 
     return jax.jit(run)
 
@@ -213,9 +121,7 @@ def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
     _check_block(block)
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
-    logprobs, _ = _compiled_scan(model, block, False)(
-        params, _pad_to(inputs, block), _pad_to(targets, block)
-    )
+    logprobs = _compiled_scan(model, block)(params, pad_to(inputs, block), pad_to(targets, block))
     return logprobs[:, :n]
 
 
@@ -257,7 +163,7 @@ def _compiled_full(model: Decoder, chunk: int):
         n = N // chunk
         # Unwritten slots keep position 0 (and are invalid), so XPOS's centring
         # shift spans only the positions used so far: |p| ≤ N/2.
-        cache = init_cache(model.config, B, N)
+        cache = KVCache.empty(model.config, B, N)
         chunks = (
             inputs_BxN.reshape(B, n, chunk).swapaxes(0, 1),
             targets_BxN.reshape(B, n, chunk).swapaxes(0, 1),
@@ -269,19 +175,7 @@ def _compiled_full(model: Decoder, chunk: int):
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
             logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
-            at = (0, 0, start, 0, 0)
-            cache = dict(
-                cache,
-                k=jax.lax.dynamic_update_slice(cache["k"], kv["k"].astype(cache["k"].dtype), at),
-                v=jax.lax.dynamic_update_slice(cache["v"], kv["v"].astype(cache["v"].dtype), at),
-                positions=jax.lax.dynamic_update_slice(
-                    cache["positions"], positions_BxC, (0, start)
-                ),
-                valid=jax.lax.dynamic_update_slice(
-                    cache["valid"], jnp.ones((B, chunk), bool), (0, start)
-                ),
-            )
-            return cache, _target_logprobs(logits, targets_BxC)
+            return cache.write(start, kv, positions_BxC), _target_logprobs(logits, targets_BxC)
 
         _, logprobs_nxBxC = jax.lax.scan(step, cache, chunks)
         return logprobs_nxBxC.swapaxes(0, 1).reshape(B, N)
@@ -305,7 +199,7 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
         # n ≤ max_len, a training-sized matrix; padding could stand past the
         # table, where a lookup is NaN and 0·NaN would reach the real tokens.
         chunk = n
-    logprobs = _compiled_full(model, chunk)(params, _pad_to(inputs, chunk), _pad_to(targets, chunk))
+    logprobs = _compiled_full(model, chunk)(params, pad_to(inputs, chunk), pad_to(targets, chunk))
     return logprobs[:, :n]
 
 
@@ -366,7 +260,9 @@ def perplexity(
     block: int,
     modes: Iterable[str] = MODES,
     tokens_per_batch: int = 8192,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: bool = False,
+    strict: bool = True,
+    say: Callable[[str], None] = _stderr,
 ) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
@@ -376,8 +272,10 @@ def perplexity(
         divide the largest).
       block: w = train_len/2; the full mode uses it as its query chunk too.
       tokens_per_batch: segments are batched up to this many tokens per call.
-      progress: called as ``progress(done, total, label)`` after each batch
-        (counts in targets over all lengths and modes).
+      progress: show a :class:`lexjax.progress.Progress` on stderr, counting
+        targets over all lengths and modes.
+      strict: a length :func:`check_full_length` refuses without BCA raises;
+        otherwise that mode skips it, saying so with ``say``.
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
@@ -389,40 +287,41 @@ def perplexity(
     if not documents:
         raise EvaluationError("no documents to evaluate")
     max_length = lengths[-1]
-    if "full" in modes:
-        for length in lengths:
-            check_full_length(model.config, length)
-    total = len(documents) * sum(max_length // n * n for n in lengths) * len(modes)
-    done = 0
-    results = []
+    cells = []
     for mode in modes:
         for length in lengths:
-            rows = segments(documents, length, max_length)
-            batch = max(1, min(len(rows), tokens_per_batch // length))
-            start = time.perf_counter()
-            nll_sum, count = 0.0, 0
-            for part, real in _batches(rows, batch):
-                if mode == "bca":
-                    logprobs = block_scan_logprobs(model, params, part, block)
-                else:
-                    logprobs = full_logprobs(model, params, part, chunk=block)
-                nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
-                count += real * length
-                done += real * length
-                if progress is not None:
-                    progress(done, total, f"{mode} {length}")
-            nll = nll_sum / count
-            results.append(
-                PerplexityResult(
-                    mode,
-                    length,
-                    math.exp(nll),
-                    nll,
-                    count,
-                    len(documents),
-                    time.perf_counter() - start,
-                )
-            )
+            try:
+                if mode == "full":
+                    check_full_length(model.config, length)
+                cells.append((mode, length))
+            except EvaluationError as e:
+                if strict:
+                    raise
+                say(f"note: skipping length {length} without BCA: {e}")
+    total = len(documents) * sum(max_length // n * n for _, n in cells)
+    bar = Progress(total, label="tokens", enabled=progress)
+    done = 0
+    results = []
+    for mode, length in cells:
+        rows = segments(documents, length, max_length)
+        batch = max(1, min(len(rows), tokens_per_batch // length))
+        start = time.perf_counter()
+        nll_sum, count = 0.0, 0
+        for part, real in _batches(rows, batch):
+            if mode == "bca":
+                logprobs = block_scan_logprobs(model, params, part, block)
+            else:
+                logprobs = full_logprobs(model, params, part, chunk=block)
+            nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
+            count += real * length
+            done += real * length
+            bar.update(done, f"{mode} {length}")
+        nll = nll_sum / count
+        seconds = time.perf_counter() - start
+        results.append(
+            PerplexityResult(mode, length, math.exp(nll), nll, count, len(documents), seconds)
+        )
+    bar.close()
     return results
 
 
@@ -448,8 +347,8 @@ def _compiled_dense_scores(model: Decoder):
     over texts and heads (the average is taken on the device to keep L×B×H×N² off it)."""
 
     def run(params, inputs_BxN):
-        _, intermediates = model.apply({"params": params}, inputs_BxN, mutable=["intermediates"])
-        return jnp.mean(_layer_scores(intermediates), axis=(1, 2))
+        _, _, scores_LxBxHxNxN = model.apply({"params": params}, inputs_BxN, return_scores=True)
+        return jnp.mean(scores_LxBxHxNxN, axis=(1, 2))
 
     return jax.jit(run)
 
@@ -460,18 +359,8 @@ def _compiled_window_scores(model: Decoder, block: int):
     (queries: its block; keys: [previous block, its block]) averaged over texts and heads."""
 
     def run(params, inputs_BxN):
-        B, N = inputs_BxN.shape
-        n = N // block
-        blocks = (inputs_BxN.reshape(B, n, block).swapaxes(0, 1), jnp.arange(n, dtype=jnp.int32))
-
-        def step(carry, xs):
-            tokens_BxW, index = xs
-            _, carry, scores = block_step(
-                model, params, carry, tokens_BxW, index, capture_scores=True
-            )
-            return carry, jnp.mean(scores, axis=(1, 2))
-
-        return jax.lax.scan(step, empty_carry(model.config, B, block), blocks)[1]
+        emit = lambda _, __, scores_LxBxHxWx2W: jnp.mean(scores_LxBxHxWx2W, axis=(1, 2))
+        return scan_blocks(model, params, inputs_BxN, block, emit, return_scores=True)[1]
 
     return jax.jit(run)
 
@@ -530,17 +419,10 @@ def measure_resolution(
         curves = _pooled_expected_scores([scores], [mask])
     else:
         windows = np.asarray(
-            _compiled_window_scores(model, block)(params, _pad_to(tokens_BxN, block))
+            _compiled_window_scores(model, block)(params, pad_to(tokens_BxN, block))
         )
-        q = np.arange(block)[:, None]
-        k = np.arange(2 * block)[None, :]
-        score_sets, mask_sets = [], []
-        for b in range(windows.shape[0]):
-            previous = (k < block) & (b > 0)
-            current = (k >= block) & (k - block <= q)
-            real = (b * block + q < n) & (b * block + k - block < n)  # padding never counts
-            score_sets.append(windows[b])
-            mask_sets.append(np.asarray(previous | (current & real)) & (b * block + q < n))
+        score_sets = list(windows)
+        mask_sets = [window_mask(b, block, n) for b in range(len(windows))]
         curves = _pooled_expected_scores(score_sets, mask_sets)
     per_layer = np.asarray(res_lib.attention_resolution(curves))
     return ResolutionResult(
@@ -551,3 +433,185 @@ def measure_resolution(
         tuple(map(tuple, curves.tolist())),
         B,
     )
+
+
+# --------------------------------------------------------------------------- the protocols
+
+
+def held_out_documents(
+    config: Config, eval_files: str | None = None, say=_stderr, splits=("test", "validation")
+):
+    """``(where, documents)``: the held-out text as int32 token arrays and its
+    description — the files of ``eval_files`` (a glob), else the first of the run
+    dataset's ``splits`` it has (by default ``test``, else ``validation``).
+    Raises :class:`DataError` when the text cannot be read."""
+    try:
+        if eval_files:
+            root, relpaths = glob_files(eval_files)
+            docs = []
+            for rel in relpaths:
+                with open(os.path.join(root, rel), "rb") as f:
+                    docs.append(data_lib.encode_document(f.read()))
+            return f"{len(relpaths)} files of {eval_files}", docs
+        d = config.data
+        for split, fallback in zip(splits, [*splits[1:], None]):
+            try:
+                source = data_lib.load_source(
+                    d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
+                )
+            except ValueError as e:
+                if fallback is None:
+                    raise
+                say(f"note: {e}; using the {fallback} split")
+                continue
+            docs = [data_lib.as_document(source[i]) for i in range(len(source))]
+            return f"{d.name} {split} split", docs
+    except (ValueError, OSError) as e:
+        if isinstance(e, LexjaxError):
+            raise
+        raise DataError(str(e).strip().splitlines()[0] if str(e) else type(e).__name__) from e
+
+
+def usable_lengths(documents, lengths, *, explicit: bool, max_docs: int, where: str, say=_stderr):
+    """``(lengths, documents)``: the lengths some document can serve (+1 token for
+    the last target) and the first ``max_docs`` documents long enough for the
+    largest. Lengths no document serves are dropped with a note, or raise
+    :class:`DataError` when they were asked for ``explicit``-ly or none is left."""
+    longest = max((len(d) for d in documents), default=0)
+    usable = [n for n in lengths if n + 1 <= longest]
+    if len(usable) < len(lengths):
+        dropped = [n for n in lengths if n not in usable]
+        detail = (
+            f"{where} has {len(documents)} documents, the longest {longest} tokens; "
+            f"length {dropped[-1]} needs {dropped[-1] + 1}"
+        )
+        if explicit or not usable:
+            raise DataError(
+                f"no document is long enough: {detail}; choose smaller --lengths "
+                "or other --eval_files"
+            )
+        say(f"note: dropping lengths {', '.join(map(str, dropped))}: {detail}")
+    return usable, [d for d in documents if len(d) >= usable[-1] + 1][:max_docs]
+
+
+def resolution_protocol(
+    model: Decoder,
+    params,
+    documents,
+    *,
+    train_len: int,
+    block: int,
+    modes: Sequence[str] = MODES,
+    max_docs: int,
+    where: str = "the held-out text",
+    say: Callable[[str], None] = _stderr,
+) -> list[ResolutionResult]:
+    """Attention resolution at 1× and 2× ``train_len`` (paper Table 3) over the
+    first ``max_docs`` documents of at least 2× ``train_len`` tokens. A length a
+    mode cannot evaluate is skipped with a note (raises when it is the only mode)."""
+    longest = 2 * train_len
+    chosen = [d for d in documents if len(d) >= longest][:max_docs]
+    if not chosen:
+        raise DataError(
+            f"resolution needs documents of {longest} tokens; {where} has none "
+            f"(longest {max((len(d) for d in documents), default=0)})"
+        )
+    results = []
+    for mode in modes:
+        for length in (train_len, longest):
+            tokens = np.stack([d[:length] for d in chosen])
+            try:
+                results.append(measure_resolution(model, params, tokens, block=block, mode=mode))
+            except EvaluationError as e:
+                if len(modes) == 1:
+                    raise
+                say(f"note: no resolution at length {length} without BCA: {e}")
+    return results
+
+
+def evaluate_run(
+    config: Config,
+    params,
+    step: int,
+    workdir: str,
+    *,
+    lengths: Sequence[int] | None = None,
+    modes: Sequence[str] = MODES,
+    eval_files: str | None = None,
+    max_docs: int = 20,
+    resolution: bool = False,
+    figure: bool = False,
+    say: Callable[[str], None] = _stderr,
+) -> list[str]:
+    """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
+    4, 8, 16 × train_len, dropping what no document serves), optionally attention
+    resolution and Figure 1. Prints the tables on stdout and writes
+    ``WORKDIR/eval/perplexity.{json,png}`` (``resolution.json``,
+    ``expectation.png``); returns the paths written."""
+    model = Decoder(config.model)
+    train_len, position = config.train_len, config.model.position
+    where, documents = held_out_documents(config, eval_files, say)
+    lengths, chosen = usable_lengths(
+        documents,
+        lengths or [m * train_len for m in (1, 2, 4, 8, 16)],
+        explicit=lengths is not None,
+        max_docs=max_docs,
+        where=where,
+        say=say,
+    )
+    results = perplexity(
+        model,
+        params,
+        chosen,
+        lengths,
+        block=config.block,
+        modes=modes,
+        strict=list(modes) == ["full"],
+        say=say,
+        progress=True,
+    )
+    out_dir = os.path.join(workdir, "eval")
+    info = dict(train_len=train_len, position=position, step=step, source=where)
+    # Every length shares the largest's documents, so every cell scores the same tokens.
+    print(
+        f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
+        f"on {where}\n"
+    )
+    print(reports.perplexity_table(results, position))
+    written = [os.path.join(out_dir, "perplexity.json"), os.path.join(out_dir, "perplexity.png")]
+    reports.write_json(written[0], reports.perplexity_json(results, **info))
+    curves = [
+        (position, m, sorted((r.length, r.perplexity) for r in results if r.mode == m))
+        for m in modes
+    ]
+    reports.plot_perplexity(
+        curves, written[1], train_len=train_len, title=f"{position}, train_len {train_len}"
+    )
+    if resolution:
+        measured = resolution_protocol(
+            model,
+            params,
+            documents,
+            train_len=train_len,
+            block=config.block,
+            modes=modes,
+            max_docs=max_docs,
+            where=where,
+            say=say,
+        )
+        print("\nattention resolution (paper eq. 3 with eq. 11)\n")
+        print(reports.resolution_table(measured, position))
+        written.append(os.path.join(out_dir, "resolution.json"))
+        reports.write_json(written[-1], reports.resolution_json(measured, **info))
+    if figure:
+        m = config.model
+        written.append(os.path.join(out_dir, "expectation.png"))
+        reports.plot_expectation(
+            written[-1],
+            head_dim=m.head_dim,
+            scale_base=m.scale_base,
+            theta=m.theta,
+            max_distance=max(8 * int(m.scale_base), 2 * train_len),
+        )
+    print(f"\nwrote {', '.join(written)}")
+    return written

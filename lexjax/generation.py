@@ -3,25 +3,19 @@
 Letters: B batch, P prompt tokens, W block (w = train_len/2), L layers, H heads,
 K head_dim, V vocabulary.
 
-**The attention pattern.** Exactly that of the block scan
-(:mod:`lexjax.evaluation`): token t of a sequence, in block ``b = ⌊t/w⌋``,
-attends to the whole block ``b − 1`` (none for b = 0) and to the tokens of
-block b up to and including itself, i.e. keys ``(b − 1)·w … t`` — the mask of
-:func:`lexjax.masks.blockwise_causal`. Positions are window-relative: block
-``b − 1`` stands at ``0 … w−1`` and block b at ``w … 2w−1`` (block 0 at
-``0 … w−1``). Keys and values are cached before position encoding, so a
-block's keys are re-encoded at ``0 … w−1`` once it becomes the previous one.
+The attention pattern and window positions are the block scan's
+(:mod:`lexjax.blockwise`): token t attends to the whole previous block and to
+its own block up to itself, so no position ever reaches train_len.
 
-**The cache** has 2w slots per layer: slots ``0 … w−1`` hold the previous
-block, slots ``w … 2w−1`` the current, partly filled block. When the current
-block is full and another token comes, it becomes the previous block and the
-current half empties. Memory per generated token is therefore constant, and
-no position ever reaches train_len, however long the generation.
+**The cache** is a :class:`~lexjax.blockwise.KVCache` of 2w slots: slots
+``0 … w−1`` hold the previous block, slots ``w … 2w−1`` the current, partly
+filled block. When the current block is full and another token comes, it
+becomes the previous block (:meth:`KVCache.rotate`). Memory per generated
+token is therefore constant, however long the generation.
 
-A long prompt is prefilled through the block scan (one compiled step per
-block); generation then continues token by token from the state it leaves.
-Token-by-token decoding computes the same logits as the scan over the same
-tokens (tested).
+A long prompt is prefilled through the block scan; generation then continues
+token by token from the state it leaves. Token-by-token decoding computes the
+same logits as the scan over the same tokens (tested).
 """
 
 from __future__ import annotations
@@ -31,11 +25,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lexjax.evaluation import EvaluationError, block_positions, block_step, empty_carry
+from lexjax import data as data_lib
+from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
+from lexjax.config import Config
+from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
 
-__all__ = ["prefill", "decode_step", "sample_logits", "generate"]
+__all__ = ["prefill", "decode_step", "sample_logits", "check_sampling", "generate", "complete"]
 
 State = dict[str, Any]
 
@@ -43,35 +41,19 @@ State = dict[str, Any]
 @functools.cache
 def _compiled_prefill(model: Decoder, block: int):
     def run(params, prompt_BxN, length):
-        """prompt padded to n·w tokens; ``length`` real ones, in the last block."""
+        """prompt padded to n·w tokens; ``length`` real ones, the last in the last block."""
         B, N = prompt_BxN.shape
         n = N // block
-        blocks = prompt_BxN.reshape(B, n, block).swapaxes(0, 1)
-
-        def step(carry, xs):
-            tokens_BxW, index = xs
-            _, carry, _ = block_step(model, params, carry, tokens_BxW, index)
-            return carry, None
-
-        previous, _ = jax.lax.scan(
-            step,
-            empty_carry(model.config, B, block),
-            (blocks[:-1], jnp.arange(n - 1, dtype=jnp.int32)),
-        )
-        logits, current, _ = block_step(model, params, previous, blocks[-1], n - 1)
+        previous, _ = scan_blocks(model, params, prompt_BxN[:, : N - block], block)
+        logits, current, _ = block_step(model, params, previous, prompt_BxN[:, N - block :], n == 1)
         filled = length - (n - 1) * block
-        slots = jnp.arange(block)
-        cache = {
-            "k": jnp.concatenate([previous["k"], current["k"]], axis=2),
-            "v": jnp.concatenate([previous["v"], current["v"]], axis=2),
-            "positions": jnp.broadcast_to(
-                jnp.concatenate([slots.astype(jnp.int32), block_positions(n - 1, block)]),
-                (B, 2 * block),
-            ),
-            "valid": jnp.concatenate(
-                [previous["valid"], jnp.broadcast_to(slots < filled, (B, block))], axis=1
-            ),
-        }
+        positions_BxW = jnp.broadcast_to(window_positions(block, first=n == 1), (B, block))
+        real_BxW = jnp.broadcast_to(jnp.arange(block) < filled, (B, block))
+        cache = (
+            KVCache.empty(model.config, B, 2 * block)
+            .write(0, (previous.k, previous.v), previous.positions, previous.valid)
+            .write(block, (current.k, current.v), positions_BxW, real_BxW)
+        )
         state = {
             "cache": cache,
             "filled": jnp.asarray(filled, jnp.int32),
@@ -86,52 +68,26 @@ def prefill(model: Decoder, params, prompt_BxP, *, block: int):
     """Runs the prompt through the block scan.
 
     Returns ``(logits_BxV, state)``: the next-token logits after the last
-    prompt token and the decoding state ``{"cache": {"k", "v": [L, B, 2W, H, K],
-    "positions": [B, 2W], "valid": [B, 2W]}, "filled": tokens in the current
-    block (1 … w), "first": whether it is block 0}``.
+    prompt token and the decoding state ``{"cache": KVCache of 2w slots,
+    "filled": tokens in the current block (1 … w), "first": whether it is
+    block 0}``.
     """
     prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
     if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
         raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
-    P = prompt_BxP.shape[1]
-    padded = -(-P // block) * block
-    prompt = jnp.pad(prompt_BxP, ((0, 0), (0, padded - P)))
-    return _compiled_prefill(model, block)(params, prompt, P)
+    return _compiled_prefill(model, block)(params, pad_to(prompt_BxP, block), prompt_BxP.shape[1])
 
 
 def _decode(model: Decoder, params, state: State, token_B, block: int):
     cache, filled, first = state["cache"], state["filled"], state["first"]
     B = token_B.shape[0]
-    # A full current block becomes the previous one; its keys keep their values
-    # and are re-encoded at 0 … w−1 from now on.
     rotate = filled == block
-    halves = lambda x, axis: jnp.concatenate(
-        [jax.lax.slice_in_dim(x, block, 2 * block, axis=axis)] * 2, axis=axis
-    )
-    k = jnp.where(rotate, halves(cache["k"], 2), cache["k"])
-    v = jnp.where(rotate, halves(cache["v"], 2), cache["v"])
-    empty = jnp.concatenate([jnp.ones((B, block), bool), jnp.zeros((B, block), bool)], axis=1)
-    valid = jnp.where(rotate, empty, cache["valid"])
+    cache = jax.tree.map(lambda a, b: jnp.where(rotate, a, b), cache.rotate(block), cache)
     filled = jnp.where(rotate, 0, filled)
     first = first & ~rotate
-
-    position = jnp.where(first, filled, block + filled).astype(jnp.int32)
-    positions_Bx1 = jnp.broadcast_to(position, (B, 1))
-    logits, kv = model.apply(
-        {"params": params},
-        token_B[:, None],
-        positions_Bx1,
-        cache={"k": k, "v": v, "valid": valid, "positions": cache["positions"]},
-    )
-    slot = block + filled
-    cache = {
-        "k": jax.lax.dynamic_update_slice_in_dim(k, kv["k"].astype(k.dtype), slot, axis=2),
-        "v": jax.lax.dynamic_update_slice_in_dim(v, kv["v"].astype(v.dtype), slot, axis=2),
-        "positions": jax.lax.dynamic_update_slice_in_dim(
-            cache["positions"], positions_Bx1, slot, axis=1
-        ),
-        "valid": jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((B, 1), bool), slot, axis=1),
-    }
+    positions_Bx1 = jnp.broadcast_to(window_positions(block, first=first, offsets=filled), (B, 1))
+    logits, kv = model.apply({"params": params}, token_B[:, None], positions_Bx1, cache=cache)
+    cache = cache.write(block + filled, kv, positions_Bx1)
     return logits[:, 0], {"cache": cache, "filled": filled + 1, "first": first}
 
 
@@ -167,15 +123,18 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _check_sampling(temperature, top_k, top_p, max_new_tokens):
+def check_sampling(
+    *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 1, **_
+) -> None:
+    """Raises :class:`ConfigError` for sampling parameters out of range."""
     if temperature < 0:
-        raise EvaluationError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
+        raise ConfigError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
     if top_k < 0:
-        raise EvaluationError(f"top_k must be ≥ 0 (0 = no limit), got {top_k}")
+        raise ConfigError(f"top_k must be ≥ 0 (0 = no limit), got {top_k}")
     if not 0 < top_p <= 1:
-        raise EvaluationError(f"top_p must be in (0, 1], got {top_p}")
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens < 1:
-        raise EvaluationError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
 
 
 @functools.cache
@@ -213,8 +172,37 @@ def generate(
     The cache never holds more than 2w tokens, so any number of tokens can be
     generated in constant memory per token.
     """
-    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     logits, state = prefill(model, params, prompt_BxP, block=block)
     return _compiled_generate(
         model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p)
     )(params, logits, state, rng)
+
+
+def complete(
+    config: Config,
+    params,
+    prompt: str,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS."""
+    tokens = np.concatenate([[data_lib.BOS], data_lib.encode(prompt)]).astype(np.int32)
+    out = generate(
+        Decoder(config.model),
+        params,
+        tokens[None],
+        block=config.block,
+        max_new_tokens=max_new_tokens,
+        rng=jax.random.key(seed),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    out = np.asarray(out[0])
+    end = np.nonzero(out == data_lib.EOS)[0]
+    return data_lib.decode(out[: end[0]] if len(end) else out)

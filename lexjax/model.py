@@ -17,8 +17,6 @@ the same module serves every length with no mask bigger than the window.
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ from lexjax import masks
 from lexjax import positions as pos_lib
 from lexjax.config import ModelConfig
 
-__all__ = ["Decoder", "init_cache", "count_params"]
+__all__ = ["Decoder", "count_params"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -41,9 +39,11 @@ def _init(axes, scale=1.0):
 
 class Attention(nn.Module):
     config: ModelConfig
+    return_scores: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD, q_pos_BxT, k_pos_BxS, mask, kv_cache=None):
+        """Returns ``(out_BxTxD, (k, v) of this call, scores_BxHxTxS or None)``."""
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
@@ -64,15 +64,16 @@ class Attention(nn.Module):
             k_BxTxHxK = jnp.concatenate([cache_k.astype(dtype), k_BxTxHxK], axis=1)
             v_BxTxHxK = jnp.concatenate([cache_v.astype(dtype), v_BxTxHxK], axis=1)
         kwargs = dict(position=c.position, mask=mask, scale_base=c.scale_base, theta=c.theta)
-        if c.attention_impl == "fused" and not self.is_mutable_collection("intermediates"):
+        scores_BxHxTxS = None
+        if c.attention_impl == "fused" and not self.return_scores:
             out_BxTxHxK = attn_lib.fused_multihead_attention(
                 q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
             )
-        else:  # explicit scores, also whenever a caller captures them (resolution)
-            out_BxTxHxK, logits = attn_lib.multihead_attention(
+        else:  # explicit scores, also whenever the caller wants them (resolution)
+            out_BxTxHxK, scores_BxHxTxS = attn_lib.multihead_attention(
                 q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
             )
-            self.sow("intermediates", "scores", logits)
+            scores_BxHxTxS = scores_BxHxTxS if self.return_scores else None
         out_BxTxD = nn.DenseGeneral(
             c.d_model,
             axis=(-2, -1),
@@ -82,13 +83,17 @@ class Attention(nn.Module):
             name="out",
             kernel_init=_init(("heads", "kv", "embed")),
         )(out_BxTxHxK)
-        return out_BxTxD, new_kv
+        return out_BxTxD, new_kv, scores_BxHxTxS
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm Transformer block: x + attn(LN(x)), then x + MLP(LN(x))."""
+    """Pre-LayerNorm Transformer block: x + attn(LN(x)), then x + MLP(LN(x)).
+
+    Returns ``(x_BxTxD, ((k, v), scores or None))``: the carry of a layer scan
+    and what it stacks per layer."""
 
     config: ModelConfig
+    return_scores: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD, layer_cache, q_pos_BxT, k_pos_BxS, mask):
@@ -104,7 +109,7 @@ class Block(nn.Module):
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
             )
 
-        h, new_kv = Attention(c, name="attention")(
+        h, new_kv, scores = Attention(c, self.return_scores, name="attention")(
             norm("ln_attention")(x_BxTxD), q_pos_BxT, k_pos_BxS, mask, layer_cache
         )
         x_BxTxD = x_BxTxD + h
@@ -125,23 +130,30 @@ class Block(nn.Module):
             kernel_init=_init(("mlp", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         )(h)
-        return x_BxTxD + h, new_kv
+        return x_BxTxD + h, (new_kv, scores)
 
 
 class Decoder(nn.Module):
     """Causal language model over byte tokens.
 
     ``__call__(tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-    cache=None, block=None)`` returns ``(logits_BxTxV float32, new_kv)`` where
-    ``new_kv = {"k", "v"}: [L, B, T, H, K]`` are this call's keys and values
-    before position encoding (XLA removes them when unused).
+    cache=None, block=None, return_scores=False)`` returns ``(logits_BxTxV
+    float32, new_kv)`` where ``new_kv = (k, v): [L, B, T, H, K]`` are this
+    call's keys and values before position encoding (XLA removes them when
+    unused); with ``return_scores`` a third value, the pre-softmax scores
+    ``[L, B, H, T, S]`` of every layer (paper eq. 11), computed explicitly.
 
     - no cache: query i sees key j iff ``j ≤ i`` (index order) and both are in
       the same segment; ``block`` (optional) adds the blockwise-causal limit
       ``j ≥ (⌊i/block⌋ − 1)·block`` — the explicit-mask form of BCA.
-    - ``cache = {"k", "v": [L, B, S, H, K], "positions": [B, S] int32,
-      "valid": [B, S] bool}``: keys are ``[cache, current]``; a query sees a
-      key iff it is valid and its position is not after the query's.
+    - ``cache`` (a :class:`lexjax.blockwise.KVCache`: ``k``, ``v`` ``[L, B, S,
+      H, K]``, ``positions`` ``[B, S]`` int32, ``valid`` ``[B, S]`` bool): keys
+      are ``[cache, current]``; a query sees a key iff it is valid and its
+      position is not after the query's.
+
+    ``init`` creates only ``params``. Tests that differentiate with respect to
+    each token's input vector pass ``{"perturbations": {"embedded":
+    zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
     """
 
     config: ModelConfig
@@ -153,8 +165,9 @@ class Decoder(nn.Module):
         positions_BxT=None,
         segment_ids_BxT=None,
         *,
-        cache: dict | None = None,
+        cache=None,
         block: int | None = None,
+        return_scores: bool = False,
     ):
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
@@ -187,9 +200,10 @@ class Decoder(nn.Module):
                 ),
             )
             x_BxTxD = x_BxTxD + table(positions_BxT)
-        # A zero no-op unless the "perturbations" collection is passed: lets tests
-        # take gradients with respect to each token's input vector.
-        x_BxTxD = self.perturb("embedded", x_BxTxD)
+        # Not at init, so that init returns parameters only and its variables
+        # apply to any input shape.
+        if not self.is_initializing():
+            x_BxTxD = self.perturb("embedded", x_BxTxD)
 
         if cache is None:
             mask = masks.causal(T)
@@ -201,10 +215,10 @@ class Decoder(nn.Module):
             k_pos_BxS = positions_BxT
             layer_caches = None
         else:
-            k_pos_BxS = jnp.concatenate([cache["positions"], positions_BxT], axis=1)
-            valid = jnp.concatenate([cache["valid"], jnp.ones((B, T), bool)], axis=1)
+            k_pos_BxS = jnp.concatenate([cache.positions, positions_BxT], axis=1)
+            valid = jnp.concatenate([cache.valid, jnp.ones((B, T), bool)], axis=1)
             mask = (masks.causal_by_position(positions_BxT, k_pos_BxS) & valid[:, None, :])[:, None]
-            layer_caches = (cache["k"], cache["v"])
+            layer_caches = (cache.k, cache.v)
 
         block_cls = Block
         if c.remat:
@@ -212,29 +226,26 @@ class Decoder(nn.Module):
         if c.scan_layers:
             stack = nn.scan(
                 block_cls,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0},
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x_BxTxD, (k_LxBxTxHxK, v_LxBxTxHxK) = stack(c, name="layers")(
+            x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(c, return_scores, name="layers")(
                 x_BxTxD, layer_caches, positions_BxT, k_pos_BxS, mask
             )
         else:
-            ks, vs = [], []
+            per_layer = []
             for layer in range(c.num_layers):
-                layer_cache = (
-                    None
-                    if layer_caches is None
-                    else (layer_caches[0][layer], layer_caches[1][layer])
-                )
-                x_BxTxD, (k, v) = block_cls(c, name=f"layer_{layer}")(
+                layer_cache = None
+                if layer_caches is not None:
+                    layer_cache = (layer_caches[0][layer], layer_caches[1][layer])
+                x_BxTxD, out = block_cls(c, return_scores, name=f"layer_{layer}")(
                     x_BxTxD, layer_cache, positions_BxT, k_pos_BxS, mask
                 )
-                ks.append(k)
-                vs.append(v)
-            k_LxBxTxHxK, v_LxBxTxHxK = jnp.stack(ks), jnp.stack(vs)
+                per_layer.append(out)
+            new_kv, scores_LxBxHxTxS = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
         x_BxTxD = nn.LayerNorm(
             dtype=dtype,
@@ -256,19 +267,10 @@ class Decoder(nn.Module):
                 name="unembed",
                 kernel_init=_init(("embed", "vocab")),
             )(x_BxTxD)
-        return logits_BxTxV.astype(jnp.float32), {"k": k_LxBxTxHxK, "v": v_LxBxTxHxK}
-
-
-def init_cache(config: ModelConfig, batch: int, size: int, dtype=None) -> dict[str, Any]:
-    """An empty cache of ``size`` slots: zeros, position 0, all invalid."""
-    dtype = dtype or _DTYPES[config.dtype]
-    shape = (config.num_layers, batch, size, config.num_heads, config.head_dim)
-    return {
-        "k": jnp.zeros(shape, dtype),
-        "v": jnp.zeros(shape, dtype),
-        "positions": jnp.zeros((batch, size), jnp.int32),
-        "valid": jnp.zeros((batch, size), bool),
-    }
+        logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+        if return_scores:
+            return logits_BxTxV, new_kv, scores_LxBxHxTxS
+        return logits_BxTxV, new_kv
 
 
 def count_params(params) -> int:

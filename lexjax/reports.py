@@ -1,7 +1,11 @@
-"""Tables, JSON and figures of evaluation results (the paper's Tables 2/3, Figure 1).
+"""Tables, JSON and figures of evaluation results (the paper's Tables 2, 3, 5, Figure 1).
 
-Plain functions of result lists; matplotlib is imported only when a figure is
-drawn, with the file-only Agg backend.
+Plain functions: those of ``eval.py`` take result lists of one run
+(:mod:`lexjax.evaluation`); those of the extrapolation experiment take the
+dict :func:`collect` builds from the files its stages wrote, where seeds of
+one variant (position and, for XPOS, scale_base) are pooled: table cells are
+means over seeds, and ``seeds.md`` shows every seed. matplotlib is imported
+only when a figure is drawn, with the file-only Agg backend.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from lexjax import resolution as res_lib
-from lexjax.evaluation import PerplexityResult, ResolutionResult
 
 __all__ = [
+    "MODE_NAMES",
     "perplexity_table",
     "perplexity_json",
     "plot_perplexity",
@@ -23,22 +27,35 @@ __all__ = [
     "resolution_json",
     "plot_expectation",
     "write_json",
+    "OUTPUTS",
+    "collect",
+    "write_all",
+    "variant_label",
 ]
 
-_MODE_NAMES = {"bca": "BCA", "full": "without BCA"}
+# The display name of each evaluation mode (lexjax.evaluation.MODES), in table order.
+MODE_NAMES = {"bca": "with BCA", "full": "without BCA"}
+POSITION_NAMES = {
+    "sinusoidal": "Transformer (sinusoidal)",
+    "learned": "Transformer (learned)",
+    "alibi": "ALiBi",
+    "rope": "RoPE",
+    "none": "NoPE",
+}
+_ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
 
 
-def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
+def perplexity_table(results: Sequence, position: str) -> str:
     """Markdown: one row per mode, one column per length (paper Table 2)."""
     lengths = sorted({r.length for r in results})
-    modes = [m for m in ("bca", "full") if any(r.mode == m for r in results)]
+    modes = [m for m in MODE_NAMES if any(r.mode == m for r in results)]
     cell = {(r.mode, r.length): r for r in results}
     lines = [
         "| " + " | ".join(["model"] + [str(n) for n in lengths]) + " |",
         "|" + "---|" * (len(lengths) + 1),
     ]
     for mode in modes:
-        row = [f"{position} {_MODE_NAMES[mode]}"]
+        row = [f"{position} {MODE_NAMES[mode]}"]
         row += [f"{cell[mode, n].perplexity:.3f}" if (mode, n) in cell else "–" for n in lengths]
         lines.append("| " + " | ".join(row) + " |")
     some = results[0]
@@ -52,7 +69,7 @@ def perplexity_table(results: Sequence[PerplexityResult], position: str) -> str:
     return "\n".join(lines)
 
 
-def perplexity_json(results: Sequence[PerplexityResult], *, train_len: int, **extra) -> dict:
+def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
     """``{"train_len", "results": [{"mode", "length", "perplexity", "tokens", "documents", ...}]}``.
 
     ``seconds`` (and ``tokens_per_second``) are wall time including each
@@ -93,28 +110,38 @@ def _pyplot():
 
 
 def plot_perplexity(
-    results: Sequence[PerplexityResult], path: str, *, train_len: int, title: str
+    curves, path: str, *, train_len: int, title: str, ylabel: str = "perplexity"
 ) -> None:
-    """Perplexity against length (log x), one line per mode, the training length marked."""
+    """Perplexity against length (log x; log y too when it spans more than 4×).
+
+    ``curves``: ``[(variant label, mode, [(length, perplexity), ...])]``; a
+    colour per variant, solid with BCA, dashed without; the training length marked.
+    """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("bca", "full"):
-        points = sorted((r.length, r.perplexity) for r in results if r.mode == mode)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colours = {}
+    values = [v for _, _, points in curves for _, v in points]
+    for label, mode, points in curves:
         if points:
-            ax.plot(*zip(*points), marker="o", label=_MODE_NAMES[mode])
-    ax.axvline(train_len, color="gray", linestyle="--", label=f"train_len {train_len}")
+            colour = colours.setdefault(label, f"C{len(colours)}")
+            style = "-" if mode == "bca" else "--"
+            name = f"{label} {MODE_NAMES[mode]}"
+            ax.plot(*zip(*points), style, marker="o", markersize=3, color=colour, label=name)
+    ax.axvline(train_len, color="gray", linestyle=":", label=f"train_len {train_len}")
     ax.set_xscale("log", base=2)
+    if values and max(values) / min(values) > 4:
+        ax.set_yscale("log")
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
+def resolution_table(results: Sequence, position: str) -> str:
     """Markdown in the spirit of paper Table 3: a row per (mode, length), R per layer and mean."""
     layers = len(results[0].per_layer)
     lines = [
@@ -123,14 +150,14 @@ def resolution_table(results: Sequence[ResolutionResult], position: str) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {position} {_MODE_NAMES[r.mode]} | {r.length} | "
+            f"| {position} {MODE_NAMES[r.mode]} | {r.length} | "
             + " | ".join(f"{x:.3g}" for x in r.per_layer)
             + f" | {r.mean:.3g} |"
         )
     return "\n".join(lines)
 
 
-def resolution_json(results: Sequence[ResolutionResult], *, train_len: int, **extra) -> dict:
+def resolution_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {
         "train_len": train_len,
         **extra,
@@ -175,3 +202,385 @@ def plot_expectation(
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the experiment
+
+OUTPUTS = (
+    "table2.md",
+    "table3.md",
+    "table5.md",
+    "seeds.md",
+    "results.json",
+    "summary.md",
+    "perplexity.png",
+    "figure1.png",
+    "scores.png",
+)
+
+
+def variant_label(position: str, scale_base: float | None) -> str:
+    return (
+        f"XPOS b={scale_base:g}" if position == "xpos" else POSITION_NAMES.get(position, position)
+    )
+
+
+def _load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _score_range(curves) -> float:
+    """Mean over layers of max − min of the measured expected scores s[n]."""
+    return float(np.mean([np.max(c) - np.min(c) for c in curves]))
+
+
+def collect(out, specs, config, plan, timing) -> dict:
+    """Everything the tables need, as plain JSON-able values."""
+    runs = []
+    for spec in specs:
+        workdir = os.path.join(out, "runs", spec.name)
+        trained = _load(os.path.join(workdir, "train.json"))
+        perplexity, eval_seconds = {}, 0.0
+        for mode in MODE_NAMES:
+            stored = _load(os.path.join(workdir, f"perplexity_{mode}.json"))
+            eval_seconds += stored["seconds"]
+            perplexity[mode] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
+        stored = _load(os.path.join(workdir, "resolution.json"))
+        eval_seconds += stored["seconds"]
+        resolution = {}
+        for r in stored["results"]:
+            resolution.setdefault(r["mode"], {})[str(r["length"])] = {
+                "mean": r["mean"],
+                "per_layer": r["per_layer"],
+                "score_range": _score_range(r["expected_scores"]),
+                "mean_scores": np.mean(r["expected_scores"], axis=0).tolist(),
+            }
+        s = trained["summary"]
+        runs.append(
+            {
+                "name": spec.name,
+                "position": spec.position,
+                "scale_base": spec.variant[1],
+                "seed": spec.seed,
+                "num_params": s["num_params"],
+                "steps": s["step"],
+                "tokens": trained["tokens"],
+                "loss": s.get("loss"),
+                "val_loss": s.get("val_loss"),
+                "train_seconds": trained["seconds"],
+                "eval_seconds": eval_seconds,
+                "perplexity": perplexity,
+                "resolution": resolution,
+            }
+        )
+    m = config.model
+    scale_bases = sorted({r["scale_base"] for r in runs if r["position"] == "xpos"}) or [
+        m.scale_base
+    ]
+    expected = []
+    for n in (config.train_len, 2 * config.train_len):
+        distances = np.arange(n)
+        curves = [("RoPE", None)] + [(f"XPOS b={b:g}", b) for b in scale_bases]
+        for name, b in curves:
+            g = np.asarray(
+                res_lib.xpos_expectation(
+                    distances,
+                    m.head_dim,
+                    scale_base=b or 1.0,
+                    theta=m.theta,
+                    gamma=None if b is None else 0.4,
+                )
+            )
+            expected.append(
+                {
+                    "curve": name,
+                    "length": n,
+                    "raw": float(res_lib.attention_resolution(g)),
+                    "scaled": float(res_lib.attention_resolution(g / np.sqrt(m.head_dim))),
+                }
+            )
+    invocations = timing["invocations"]
+    return {
+        "train_len": config.train_len,
+        "lengths": plan["lengths"],
+        "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
+        "eval_split": plan.get("eval_split"),
+        "data": config.data.name,
+        "model": {
+            "num_layers": m.num_layers,
+            "d_model": m.d_model,
+            "num_heads": m.num_heads,
+            "head_dim": m.head_dim,
+            "mlp_dim": m.mlp_dim,
+            "dtype": m.dtype,
+        },
+        "train": {
+            "batch_size": config.batch_size,
+            "num_train_steps": config.num_train_steps,
+            "learning_rate": config.learning_rate,
+            "schedule": config.optim.schedule,
+            "warmup_steps": config.warmup_steps,
+        },
+        "machine": timing["machine"],
+        "wall_seconds": sum(i["wall_seconds"] for i in invocations),
+        "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],
+        "runs": runs,
+        "expected_resolution": expected,
+    }
+
+
+def _variants(runs):
+    """``[(label, position, scale_base, [runs])]`` in the paper's order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["position"], r["scale_base"]), []).append(r)
+    keys = sorted(groups, key=lambda k: (_ORDER.get(k[0], 9), k[1] or 0))
+    return [(variant_label(*k), k[0], k[1], groups[k]) for k in keys]
+
+
+def _mean(runs, mode, length):
+    values = [r["perplexity"][mode].get(str(length)) for r in runs]
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _row(label, cells):
+    return "| " + " | ".join([label] + cells) + " |"
+
+
+def _header(first, columns):
+    return "\n".join([_row(first, [str(c) for c in columns]), "|" + "---|" * (len(columns) + 1)])
+
+
+def _fmt(value, digits=3):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _seeds_note(group):
+    return f" ({len(group)} seeds)" if len(group) > 1 else ""
+
+
+def table2(c) -> str:
+    """Paper Table 2: each model as published — absolute/ALiBi/RoPE without BCA, LEX with it."""
+    lines = [_header("model", c["lengths"])]
+    for label, position, _, group in _variants(c["runs"]):
+        mode = "bca" if position == "xpos" else "full"
+        name = f"LEX ({label} + BCA)" if position == "xpos" else label
+        lines.append(
+            _row(name + _seeds_note(group), [_fmt(_mean(group, mode, n)) for n in c["lengths"]])
+        )
+    return "\n".join(lines)
+
+
+def table5(c) -> str:
+    """Paper Table 5: every model with and without blockwise causal attention."""
+    lines = [_header("model", c["lengths"])]
+    for label, _, _, group in _variants(c["runs"]):
+        for mode in MODE_NAMES:
+            lines.append(
+                _row(
+                    f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}",
+                    [_fmt(_mean(group, mode, n)) for n in c["lengths"]],
+                )
+            )
+    return "\n".join(lines)
+
+
+def table3(c) -> str:
+    """Paper Table 3: attention resolution (mean over layers) at 1× and 2× train_len, and the
+    spread max − min of the measured expected scores s[n] that R depends on."""
+    n1, n2 = c["train_len"], 2 * c["train_len"]
+    lines = [_header("model", [f"R at {n1}", f"R at {n2}", f"s range at {n1}", f"s range at {n2}"])]
+    for label, _, _, group in _variants(c["runs"]):
+        for mode in MODE_NAMES:
+            cells = []
+            for key in ("mean", "score_range"):
+                for n in (n1, n2):
+                    values = [r["resolution"].get(mode, {}).get(str(n), {}).get(key) for r in group]
+                    values = [v for v in values if v is not None]
+                    mean = float(np.mean(values)) if values else None
+                    cells.append(f"{mean:.3g}" if key == "mean" and values else _fmt(mean))
+            lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
+    return "\n".join(lines)
+
+
+def seeds_table(c) -> str:
+    """Every seed of the variants that have several, and XPOS − RoPE per seed."""
+    multi = [v for v in _variants(c["runs"]) if len(v[3]) > 1]
+    if not multi:
+        return "Every variant has a single seed."
+    lines = [_header("model, seed", c["lengths"])]
+    for label, _, _, group in multi:
+        for mode in MODE_NAMES:
+            for r in sorted(group, key=lambda r: r["seed"]):
+                lines.append(
+                    _row(
+                        f"{label} {MODE_NAMES[mode]}, seed {r['seed']}",
+                        [_fmt(r["perplexity"][mode].get(str(n))) for n in c["lengths"]],
+                    )
+                )
+    by = {(v[1], v[2]): v[3] for v in multi}
+    rope = by.get(("rope", None))
+    xpos = [k for k in by if k[0] == "xpos"]
+    if rope and xpos:
+        lines += ["", _header(f"XPOS b={xpos[0][1]:g} − RoPE, seed", c["lengths"])]
+        x = {r["seed"]: r for r in by[xpos[0]]}
+        for mode in MODE_NAMES:
+            for r in sorted(rope, key=lambda r: r["seed"]):
+                if r["seed"] not in x:
+                    continue
+                cells = []
+                for n in c["lengths"]:
+                    a, b = (
+                        x[r["seed"]]["perplexity"][mode].get(str(n)),
+                        r["perplexity"][mode].get(str(n)),
+                    )
+                    cells.append("–" if a is None or b is None else f"{a - b:+.3f}")
+                lines.append(_row(f"{MODE_NAMES[mode]}, seed {r['seed']}", cells))
+    return "\n".join(lines)
+
+
+def expected_resolution_table(c) -> str:
+    """R of the expected-score curves of eq. 8 (Figure 1), as drawn and divided by √d."""
+    lengths = sorted({e["length"] for e in c["expected_resolution"]})
+    curves = list(dict.fromkeys(e["curve"] for e in c["expected_resolution"]))
+    value = {(e["curve"], e["length"]): e for e in c["expected_resolution"]}
+    head = [f"R(g) at {n}" for n in lengths] + [f"R(g/√d) at {n}" for n in lengths]
+    lines = [_header("curve", head)]
+    for curve in curves:
+        lines.append(
+            _row(
+                curve,
+                [_fmt(value[curve, n]["raw"]) for n in lengths]
+                + [_fmt(value[curve, n]["scaled"]) for n in lengths],
+            )
+        )
+    return "\n".join(lines)
+
+
+def _plot_variants(c, path) -> None:
+    """:func:`plot_perplexity` of every variant's seed means."""
+    curves = []
+    for label, _, _, group in _variants(c["runs"]):
+        for mode in MODE_NAMES:
+            points = [(n, _mean(group, mode, n)) for n in c["lengths"]]
+            curves.append((label, mode, [(n, v) for n, v in points if v is not None]))
+    plot_perplexity(
+        curves,
+        path,
+        train_len=c["train_len"],
+        title=f"trained at {c['train_len']} tokens",
+        ylabel="perplexity (per byte)",
+    )
+
+
+def plot_figure1(c, path) -> None:
+    """Paper Figure 1: expected score g[n] (eq. 8) of RoPE and XPOS, one panel per scale_base."""
+    plt = _pyplot()
+    bases = sorted({r["scale_base"] for r in c["runs"] if r["position"] == "xpos"})
+    m = c["model"]
+    distance = np.arange(c["lengths"][-1] + 1)
+    fig, axes = plt.subplots(
+        1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8), squeeze=False
+    )
+    for ax, b in zip(axes[0], bases or [512.0]):
+        ax.plot(
+            distance,
+            res_lib.xpos_expectation(distance, m["head_dim"], gamma=None),
+            label="RoPE",
+            linewidth=0.8,
+        )
+        ax.plot(
+            distance,
+            res_lib.xpos_expectation(distance, m["head_dim"], scale_base=b),
+            label=f"XPOS b={b:g}",
+        )
+        ax.axvline(c["train_len"], color="gray", linestyle=":", label="train_len")
+        ax.set_xlabel("relative distance")
+        ax.set_ylabel("expected score g[n]")
+        ax.set_title(f"head_dim {m['head_dim']}, b = {b:g}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scores(c, path) -> None:
+    """Measured expected scores s[n] (eq. 11, mean over layers) at 2× train_len: the curves
+    whose attention resolution Table 3 gives; one panel per mode, the first seed of each variant."""
+    plt = _pyplot()
+    length = str(2 * c["train_len"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, mode in zip(axes, ("bca", "full")):
+        for i, (label, _, _, group) in enumerate(_variants(c["runs"])):
+            scores = group[0]["resolution"].get(mode, {}).get(length, {}).get("mean_scores")
+            if scores:
+                ax.plot(np.arange(len(scores)), scores, color=f"C{i}", linewidth=1, label=label)
+        ax.axvline(c["train_len"], color="gray", linestyle=":")
+        ax.set_xscale("symlog", linthresh=8)
+        ax.set_xlabel("distance n")
+        ax.set_title(f"{MODE_NAMES[mode]}, {length} tokens")
+    axes[0].set_ylabel("mean pre-softmax score s[n]")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _settings(c) -> str:
+    first = c["runs"][0]
+    m, t, mach = c["model"], c["train"], c["machine"]
+    loads = [i["load_average_start"][0] for i in c["invocations"]] + [
+        i["load_average_end"][0] for i in c["invocations"]
+    ]
+    lines = [
+        f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads "
+        f"(head_dim {m['head_dim']}), mlp {m['mlp_dim']}, {m['dtype']}; "
+        f"{first['num_params'] / 1e6:.2f} M parameters (byte-level, vocabulary 320)",
+        f"- training: {c['data']} train split, train_len {c['train_len']}, batch "
+        f"{t['batch_size']}, {t['num_train_steps']} steps = {first['tokens']:,} tokens per run, "
+        f"learning rate {t['learning_rate']:g} ({t['warmup_steps']} warmup steps, "
+        f"{t['schedule']})",
+        f"- evaluation: {c['documents']['bca']} documents of the {c['eval_split'] or 'test'} split "
+        f"with BCA, {c['documents']['full']} without, {c['documents']['resolution']} for "
+        f"resolution; lengths {', '.join(map(str, c['lengths']))}",
+        f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['backend']} "
+        f"({mach['devices']}), jax {mach['jax']}",
+        f"- wall time: {c['wall_seconds'] / 60:.1f} min over {len(c['invocations'])} "
+        f"invocation(s); 1-minute load average {min(loads):.2f} … {max(loads):.2f} at their "
+        "starts and ends",
+    ]
+    per_run = ["| run | loss | validation loss | train s | eval s |", "|---|---|---|---|---|"]
+    for r in c["runs"]:
+        per_run.append(
+            f"| {r['name']} | {_fmt(r['loss'])} | {_fmt(r['val_loss'])} | "
+            f"{r['train_seconds']:.0f} | {r['eval_seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(per_run)
+
+
+def write_all(out, c) -> None:
+    tables = {
+        "table2.md": ("Perplexity by evaluation length (paper Table 2)", table2(c)),
+        "table5.md": ("With and without blockwise causal attention (paper Table 5)", table5(c)),
+        "table3.md": ("Attention resolution, mean over layers (paper Table 3)", table3(c)),
+        "seeds.md": ("Seeds", seeds_table(c)),
+    }
+    for name, (title, body) in tables.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            f.write(f"## {title}\n\n{body}\n")
+    write_json(os.path.join(out, "results.json"), c)
+    _plot_variants(c, os.path.join(out, "perplexity.png"))
+    plot_figure1(c, os.path.join(out, "figure1.png"))
+    plot_scores(c, os.path.join(out, "scores.png"))
+    parts = ["# Length extrapolation at small scale\n", _settings(c)]
+    for name in ("table2.md", "table5.md", "table3.md", "seeds.md"):
+        title, body = tables[name]
+        parts.append(f"## {title}\n\n{body}")
+    parts.append(
+        "## Resolution of the expected-score curves (eq. 8), for comparison\n\n"
+        + expected_resolution_table(c)
+    )
+    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(parts) + "\n")

@@ -2,10 +2,15 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
+import orbax.checkpoint as ocp
 import pytest
+
+from lexjax import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -53,7 +58,9 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     # Default lengths 32 … 512; documents of 142–212 tokens serve 32, 64 and 128.
     assert "dropping lengths 256, 512" in done.stderr
-    assert "| xpos BCA |" in done.stdout and "| xpos without BCA |" in done.stdout
+    assert "| xpos with BCA |" in done.stdout and "| xpos without BCA |" in done.stdout
+    # stderr is not a terminal here: progress comes as plain lines, not a redrawn bar.
+    assert re.search(r"^tokens \d+/\d+ ", done.stderr, re.M) and "\r" not in done.stderr
     with open(os.path.join(workdir, "eval", "perplexity.json")) as f:
         summary = json.load(f)
     assert summary["train_len"] == 32
@@ -84,8 +91,8 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert done.stdout.startswith("def ")
 
 
-def _one_line_error(done, *fragments):
-    assert done.returncode != 0
+def _one_line_error(done, code, *fragments):
+    assert done.returncode == code, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
     for fragment in fragments:
@@ -95,20 +102,23 @@ def _one_line_error(done, *fragments):
 def test_bad_input_is_one_line(workdir, tmp_path):
     import jax
 
-    from lexjax import checkpoint
     from lexjax import config as config_lib
     from lexjax.steps import TrainSetup
 
-    _one_line_error(_run("eval.py", f"--workdir={tmp_path}"), "no checkpoint")
-    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), "positive")
+    _one_line_error(_run("eval.py", f"--workdir={tmp_path}"), 4, "no checkpoint")
+    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
+    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
+    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={tmp_path}/*.nope"),
+        3,
         "matches no files",
     )
     short = tmp_path / "short.txt"
     short.write_text("x" * 50)
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={short}", "--lengths=32,64"),
+        3,
         "1 documents",
         "longest 52 tokens",
         "length 64",
@@ -124,4 +134,78 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     writer = checkpoint.Checkpointer(str(other / "checkpoints"))
     writer.save(1, state, config=config_dict)
     writer.close()
-    _one_line_error(_run("eval.py", f"--workdir={other}"), "different model shape")
+    _one_line_error(_run("eval.py", f"--workdir={other}"), 4, "different model shape")
+
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "run_v1")
+
+
+def _fixture_copy(tmp_path):
+    """The pre-redesign tiny run (eval writes eval/ into its workdir, so a copy)."""
+    path = tmp_path / "run_v1"
+    shutil.copytree(FIXTURE, path)
+    return path
+
+
+def test_old_workdir_evaluates_to_the_same_numbers(tmp_path):
+    """The checkpoint train.py wrote before the redesign gives the perplexity.json
+    eval.py gave then (tests/fixtures/run_v1_perplexity.json)."""
+    workdir = _fixture_copy(tmp_path)
+    done = _run(
+        "eval.py",
+        f"--workdir={workdir}",
+        "--eval_files=tests/fixtures/eval_text.txt",
+        "--lengths=16,32,64,128",
+        "--bca=both",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(workdir / "eval" / "perplexity.json") as f:
+        got = json.load(f)
+    with open(os.path.join(ROOT, "tests", "fixtures", "run_v1_perplexity.json")) as f:
+        want = json.load(f)
+    assert got["train_len"] == want["train_len"]
+    key = lambda r: (r["mode"], r["length"])
+    assert sorted(map(key, got["results"])) == sorted(map(key, want["results"]))
+    expected = {key(r): r for r in want["results"]}
+    for r in got["results"]:
+        w = expected[key(r)]
+        assert (r["tokens"], r["documents"]) == (w["tokens"], w["documents"])
+        for field in ("perplexity", "nll"):
+            assert r[field] == pytest.approx(w[field], rel=1e-6), (key(r), field)
+
+
+def _tamper_integrity(workdir, leaf_prefix):
+    """Changes the recorded checksum of the first leaf whose name starts with
+    ``leaf_prefix``: any reader that checks that leaf finds it damaged."""
+    path = workdir / "checkpoints" / "6" / "integrity" / "metadata"
+    record = json.loads(path.read_text())
+    name = next(n for n in record["leaves"] if n.startswith(leaf_prefix))
+    record["leaves"][name]["sha256"] = "0" * 64
+    path.write_text(json.dumps(record))
+    return name
+
+
+def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch):
+    workdir = _fixture_copy(tmp_path)
+    # The optimizer moments' checksums are wrong: the full restore would call
+    # the step damaged; reading parameters alone does not touch them.
+    _tamper_integrity(workdir, ".opt_state")
+    read = []
+    restore = ocp.PyTreeCheckpointHandler.restore
+
+    def spy(self, *args, **kwargs):
+        tree = restore(self, *args, **kwargs)
+        read.append(tree)
+        return tree
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", spy)
+    config, params, step = checkpoint.load_params(workdir)
+    assert step == 6 and config.train_len == 32
+    assert [set(tree) for tree in read] == [{"params"}]  # no opt_state, no step
+    assert params["embed"]["embedding"].shape == (320, 16)
+
+    # A parameter's checksum is checked: with no older step, nothing good is left.
+    damaged = _fixture_copy(tmp_path / "damaged")
+    _tamper_integrity(damaged, ".params")
+    with pytest.raises(checkpoint.CheckpointError, match="every step is damaged"):
+        checkpoint.load_params(damaged)

@@ -112,7 +112,7 @@ def test_scan_at_64x_train_len_runs_in_memory_independent_of_length(models):
     for multiple in (2, 64):
         n = multiple * TRAIN_LEN
         args = (params, jnp.zeros((1, n), jnp.int32), jnp.zeros((1, n), jnp.int32))
-        compiled = evaluation._compiled_scan(model, W, False).lower(*args).compile()
+        compiled = evaluation._compiled_scan(model, W).lower(*args).compile()
         temp[multiple] = compiled.memory_analysis().temp_size_in_bytes
     # Besides the block step's fixed working set, only per-token vectors of the
     # input and output (a few int32/float32 per token) may grow with the length.
@@ -137,8 +137,8 @@ def test_resolution_pools_the_scores_each_mode_attends(models):
         bca.expected_scores[0][: W + 1], full.expected_scores[0][: W + 1], rtol=1e-4, atol=1e-5
     )
     # Layer 0 depends on no other token: its expected scores by hand, eq. 11.
-    (_, _), inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
-    s = np.asarray(inter["intermediates"]["layer_0"]["attention"]["scores"][0]).mean((0, 1))
+    _, _, scores = model.apply({"params": params}, tokens, return_scores=True)
+    s = np.asarray(scores[0]).mean((0, 1))
     by_hand = [np.mean(np.diagonal(s, -d)) for d in range(2 * TRAIN_LEN)]
     np.testing.assert_allclose(full.expected_scores[0], by_hand, rtol=1e-4, atol=1e-5)
     assert np.isfinite(full.mean) and np.isfinite(bca.mean)

@@ -8,6 +8,7 @@ import pytest
 
 from lexjax import evaluation, generation
 from lexjax.config import ModelConfig
+from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 
 TRAIN_LEN = 16
@@ -50,16 +51,14 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len)
     # Every logit, not only the target's: the explicit blockwise mask (the scan's equal).
     explicit, _ = model.apply({"params": params}, tokens[:, :-1], block=W)
     np.testing.assert_allclose(decoded, explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5)
-    assert state["cache"]["k"].shape[2] == 2 * W  # bounded, whatever the length
+    assert state["cache"].k.shape[2] == 2 * W  # bounded, whatever the length
 
 
 def test_sampling_filters():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 200)
     draw = lambda **kw: np.asarray(
-        jax.vmap(
-            lambda k: generation.sample_logits(logits, k, **kw)
-        )(keys)
+        jax.vmap(lambda k: generation.sample_logits(logits, k, **kw))(keys)
     )
     assert set(draw(temperature=0.0).ravel()) == {0}
     assert set(draw(top_k=2).ravel()) == {0, 1}
@@ -85,7 +84,7 @@ def test_generation_runs_far_beyond_the_training_length(model_params):
     tokens = jnp.concatenate([prompt, out[:, :W]], axis=1)
     logits, _ = model.apply({"params": params}, tokens[:, :-1], block=W)
     np.testing.assert_array_equal(jnp.argmax(logits[:, 2:], -1), out[:, :W])
-    with pytest.raises(evaluation.EvaluationError, match="top_p"):
+    with pytest.raises(ConfigError, match="top_p"):
         generation.generate(
             model, params, prompt, block=W, max_new_tokens=2, rng=jax.random.key(0), top_p=0.0
         )

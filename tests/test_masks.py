@@ -68,7 +68,7 @@ class SameSegmentTest(chex.TestCase):
         got = self.variant(masks.same_segment)(q_ids, k_ids)
         self.assertEqual(got.shape, (2, 6, 7))
         for row in range(2):
-            want = _enumerate(6, 7, lambda i, j: q_ids[row, i] == k_ids[row, j] != 0)
+            want = _enumerate(6, 7, lambda i, j, r=row: q_ids[r, i] == k_ids[r, j] != 0)
             np.testing.assert_array_equal(got[row], want)
         # Padding attends to nothing and is seen by nothing.
         self.assertFalse(np.asarray(got)[q_ids == 0].any())
@@ -83,7 +83,7 @@ class CausalByPositionTest(chex.TestCase):
         got = self.variant(masks.causal_by_position)(q_pos, k_pos)
         for row in range(2):
             np.testing.assert_array_equal(
-                got[row], _enumerate(2, 5, lambda i, j: k_pos[row, j] <= q_pos[row, i])
+                got[row], _enumerate(2, 5, lambda i, j, r=row: k_pos[r, j] <= q_pos[r, i])
             )
 
     @parameterized.parameters((16, 4), (14, 4), (9, 3), (5, 2), (3, 4))

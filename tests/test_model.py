@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lexjax.model import Decoder, init_cache
+from lexjax.blockwise import KVCache
+from lexjax.model import Decoder
 from tests.helpers import packed_batch, small_config
 
 POSITIONS = ["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
@@ -24,16 +25,14 @@ def _input_jacobian(model, params, batch, t, row=0):
     tokens = jnp.asarray(batch["inputs"][row : row + 1])
     positions = jnp.asarray(batch["positions"][row : row + 1])
     segments = jnp.asarray(batch["segment_ids"][row : row + 1])
-    variables = model.init(jax.random.key(1), tokens, positions, segments)
-    perturbations = jax.tree_util.tree_map(jnp.zeros_like, variables["perturbations"])
+    zeros_1xTxD = jnp.zeros((*tokens.shape, model.config.d_model))
 
-    def logit_sum(pert):
-        logits, _ = model.apply(
-            {"params": params, "perturbations": pert}, tokens, positions, segments
-        )
+    def logit_sum(embedded):
+        variables = {"params": params, "perturbations": {"embedded": embedded}}
+        logits, _ = model.apply(variables, tokens, positions, segments)
         return jnp.sum(logits[0, t] * jnp.arange(logits.shape[-1]))
 
-    grads = jax.grad(logit_sum)(perturbations)["embedded"]
+    grads = jax.grad(logit_sum)(zeros_1xTxD)
     return np.asarray(jnp.sum(jnp.abs(grads[0]), axis=-1))
 
 
@@ -58,18 +57,15 @@ def test_cached_block_step_equals_full_forward(position):
     config = small_config(**{"model.position": position})
     model, params = _init(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 16)), jnp.int32)
-    full, kv = model.apply({"params": params}, tokens)
-    cache = {
-        "k": kv["k"][:, :, :8],
-        "v": kv["v"][:, :, :8],
-        "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
-        "valid": jnp.ones((2, 8), bool),
-    }
+    full, (k, v) = model.apply({"params": params}, tokens)
+    cache = KVCache(
+        k[:, :, :8], v[:, :, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), bool)
+    )
     second, _ = model.apply(
         {"params": params}, tokens[:, 8:], jnp.broadcast_to(jnp.arange(8, 16), (2, 8)), cache=cache
     )
     np.testing.assert_allclose(second, full[:, 8:], rtol=1e-5, atol=1e-5)
-    empty = init_cache(config.model, 2, 8)
+    empty = KVCache.empty(config.model, 2, 8)
     first, _ = model.apply(
         {"params": params}, tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=empty
     )
@@ -119,3 +115,28 @@ def test_fused_attention_matches_explicit_scores(position):
     got, _ = Decoder(fused.model).apply({"params": params}, *args)
     real = batch["segment_ids"] > 0
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_init_gives_params_only_and_they_apply_to_any_shape(scan_layers):
+    """Standard Flax init/apply: variables from a [1, 16] init serve a [2, 40] batch."""
+    config = small_config(**{"model.scan_layers": scan_layers, "model.max_len": 64})
+    model = Decoder(config.model)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+    assert set(variables) == {"params"}
+    logits, (k, _) = model.apply(variables, jnp.zeros((2, 40), jnp.int32))
+    assert logits.shape == (2, 40, config.model.vocab_size)
+    assert k.shape[:3] == (config.model.num_layers, 2, 40)
+
+
+@pytest.mark.parametrize("impl", ["explicit", "fused"])
+def test_return_scores_gives_each_layers_scores_whatever_the_attention_impl(impl):
+    """return_scores adds [L, B, H, T, T] pre-softmax scores and leaves the logits as they are."""
+    config = small_config(**{"model.attention_impl": impl})
+    model, params = _init(config)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 258, (2, 16)), jnp.int32)
+    want, _ = model.apply({"params": params}, tokens)
+    logits, _, scores = model.apply({"params": params}, tokens, return_scores=True)
+    m = config.model
+    assert scores.shape == (m.num_layers, 2, m.num_heads, 16, 16)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)

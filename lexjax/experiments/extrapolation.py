@@ -34,16 +34,18 @@ import sys
 import time
 from collections.abc import Callable
 
-import numpy as np
+import jax
 
+from lexjax import checkpoint, evaluation, reports
 from lexjax.config import Config, ConfigError, from_configdict, to_dict
+from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
+from lexjax.evaluation import MODES
+from lexjax.model import Decoder
 
 __all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_experiment"]
 
-MODES = ("bca", "full")
 
-
-class ExperimentError(ValueError):
+class ExperimentError(ConfigError):
     """The experiment cannot run as configured; the message says what to change."""
 
 
@@ -68,7 +70,7 @@ class RunSpec:
 
 
 def parse_runs(text: str, *, scale_base: float, seed: int) -> list[RunSpec]:
-    """``"rope,xpos/b=512,xpos/seed=1"`` → run specs (module docstring of configs/extrapolation.py)."""
+    """``"rope,xpos/b=512,xpos/seed=1"`` → run specs (see configs/extrapolation.py)."""
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         position, *options = item.split("/")
@@ -142,24 +144,8 @@ def _stage_done(path: str, config: Config) -> dict | None:
     return stored
 
 
-def _held_out(config: Config, split: str, min_tokens: int) -> list[np.ndarray]:
-    """The split's documents of at least ``min_tokens`` tokens, in the dataset's order."""
-    from lexjax import data as data_lib
-
-    d = config.data
-    try:
-        source = data_lib.load_source(
-            d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
-        )
-    except ValueError as e:
-        raise ExperimentError(f"held-out text: {e}") from None
-    return list(data_lib.eval_documents(source, min_len=min_tokens))
-
-
 def machine() -> dict:
     """What the numbers were measured on (CPU model, usable cores, JAX devices)."""
-    import jax
-
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -181,8 +167,7 @@ def machine() -> dict:
 
 def _train_stage(spec, config, workdir, log) -> dict | None:
     """Trains (or resumes) one run; None when a signal stopped it before the last step."""
-    from lexjax import checkpoint as ckpt_lib
-    from lexjax import training
+    from lexjax import training  # the trainer's imports stay off evaluation-only runs
 
     path = os.path.join(workdir, "train.json")
     done = _stage_done(path, config)
@@ -196,8 +181,8 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     start = time.perf_counter()
     try:
         summary = training.train(config, workdir, log=log)
-    except (training.TrainingError, ckpt_lib.CheckpointError) as e:
-        raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
+    except (TrainingError, CheckpointError) as e:
+        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
     if summary.get("stopped_by"):
         return None
     summary.pop("checkpoint_dir", None)
@@ -208,24 +193,13 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
         "tokens": summary["step"] * config.batch_size * config.train_len,
         "seconds": time.perf_counter() - start,
     }
-    from lexjax import reports
-
     reports.write_json(path, record)
     return _read_json(path)
 
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per mode and attention resolution of one trained run, each stage once."""
-    from lexjax import checkpoint as ckpt_lib
-    from lexjax import cli, evaluation, reports
-    from lexjax.model import Decoder
-
-    lengths, documents = plan["lengths"], plan["documents"]
-    todo = [
-        m
-        for m in MODES
-        if _stage_done(os.path.join(workdir, f"perplexity_{m}.json"), config) is None
-    ]
+    todo = [m for m in MODES if _stage_done(_perplexity_path(workdir, m), config) is None]
     resolution_path = os.path.join(workdir, "resolution.json")
     if _stage_done(resolution_path, config) is None:
         todo.append("resolution")
@@ -233,78 +207,53 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         log(f"[{spec.name}] evaluated already")
         return
     try:
-        stored_config, params, step = cli.load_run(workdir)
-    except ckpt_lib.CheckpointError as e:
-        raise ExperimentError(f"run {spec.name}: {str(e).splitlines()[0]}") from None
+        stored_config, params, step = checkpoint.load_params(workdir)
+    except CheckpointError as e:
+        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
     model = Decoder(stored_config.model)
+    say = lambda message: log(f"[{spec.name}] {message}")
+
+    def write(path, start, results):
+        record = {"config": to_dict(config), "run": spec.name, "step": step}
+        record["seconds"] = time.perf_counter() - start
+        reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
+
     for mode in (m for m in MODES if m in todo):
-        docs = documents[: plan["docs"][mode]]
-        usable = []
-        for length in lengths:
-            try:
-                if mode == "full":
-                    evaluation.check_full_length(model.config, length)
-                usable.append(length)
-            except evaluation.EvaluationError as e:
-                log(f"[{spec.name}] no {length} without BCA: {e}")
-        log(
-            f"[{spec.name}] perplexity {mode}: {len(docs)} documents, lengths "
-            f"{', '.join(map(str, usable))}"
-        )
+        docs = plan["documents"][: plan["docs"][mode]]
+        say(f"perplexity {mode}: {len(docs)} documents")
         start = time.perf_counter()
         results = evaluation.perplexity(
             model,
             params,
             docs,
-            usable,
+            plan["lengths"],
             block=config.block,
             modes=[mode],
+            strict=False,
+            say=say,
             tokens_per_batch=plan["tokens_per_batch"],
         )
         for r in results:
-            log(
-                f"[{spec.name}]   {mode} {r.length:>6}: perplexity {r.perplexity:.4f} "
-                f"({r.seconds:.0f} s)"
-            )
-        reports.write_json(
-            os.path.join(workdir, f"perplexity_{mode}.json"),
-            {
-                "config": to_dict(config),
-                "run": spec.name,
-                "step": step,
-                "seconds": time.perf_counter() - start,
-                "results": [r.as_dict() for r in results],
-            },
-        )
+            say(f"  {mode} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
+        write(_perplexity_path(workdir, mode), start, results)
     if "resolution" in todo:
         start = time.perf_counter()
-        docs = [d for d in documents if len(d) >= 2 * config.train_len][
-            : plan["docs"]["resolution"]
-        ]
-        results = []
-        for mode in MODES:
-            for length in (config.train_len, 2 * config.train_len):
-                try:
-                    tokens = np.stack([d[:length] for d in docs])
-                    results.append(
-                        evaluation.measure_resolution(
-                            model, params, tokens, block=config.block, mode=mode
-                        )
-                    )
-                except evaluation.EvaluationError as e:
-                    log(f"[{spec.name}] no resolution at {length} ({mode}): {e}")
-        for r in results:
-            log(f"[{spec.name}]   resolution {r.mode} {r.length}: {r.mean:.3g}")
-        reports.write_json(
-            resolution_path,
-            {
-                "config": to_dict(config),
-                "run": spec.name,
-                "step": step,
-                "seconds": time.perf_counter() - start,
-                "results": [r.as_dict() for r in results],
-            },
+        results = evaluation.resolution_protocol(
+            model,
+            params,
+            plan["documents"],
+            train_len=config.train_len,
+            block=config.block,
+            max_docs=plan["docs"]["resolution"],
+            say=say,
         )
+        for r in results:
+            say(f"  resolution {r.mode} {r.length}: {r.mean:.3g}")
+        write(resolution_path, start, results)
+
+
+def _perplexity_path(workdir: str, mode: str) -> str:
+    return os.path.join(workdir, f"perplexity_{mode}.json")
 
 
 def _plan(exp, shared_config: Config) -> dict:
@@ -318,7 +267,8 @@ def _plan(exp, shared_config: Config) -> dict:
     if min(docs.values()) < 1:
         raise ExperimentError("bca_docs, full_docs and resolution_docs must be positive")
     longest = max(lengths[-1] + 1, 2 * shared_config.train_len)
-    documents = _held_out(shared_config, exp["eval_split"], longest)
+    _, documents = evaluation.held_out_documents(shared_config, splits=(exp["eval_split"],))
+    documents = [d for d in documents if len(d) >= longest]
     if not documents:
         raise ExperimentError(
             f"no {exp['eval_split']} document of {shared_config.data.name} has "
@@ -337,8 +287,6 @@ def _plan(exp, shared_config: Config) -> dict:
 
 def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
     """Appends this invocation's wall time and load averages to ``out/timing.json``."""
-    from lexjax import reports
-
     path = os.path.join(out, "timing.json")
     timing = _read_json(path) if os.path.exists(path) else {"invocations": []}
     timing["invocations"].append(
@@ -361,8 +309,6 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     configs/extrapolation.py) in ``out``, skipping finished stages, then writes the
     tables, JSON and figures. Returns the collected results, or None when a signal
     stopped a training (run again to continue)."""
-    from lexjax.experiments import report
-
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
     out = os.path.abspath(out)
     started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
@@ -398,18 +344,19 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     if stopped:
         log(f"stopped; run the same command again to continue ({out})")
         return None
-    collected = report.collect(out, specs, shared_config, plan, timing)
-    report.write_all(out, collected)
-    log(f"wrote {', '.join(report.OUTPUTS)} in {out}")
+    collected = reports.collect(out, specs, shared_config, plan, timing)
+    reports.write_all(out, collected)
+    log(f"wrote {', '.join(reports.OUTPUTS)} in {out}")
     return collected
 
 
 def main(argv) -> int:
+    """The program: a :class:`lexjax.errors.LexjaxError` is one line on stderr and
+    its exit status, as for train.py and eval.py (the library does not import
+    their command-line layer)."""
     import logging as py_logging
 
     from absl import logging
-
-    from lexjax import cli
 
     del argv
     # orbax logs every save and warns that evaluation opens checkpoints read-only;
@@ -418,10 +365,9 @@ def main(argv) -> int:
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
     try:
         collected = run_experiment(_CONFIG.value, _OUT.value)
-    except ExperimentError as e:
-        cli.fail(str(e), 2)
-    except (ValueError, OSError) as e:
-        cli.fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except LexjaxError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return e.exit_code
     if collected is not None:
         with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
             print(f.read())

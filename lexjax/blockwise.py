@@ -1,0 +1,183 @@
+"""The blockwise-causal window (BCA, paper §3.3): key/value cache, window positions, block scan.
+
+Letters in names: B batch, N tokens, W block (w = train_len/2), S cache slots,
+L layers, H heads, K head_dim, V vocabulary.
+
+A sequence is cut into blocks of w tokens. Token t, in block ``b = ⌊t/w⌋``,
+attends to the whole block ``b − 1`` (none for b = 0) and to block b up to
+itself: the mask of :func:`lexjax.masks.blockwise_causal`. Positions are
+window-relative (:func:`window_positions`): the previous block stands at
+``0 … w−1`` and the current one at ``w … 2w−1``, so no distance exceeds
+``2w − 1 = train_len − 1``. The first block has no previous block and stands
+at ``0 … w−1``: for relative encodings (XPOS, RoPE, ALiBi) only distances
+matter, so that is the same as ``w … 2w−1``; for absolute ones (sinusoidal,
+learned) it is what training showed the model for a sequence start, and every
+position stays below ``train_len``.
+
+Keys and values are cached *before* position encoding, so a block's keys are
+re-encoded at ``0 … w−1`` once it is the previous block; its values (and, for
+absolute encodings, the embedding added before the first layer) come from the
+step that computed it. The whole scan therefore equals the explicit mask over
+the sequence with positions ``0 … N−1`` for relative encodings and
+``i mod w + w·[i ≥ w]`` for absolute ones (tested).
+
+This module sits above :mod:`lexjax.model` (it calls the :class:`Decoder` with
+a :class:`KVCache`) and below :mod:`lexjax.evaluation` and
+:mod:`lexjax.generation`; all window arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lexjax.config import ModelConfig
+from lexjax.model import _DTYPES, Decoder
+
+__all__ = ["KVCache", "window_positions", "window_mask", "block_step", "scan_blocks", "pad_to"]
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of earlier tokens, before position encoding (a pytree).
+
+    ``k``, ``v``: ``[L, B, S, H, K]``; ``positions``: int32 ``[B, S]``, the
+    position each key is encoded at; ``valid``: bool ``[B, S]``, which slots
+    hold a key. Pure: every operation returns a new cache.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, size: int) -> KVCache:
+        """``size`` invalid slots per layer: zeros at position 0, in the compute dtype."""
+        shape = (config.num_layers, batch, size, config.num_heads, config.head_dim)
+        zeros = jnp.zeros(shape, _DTYPES[config.dtype])
+        return cls(
+            zeros, zeros, jnp.zeros((batch, size), jnp.int32), jnp.zeros((batch, size), bool)
+        )
+
+    def write(self, start, kv, positions_BxT, valid_BxT=None) -> KVCache:
+        """Stores ``kv = (k, v): [L, B, T, H, K]`` (a Decoder's ``new_kv``) at slots
+        ``start … start+T−1`` with their positions; valid unless ``valid_BxT`` says
+        otherwise. ``start`` may be traced."""
+        k, v = kv
+        if valid_BxT is None:
+            valid_BxT = jnp.ones(positions_BxT.shape, bool)
+        put = lambda old, new, axis: jax.lax.dynamic_update_slice_in_dim(
+            old, new.astype(old.dtype), start, axis
+        )
+        return KVCache(
+            put(self.k, k, 2),
+            put(self.v, v, 2),
+            put(self.positions, positions_BxT, 1),
+            put(self.valid, valid_BxT, 1),
+        )
+
+    def rotate(self, block: int) -> KVCache:
+        """For a cache of 2w slots ``[previous block, current block]``: the current
+        block becomes the previous one, at positions ``0 … w−1``, and the current
+        half empties (its slots keep stale keys, marked invalid)."""
+        B = self.valid.shape[0]
+        k, v = self.k[:, :, block:], self.v[:, :, block:]
+        positions_BxW = jnp.broadcast_to(window_positions(block, first=True), (B, block))
+        return KVCache(
+            jnp.concatenate([k, k], axis=2),
+            jnp.concatenate([v, v], axis=2),
+            jnp.concatenate([positions_BxW, positions_BxW], axis=1),
+            jnp.concatenate([self.valid[:, block:], jnp.zeros((B, block), bool)], axis=1),
+        )
+
+
+def window_positions(block: int, *, first, offsets=None) -> jax.Array:
+    """Window-relative int32 positions of tokens at ``offsets`` (default ``0 … w−1``)
+    inside the current block: the offsets in the first block, ``w + offsets`` after
+    it, where the previous block holds ``0 … w−1``. ``first`` may be traced."""
+    if offsets is None:
+        offsets = jnp.arange(block, dtype=jnp.int32)
+    return jnp.where(first, offsets, offsets + block).astype(jnp.int32)
+
+
+def window_mask(index: int, block: int, length: int) -> np.ndarray:
+    """bool ``[W, 2W]``: the (query, key) pairs of window ``index`` — queries its
+    block, keys ``[previous block, its block]`` — that attend, among the first
+    ``length`` tokens of the sequence (padding is never a query or a key)."""
+    q = np.arange(block)[:, None]
+    k = np.arange(2 * block)[None, :]
+    start = index * block
+    previous = (k < block) & (index > 0)
+    current = (k >= block) & (k - block <= q) & (start + k - block < length)
+    return (previous | current) & (start + q < length)
+
+
+def block_step(
+    model: Decoder, params, previous: KVCache, tokens_BxW, first, *, return_scores: bool = False
+):
+    """One BCA step: the current block attends to ``[previous block, itself]``.
+
+    Args:
+      previous: w slots holding the previous block at positions ``0 … w−1``
+        (all invalid before the first block).
+      tokens_BxW: the current block.
+      first: bool scalar, whether this is the sequence's first block.
+
+    Returns:
+      ``(logits_BxWxV, this block as the next step's previous KVCache, scores)``;
+      scores are ``[L, B, H, W, 2W]`` (keys ``[previous, current]``) when
+      ``return_scores``, else None.
+    """
+    B, W = tokens_BxW.shape
+    positions_BxW = jnp.broadcast_to(window_positions(W, first=first), (B, W))
+    out = model.apply(
+        {"params": params}, tokens_BxW, positions_BxW, cache=previous, return_scores=return_scores
+    )
+    logits, kv = out[:2]
+    following = previous.write(0, kv, jnp.broadcast_to(window_positions(W, first=True), (B, W)))
+    return logits, following, out[2] if return_scores else None
+
+
+def pad_to(x_BxN, multiple: int):
+    """Zero-pads the token axis (1) to a multiple of ``multiple``."""
+    n = x_BxN.shape[1]
+    return jnp.pad(x_BxN, ((0, 0), (0, -n % multiple)))
+
+
+def scan_blocks(
+    model: Decoder,
+    params,
+    tokens_BxN,
+    block: int,
+    emit: Callable | None = None,
+    *,
+    extra_BxN=None,
+    return_scores: bool = False,
+):
+    """The block scan: :func:`block_step` over every block of ``tokens_BxN``
+    (N a multiple of w), carrying only the previous block.
+
+    ``emit(logits_BxWxV, extra_BxW, scores)`` reduces each block's outputs on
+    the device (``extra_BxN`` is cut into blocks alongside the tokens; scores as
+    in :func:`block_step`); its results are stacked on a leading block axis.
+    Returns ``(the last block as a KVCache of w slots, stacked outputs or None)``.
+    XLA compiles the step once; memory is O(B·w) besides the inputs and outputs.
+    """
+    B, N = tokens_BxN.shape
+    n = N // block
+    to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
+
+    def step(previous, xs):
+        tokens_BxW, extra_BxW, index = xs
+        logits, previous, scores = block_step(
+            model, params, previous, tokens_BxW, index == 0, return_scores=return_scores
+        )
+        return previous, None if emit is None else emit(logits, extra_BxW, scores)
+
+    xs = (to_blocks(tokens_BxN), to_blocks(extra_BxN), jnp.arange(n, dtype=jnp.int32))
+    return jax.lax.scan(step, KVCache.empty(model.config, B, block), xs)
