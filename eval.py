@@ -7,7 +7,19 @@
 
 Uses the latest good checkpoint in WORKDIR/checkpoints and the config stored
 with it. Held-out text: the run dataset's test split (validation if it has
-none), or --eval_files. Results go to stdout and WORKDIR/eval/.
+none), or --eval_files.
+
+Which tokens are scored: the first --max_length tokens (the budget; default
+16 × train_len, or the largest --lengths if larger) of the first --max_docs
+documents that have that many (+1 for the last target). Every length cuts those
+same tokens into segments of its length, so every cell of the table scores the
+same tokens and a length gives the same number whatever other lengths are
+asked. A cell that cannot (a length that does not divide the budget, a length
+the mode cannot evaluate) is shown as missing, with the reason.
+
+Results go to stdout and WORKDIR/eval/: perplexity.json/.png hold the latest
+run, and a copy named after the settings (perplexity-step…-budget…-HASH.json)
+keeps every run's results.
 """
 
 from __future__ import annotations
@@ -27,8 +39,14 @@ _WORKDIR = flags.DEFINE_string(
 _LENGTHS = flags.DEFINE_list(
     "lengths",
     None,
-    "Evaluation lengths in tokens (default: 1,2,4,8,16 "
-    "× train_len, dropping those no document can serve).",
+    "Evaluation lengths in tokens (default: 1,2,4,8,16 × train_len); each must divide "
+    "--max_length.",
+)
+_MAX_LENGTH = flags.DEFINE_integer(
+    "max_length",
+    None,
+    "Token budget: tokens scored per document, the same for every length and mode "
+    "(default: 16 × train_len, or the largest --lengths if larger).",
 )
 _BCA = flags.DEFINE_enum(
     "bca",
@@ -67,6 +85,7 @@ def main(argv):
         cli.run_eval,
         _WORKDIR.value,
         lengths=_LENGTHS.value,
+        max_length=_MAX_LENGTH.value,
         bca=_BCA.value,
         eval_files=_EVAL_FILES.value,
         max_docs=_MAX_DOCS.value,

@@ -55,14 +55,14 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         )
         c.train.optim.end_lr_fraction = 0.05
         c.runs = "sinusoidal,alibi,rope,xpos,xpos/b=512,rope/seed=1,xpos/seed=1"
-        c.bca_docs = 24  # held-out documents with ≥ 16 × 128 + 1 tokens (29 exist)
-        c.full_docs = 24  # the same documents without BCA (dense: O(length) per token)
+        # Held-out documents with ≥ 16 × 128 + 1 tokens (29 exist); both modes score the first
+        # 2048 tokens of the same documents (the dense mode costs O(length) per token).
+        c.eval_docs = 24
         c.resolution_docs = 8
     elif preset == "paper":
         c.train = paper.get_config()
         c.runs = "sinusoidal,alibi,rope,xpos"
-        c.bca_docs = 100
-        c.full_docs = 100
+        c.eval_docs = 100
         c.resolution_docs = 32
     elif preset == "smoke":
         c.train = tiny.get_config()
@@ -82,8 +82,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         )
         c.runs = "rope,xpos"
         c.multipliers = "1,2"
-        c.bca_docs = 2
-        c.full_docs = 2
+        c.eval_docs = 2
         c.resolution_docs = 2
     else:
         raise ConfigError(

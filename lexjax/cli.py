@@ -141,6 +141,7 @@ def run_eval(
     workdir: str,
     *,
     lengths=None,
+    max_length: int | None = None,
     bca: str = "both",
     eval_files: str | None = None,
     max_docs: int = 20,
@@ -158,6 +159,8 @@ def run_eval(
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
     if max_docs < 1:
         raise ConfigError(f"--max_docs={max_docs} must be positive")
+    if max_length is not None and max_length < 1:
+        raise ConfigError(f"--max_length={max_length} must be positive")
     requested = parse_lengths(lengths)
     if generate:
         generation.check_sampling(**sampling)
@@ -171,6 +174,7 @@ def run_eval(
         step,
         workdir,
         lengths=requested,
+        max_length=max_length,
         modes=BCA_MODES[bca],
         eval_files=eval_files,
         max_docs=max_docs,

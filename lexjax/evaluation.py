@@ -11,18 +11,25 @@ positions ``0 … N−1``, evaluated C queries at a time against a key/value cac
 of all N positions, so the largest score matrix is ``C × (N + C)``, not
 ``N × N``.
 
-Perplexity follows the paper's protocol: documents of at least ``L_max + 1``
-tokens; the first ``L_max + 1`` of each give ``L_max`` (input, target) pairs,
-which are split into segments of the evaluated length ``l``, each evaluated
-on its own from its first token; perplexity = exp(mean NLL over every
-target). Each length and mode therefore scores the same ``docs × L_max``
-targets.
+Perplexity follows the paper's protocol with a fixed **token budget**
+``max_length`` (the paper's 4k): documents of at least ``max_length + 1``
+tokens; the first ``max_length + 1`` of each give ``max_length`` (input,
+target) pairs, which are split into segments of the evaluated length ``l``,
+each evaluated on its own from its first token; perplexity = exp(mean NLL
+over every target). Every cell (mode, length) of a table therefore scores the
+same ``docs × max_length`` targets, and a cell's number depends only on the
+checkpoint, its mode and length, the budget and the documents — never on
+which other lengths were asked. A cell that cannot score all of them (a
+length that does not divide the budget, a mode that cannot evaluate a
+length) is missing, never computed on other tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 import os
 import sys
@@ -38,7 +45,7 @@ from lexjax import positions as pos_lib
 from lexjax import reports
 from lexjax import resolution as res_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
-from lexjax.config import Config, ModelConfig
+from lexjax.config import Config, ConfigError, ModelConfig
 from lexjax.data.builders import glob_files
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
@@ -55,7 +62,11 @@ __all__ = [
     "ResolutionResult",
     "measure_resolution",
     "held_out_documents",
-    "usable_lengths",
+    "select_documents",
+    "default_lengths",
+    "budget",
+    "settings_name",
+    "cell_problem",
     "resolution_protocol",
     "evaluate_run",
 ]
@@ -207,15 +218,15 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
 
 
 def segments(documents: Sequence[np.ndarray], length: int, max_length: int) -> np.ndarray:
-    """``[docs · ⌊max_length/length⌋, length + 1]`` int32: the paper's segments.
+    """``[docs · max_length/length, length + 1]`` int32: the paper's segments.
 
     The first ``max_length + 1`` tokens of each document give ``max_length``
-    targets, split into runs of ``length`` (a remainder shorter than
-    ``length`` is left out); a segment carries its ``length`` inputs and the
-    one token after them (consecutive segments share it).
+    targets, split into runs of ``length`` (which must divide ``max_length``,
+    so no target is left out); a segment carries its ``length`` inputs and
+    the one token after them (consecutive segments share it).
     """
-    if not 1 <= length <= max_length:
-        raise EvaluationError(f"length {length} must be in 1 … {max_length}")
+    if not 1 <= length <= max_length or max_length % length:
+        raise EvaluationError(f"length {length} must divide the budget of {max_length} tokens")
     rows = []
     for doc in documents:
         if len(doc) < max_length + 1:
@@ -236,6 +247,7 @@ class PerplexityResult:
     tokens: int
     documents: int
     seconds: float
+    max_length: int  # the token budget per document (every cell of a table scores the same)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -251,6 +263,18 @@ def _batches(rows: np.ndarray, batch: int):
         yield part, real
 
 
+def cell_problem(config: ModelConfig, mode: str, length: int, max_length: int) -> str | None:
+    """Why the cell (mode, length) cannot score the budget's tokens, or None."""
+    if max_length % length:
+        return f"length {length} does not divide the budget of {max_length} tokens"
+    if mode == "full":
+        try:
+            check_full_length(config, length)
+        except EvaluationError as e:
+            return str(e)
+    return None
+
+
 def perplexity(
     model: Decoder,
     params,
@@ -258,6 +282,7 @@ def perplexity(
     lengths: Iterable[int],
     *,
     block: int,
+    max_length: int | None = None,
     modes: Iterable[str] = MODES,
     tokens_per_batch: int = 8192,
     progress: bool = False,
@@ -267,15 +292,16 @@ def perplexity(
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
     Args:
-      documents: int32 token arrays, each at least ``max(lengths) + 1`` long.
-      lengths: evaluated lengths (see :func:`segments` for one that does not
-        divide the largest).
+      documents: int32 token arrays, each at least ``max_length + 1`` long.
+      lengths: evaluated lengths.
       block: w = train_len/2; the full mode uses it as its query chunk too.
+      max_length: the token budget per document (default: the largest length).
       tokens_per_batch: segments are batched up to this many tokens per call.
       progress: show a :class:`lexjax.progress.Progress` on stderr, counting
         targets over all lengths and modes.
-      strict: a length :func:`check_full_length` refuses without BCA raises;
-        otherwise that mode skips it, saying so with ``say``.
+      strict: a cell :func:`cell_problem` refuses (a length that does not
+        divide the budget; one the mode cannot evaluate) raises; otherwise it
+        is skipped, saying so with ``say``, and missing from the results.
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
@@ -286,19 +312,20 @@ def perplexity(
         raise EvaluationError(f"lengths must be positive, got {lengths}")
     if not documents:
         raise EvaluationError("no documents to evaluate")
-    max_length = lengths[-1]
+    max_length = lengths[-1] if max_length is None else int(max_length)
+    if lengths[-1] > max_length:
+        raise EvaluationError(f"length {lengths[-1]} exceeds the budget of {max_length} tokens")
     cells = []
     for mode in modes:
         for length in lengths:
-            try:
-                if mode == "full":
-                    check_full_length(model.config, length)
+            problem = cell_problem(model.config, mode, length, max_length)
+            if problem is None:
                 cells.append((mode, length))
-            except EvaluationError as e:
-                if strict:
-                    raise
-                say(f"note: skipping length {length} without BCA: {e}")
-    total = len(documents) * sum(max_length // n * n for _, n in cells)
+            elif strict:
+                raise EvaluationError(problem)
+            else:
+                say(f"note: no {mode} cell at length {length}: {problem}")
+    total = len(documents) * max_length * len(cells)
     bar = Progress(total, label="tokens", enabled=progress)
     done = 0
     results = []
@@ -319,7 +346,9 @@ def perplexity(
         nll = nll_sum / count
         seconds = time.perf_counter() - start
         results.append(
-            PerplexityResult(mode, length, math.exp(nll), nll, count, len(documents), seconds)
+            PerplexityResult(
+                mode, length, math.exp(nll), nll, count, len(documents), seconds, max_length
+            )
         )
     bar.close()
     return results
@@ -336,6 +365,9 @@ class ResolutionResult:
     mean: float  # mean over layers
     expected_scores: tuple  # per layer, s[n] for n = 0 … max distance (eq. 11)
     documents: int
+    # R's sums run over every distance s holds, so R of two modes compares only at
+    # equal N: this is the mean R over the distances 0 … 2w−1 a BCA window holds.
+    window_mean: float
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -425,6 +457,7 @@ def measure_resolution(
         mask_sets = [window_mask(b, block, n) for b in range(len(windows))]
         curves = _pooled_expected_scores(score_sets, mask_sets)
     per_layer = np.asarray(res_lib.attention_resolution(curves))
+    window = np.asarray(res_lib.attention_resolution(curves[:, : 2 * block]))
     return ResolutionResult(
         mode,
         n,
@@ -432,6 +465,7 @@ def measure_resolution(
         float(per_layer.mean()),
         tuple(map(tuple, curves.tolist())),
         B,
+        float(window.mean()),
     )
 
 
@@ -472,26 +506,45 @@ def held_out_documents(
         raise DataError(str(e).strip().splitlines()[0] if str(e) else type(e).__name__) from e
 
 
-def usable_lengths(documents, lengths, *, explicit: bool, max_docs: int, where: str, say=_stderr):
-    """``(lengths, documents)``: the lengths some document can serve (+1 token for
-    the last target) and the first ``max_docs`` documents long enough for the
-    largest. Lengths no document serves are dropped with a note, or raise
-    :class:`DataError` when they were asked for ``explicit``-ly or none is left."""
-    longest = max((len(d) for d in documents), default=0)
-    usable = [n for n in lengths if n + 1 <= longest]
-    if len(usable) < len(lengths):
-        dropped = [n for n in lengths if n not in usable]
-        detail = (
-            f"{where} has {len(documents)} documents, the longest {longest} tokens; "
-            f"length {dropped[-1]} needs {dropped[-1] + 1}"
+def select_documents(documents, max_length: int, *, max_docs: int, where: str):
+    """The first ``max_docs`` documents with at least ``max_length + 1`` tokens (the
+    budget and the token after it); :class:`DataError` when there is none."""
+    chosen = [d for d in documents if len(d) >= max_length + 1][:max_docs]
+    if not chosen:
+        longest = max((len(d) for d in documents), default=0)
+        raise DataError(
+            f"no document is long enough for the budget of {max_length} tokens: {where} has "
+            f"{len(documents)} documents, the longest {longest} tokens; pass --max_length="
+            f"{max(longest - 1, 1)} or less (with --lengths that divide it) or other --eval_files"
         )
-        if explicit or not usable:
-            raise DataError(
-                f"no document is long enough: {detail}; choose smaller --lengths "
-                "or other --eval_files"
-            )
-        say(f"note: dropping lengths {', '.join(map(str, dropped))}: {detail}")
-    return usable, [d for d in documents if len(d) >= usable[-1] + 1][:max_docs]
+    return chosen
+
+
+def default_lengths(train_len: int) -> list[int]:
+    """1, 2, 4, 8 and 16 × ``train_len``."""
+    return [m * train_len for m in (1, 2, 4, 8, 16)]
+
+
+def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None) -> int:
+    """The token budget: ``max_length`` if given (it must hold the largest length),
+    else 16 × ``train_len``, raised to the largest length when that is larger."""
+    if max_length is None:
+        return max(16 * train_len, *lengths)
+    if max_length < max(lengths):
+        raise ConfigError(
+            f"--max_length={max_length} is below the largest length {max(lengths)}; "
+            "raise it or ask for shorter --lengths"
+        )
+    return max_length
+
+
+def settings_name(kind: str, settings: dict) -> str:
+    """A file stem derived from the settings of an evaluation, e.g.
+    ``perplexity-step200-bca+full-budget4096-5d8e21c0``: runs with other settings
+    never write over each other; the same settings give the same numbers."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    modes = "+".join(settings["modes"])
+    return f"{kind}-step{settings['step']}-{modes}-budget{settings['max_length']}-{digest}"
 
 
 def resolution_protocol(
@@ -536,6 +589,7 @@ def evaluate_run(
     workdir: str,
     *,
     lengths: Sequence[int] | None = None,
+    max_length: int | None = None,
     modes: Sequence[str] = MODES,
     eval_files: str | None = None,
     max_docs: int = 20,
@@ -544,49 +598,68 @@ def evaluate_run(
     say: Callable[[str], None] = _stderr,
 ) -> list[str]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
-    4, 8, 16 × train_len, dropping what no document serves), optionally attention
-    resolution and Figure 1. Prints the tables on stdout and writes
-    ``WORKDIR/eval/perplexity.{json,png}`` (``resolution.json``,
-    ``expectation.png``); returns the paths written."""
+    4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
+    attention resolution and Figure 1. Prints the tables on stdout and writes
+    ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
+    name derived from the settings (:func:`settings_name`), which later runs with
+    other settings leave in place (likewise ``resolution``); ``expectation.png``.
+    Returns the paths written."""
     model = Decoder(config.model)
     train_len, position = config.train_len, config.model.position
+    lengths = sorted(set(lengths or default_lengths(train_len)))
+    max_length = budget(train_len, lengths, max_length)
     where, documents = held_out_documents(config, eval_files, say)
-    lengths, chosen = usable_lengths(
-        documents,
-        lengths or [m * train_len for m in (1, 2, 4, 8, 16)],
-        explicit=lengths is not None,
-        max_docs=max_docs,
-        where=where,
-        say=say,
-    )
+    chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
+    missing = [
+        {"mode": m, "length": n, "reason": problem}
+        for m in modes
+        for n in lengths
+        if (problem := cell_problem(config.model, m, n, max_length))
+    ]
+    if len(missing) == len(modes) * len(lengths):
+        raise EvaluationError(f"no length can be evaluated as asked: {missing[0]['reason']}")
     results = perplexity(
         model,
         params,
         chosen,
         lengths,
         block=config.block,
+        max_length=max_length,
         modes=modes,
-        strict=list(modes) == ["full"],
+        strict=False,
         say=say,
         progress=True,
     )
-    out_dir = os.path.join(workdir, "eval")
+    settings = dict(
+        step=step,
+        modes=list(modes),
+        lengths=lengths,
+        max_length=max_length,
+        documents=len(chosen),
+        source=where,
+    )
     info = dict(train_len=train_len, position=position, step=step, source=where)
-    # Every length shares the largest's documents, so every cell scores the same tokens.
     print(
         f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
         f"on {where}\n"
     )
-    print(reports.perplexity_table(results, position))
-    written = [os.path.join(out_dir, "perplexity.json"), os.path.join(out_dir, "perplexity.png")]
-    reports.write_json(written[0], reports.perplexity_json(results, **info))
+    print(reports.perplexity_table(results, position, missing=missing))
+    out_dir = os.path.join(workdir, "eval")
+    stems = ["perplexity", settings_name("perplexity", settings)]
+    summary = reports.perplexity_json(
+        results, **info, max_length=max_length, settings=settings, missing=missing
+    )
     curves = [
         (position, m, sorted((r.length, r.perplexity) for r in results if r.mode == m))
         for m in modes
     ]
-    reports.plot_perplexity(
-        curves, written[1], train_len=train_len, title=f"{position}, train_len {train_len}"
-    )
+    written = []
+    for stem in stems:
+        written += [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.png")]
+        reports.write_json(written[-2], summary)
+        reports.plot_perplexity(
+            curves, written[-1], train_len=train_len, title=f"{position}, train_len {train_len}"
+        )
     if resolution:
         measured = resolution_protocol(
             model,
@@ -601,8 +674,10 @@ def evaluate_run(
         )
         print("\nattention resolution (paper eq. 3 with eq. 11)\n")
         print(reports.resolution_table(measured, position))
-        written.append(os.path.join(out_dir, "resolution.json"))
-        reports.write_json(written[-1], reports.resolution_json(measured, **info))
+        settings = dict(settings, max_length=2 * train_len, kind="resolution")
+        for stem in ("resolution", settings_name("resolution", settings)):
+            written.append(os.path.join(out_dir, f"{stem}.json"))
+            reports.write_json(written[-1], reports.resolution_json(measured, **info))
     if figure:
         m = config.model
         written.append(os.path.join(out_dir, "expectation.png"))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lexjax import resolution as res_lib
+from lexjax.config import ABSOLUTE_ENCODINGS
 
 __all__ = [
     "MODE_NAMES",
@@ -45,49 +46,40 @@ POSITION_NAMES = {
 _ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
 
 
-def perplexity_table(results: Sequence, position: str) -> str:
-    """Markdown: one row per mode, one column per length (paper Table 2)."""
-    lengths = sorted({r.length for r in results})
+def perplexity_table(results: Sequence, position: str, missing: Sequence[dict] = ()) -> str:
+    """Markdown: one row per mode, one column per length (paper Table 2); a
+    ``missing`` cell (``{"mode", "length", "reason"}``) shows "—" and its reason below."""
+    lengths = sorted({r.length for r in results} | {m["length"] for m in missing})
     modes = [m for m in MODE_NAMES if any(r.mode == m for r in results)]
+    modes += [m for m in MODE_NAMES if m not in modes and any(x["mode"] == m for x in missing)]
     cell = {(r.mode, r.length): r for r in results}
-    lines = [
-        "| " + " | ".join(["model"] + [str(n) for n in lengths]) + " |",
-        "|" + "---|" * (len(lengths) + 1),
-    ]
+    lines = [_header("model", lengths)]
     for mode in modes:
-        row = [f"{position} {MODE_NAMES[mode]}"]
-        row += [f"{cell[mode, n].perplexity:.3f}" if (mode, n) in cell else "–" for n in lengths]
-        lines.append("| " + " | ".join(row) + " |")
+        cells = [f"{cell[mode, n].perplexity:.3f}" if (mode, n) in cell else "—" for n in lengths]
+        lines.append(_row(f"{position} {MODE_NAMES[mode]}", cells))
     some = results[0]
-    lines.append("")
-    lines.append(
-        f"{some.documents} documents; tokens per cell: "
-        + ", ".join(
-            f"{n}: {cell[m, n].tokens}" for m in modes[:1] for n in lengths if (m, n) in cell
+    lines += [
+        "",
+        f"every cell: {some.documents} documents × the first {some.max_length} tokens = "
+        f"{some.tokens} scored tokens",
+    ]
+    lines += [f"— {m['mode']} {m['length']}: {m['reason']}" for m in missing]
+    if position in ABSOLUTE_ENCODINGS and "bca" in modes:
+        lines.append(
+            f"with BCA, {position} positions are window-relative (a lexjax choice: each token "
+            "keeps the position of the window that computed it, all below train_len)"
         )
-    )
     return "\n".join(lines)
 
 
 def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
-    """``{"train_len", "results": [{"mode", "length", "perplexity", "tokens", "documents", ...}]}``.
+    """``{"train_len", ..., "results": [{"mode", "length", "perplexity", "tokens",
+    "documents", "max_length", ...}]}``.
 
     ``seconds`` (and ``tokens_per_second``) are wall time including each
     shape's compilation; ``bench/eval_throughput.py`` measures steady speed.
     """
-    rows = []
-    for r in results:
-        row = {
-            "mode": r.mode,
-            "length": r.length,
-            "perplexity": r.perplexity,
-            "tokens": r.tokens,
-            "documents": r.documents,
-            "nll": r.nll,
-            "seconds": r.seconds,
-            "tokens_per_second": r.tokens / max(r.seconds, 1e-9),
-        }
-        rows.append(row)
+    rows = [dict(r.as_dict(), tokens_per_second=r.tokens / max(r.seconds, 1e-9)) for r in results]
     return {"train_len": train_len, **extra, "results": rows}
 
 
@@ -144,16 +136,15 @@ def plot_perplexity(
 def resolution_table(results: Sequence, position: str) -> str:
     """Markdown in the spirit of paper Table 3: a row per (mode, length), R per layer and mean."""
     layers = len(results[0].per_layer)
-    lines = [
-        "| model | length | " + " | ".join(f"layer {i + 1}" for i in range(layers)) + " | mean |",
-        "|" + "---|" * (layers + 3),
-    ]
+    columns = ["length", *(f"layer {i + 1}" for i in range(layers)), "mean", "mean, N = window"]
+    lines = [_header("model", columns)]
     for r in results:
-        lines.append(
-            f"| {position} {MODE_NAMES[r.mode]} | {r.length} | "
-            + " | ".join(f"{x:.3g}" for x in r.per_layer)
-            + f" | {r.mean:.3g} |"
-        )
+        cells = [str(r.length), *(f"{x:.3g}" for x in r.per_layer), f"{r.mean:.3g}"]
+        lines.append(_row(f"{position} {MODE_NAMES[r.mode]}", [*cells, f"{r.window_mean:.3g}"]))
+    lines.append(
+        "\nR sums over every distance its curve holds; the last column sums over the "
+        "distances a BCA window holds (0 … train_len − 1) in every mode, so modes compare there."
+    )
     return "\n".join(lines)
 
 
@@ -167,6 +158,7 @@ def resolution_json(results: Sequence, *, train_len: int, **extra) -> dict:
                 "length": r.length,
                 "per_layer": list(r.per_layer),
                 "mean": r.mean,
+                "window_mean": r.window_mean,
                 "documents": r.documents,
                 "expected_scores": [list(s) for s in r.expected_scores],
             }
@@ -252,6 +244,7 @@ def collect(out, specs, config, plan, timing) -> dict:
         for r in stored["results"]:
             resolution.setdefault(r["mode"], {})[str(r["length"])] = {
                 "mean": r["mean"],
+                "window_mean": r["window_mean"],
                 "per_layer": r["per_layer"],
                 "score_range": _score_range(r["expected_scores"]),
                 "mean_scores": np.mean(r["expected_scores"], axis=0).tolist(),
@@ -304,6 +297,7 @@ def collect(out, specs, config, plan, timing) -> dict:
     return {
         "train_len": config.train_len,
         "lengths": plan["lengths"],
+        "max_length": plan["max_length"],
         "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
         "eval_split": plan.get("eval_split"),
         "data": config.data.name,
@@ -391,16 +385,21 @@ def table3(c) -> str:
     """Paper Table 3: attention resolution (mean over layers) at 1× and 2× train_len, and the
     spread max − min of the measured expected scores s[n] that R depends on."""
     n1, n2 = c["train_len"], 2 * c["train_len"]
-    lines = [_header("model", [f"R at {n1}", f"R at {n2}", f"s range at {n1}", f"s range at {n2}"])]
+    columns = [f"R at {n1}", f"R at {n2}", f"R at {n2}, N = {n1}"]
+    lines = [_header("model", [*columns, f"s range at {n1}", f"s range at {n2}"])]
     for label, _, _, group in _variants(c["runs"]):
         for mode in MODE_NAMES:
             cells = []
-            for key in ("mean", "score_range"):
-                for n in (n1, n2):
+            for key, lengths in (
+                ("mean", (n1, n2)),
+                ("window_mean", (n2,)),
+                ("score_range", (n1, n2)),
+            ):
+                for n in lengths:
                     values = [r["resolution"].get(mode, {}).get(str(n), {}).get(key) for r in group]
                     values = [v for v in values if v is not None]
                     mean = float(np.mean(values)) if values else None
-                    cells.append(f"{mean:.3g}" if key == "mean" and values else _fmt(mean))
+                    cells.append(f"{mean:.3g}" if key != "score_range" and values else _fmt(mean))
             lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
     return "\n".join(lines)
 
@@ -542,9 +541,10 @@ def _settings(c) -> str:
         f"{t['batch_size']}, {t['num_train_steps']} steps = {first['tokens']:,} tokens per run, "
         f"learning rate {t['learning_rate']:g} ({t['warmup_steps']} warmup steps, "
         f"{t['schedule']})",
-        f"- evaluation: {c['documents']['bca']} documents of the {c['eval_split'] or 'test'} split "
-        f"with BCA, {c['documents']['full']} without, {c['documents']['resolution']} for "
-        f"resolution; lengths {', '.join(map(str, c['lengths']))}",
+        f"- evaluation: the first {c['max_length']} tokens of {c['documents']['perplexity']} "
+        f"documents of the {c['eval_split'] or 'test'} split, the same tokens for every length "
+        f"and mode; lengths {', '.join(map(str, c['lengths']))}; "
+        f"{c['documents']['resolution']} documents for resolution",
         f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['backend']} "
         f"({mach['devices']}), jax {mach['jax']}",
         f"- wall time: {c['wall_seconds'] / 60:.1f} min over {len(c['invocations'])} "

@@ -52,32 +52,51 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     texts.mkdir()
     for i in range(3):
         (texts / f"doc{i}.txt").write_text("lexjax " * (20 + 5 * i))  # 142+ tokens
-    done = _run(
-        "eval.py", f"--workdir={workdir}", f"--eval_files={texts}/*.txt", "--resolution", "--figure"
-    )
+    first = [f"--workdir={workdir}", f"--eval_files={texts}/*.txt", "--max_length=128"]
+    done = _run("eval.py", *first, "--lengths=32,48,64,128", "--resolution", "--figure")
     assert done.returncode == 0, done.stderr[-2000:]
-    # Default lengths 32 … 512; documents of 142–212 tokens serve 32, 64 and 128.
-    assert "dropping lengths 256, 512" in done.stderr
     assert "| xpos with BCA |" in done.stdout and "| xpos without BCA |" in done.stdout
+    # 48 does not divide the budget: a missing cell with its reason, not fewer tokens.
+    assert "— bca 48: length 48 does not divide the budget of 128 tokens" in done.stdout
+    assert "every cell: 3 documents × the first 128 tokens = 384 scored tokens" in done.stdout
     # stderr is not a terminal here: progress comes as plain lines, not a redrawn bar.
     assert re.search(r"^tokens \d+/\d+ ", done.stderr, re.M) and "\r" not in done.stderr
-    with open(os.path.join(workdir, "eval", "perplexity.json")) as f:
+    eval_dir = os.path.join(workdir, "eval")
+    with open(os.path.join(eval_dir, "perplexity.json")) as f:
         summary = json.load(f)
-    assert summary["train_len"] == 32
+    assert summary["train_len"] == 32 and summary["max_length"] == 128
     rows = summary["results"]
     assert {(r["mode"], r["length"]) for r in rows} == {
         (m, n) for m in ("bca", "full") for n in (32, 64, 128)
     }
+    assert {(m["mode"], m["length"]) for m in summary["missing"]} == {("bca", 48), ("full", 48)}
     for r in rows:
         assert isinstance(r["perplexity"], float) and r["perplexity"] > 1
-        assert r["tokens"] == 3 * 128 and r["documents"] == 3
-    with open(os.path.join(workdir, "eval", "resolution.json")) as f:
+        assert r["tokens"] == 3 * 128 and r["documents"] == 3 and r["max_length"] == 128
+    with open(os.path.join(eval_dir, "resolution.json")) as f:
         resolution = json.load(f)
     assert {(r["mode"], r["length"]) for r in resolution["results"]} == {
         (m, n) for m in ("bca", "full") for n in (32, 64)
     }
     for name in ("perplexity.png", "expectation.png"):
-        assert os.path.getsize(os.path.join(workdir, "eval", name)) > 0
+        assert os.path.getsize(os.path.join(eval_dir, name)) > 0
+
+    # A second run with other settings: a length asked alone gives the same number,
+    # perplexity.json is that run's, and the first run's results stay under their name.
+    done = _run("eval.py", *first, "--lengths=32", "--bca=on")
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(os.path.join(eval_dir, "perplexity.json")) as f:
+        alone = json.load(f)
+    assert [(r["mode"], r["length"]) for r in alone["results"]] == [("bca", 32)]
+    bca32 = next(r for r in rows if (r["mode"], r["length"]) == ("bca", 32))
+    assert alone["results"][0]["perplexity"] == pytest.approx(bca32["perplexity"], rel=1e-6)
+    kept = sorted(f for f in os.listdir(eval_dir) if re.match(r"perplexity-.+\.json$", f))
+    assert len(kept) == 2, kept
+    assert any("bca+full" in f for f in kept) and any("-bca-" in f for f in kept)
+    for name in kept:
+        assert os.path.exists(os.path.join(eval_dir, name[: -len(".json")] + ".png"))
+    with open(os.path.join(eval_dir, next(f for f in kept if "bca+full" in f))) as f:
+        assert json.load(f)["results"] == rows
 
     done = _run(
         "eval.py",
@@ -119,9 +138,13 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={short}", "--lengths=32,64"),
         3,
+        "budget of 512 tokens",
         "1 documents",
         "longest 52 tokens",
-        "length 64",
+        "--max_length=51",
+    )
+    _one_line_error(
+        _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
     )
 
     # A checkpoint whose stored config does not describe its arrays.
@@ -156,6 +179,7 @@ def test_old_workdir_evaluates_to_the_same_numbers(tmp_path):
         f"--workdir={workdir}",
         "--eval_files=tests/fixtures/eval_text.txt",
         "--lengths=16,32,64,128",
+        "--max_length=128",  # the budget the pre-redesign protocol took from the largest length
         "--bca=both",
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -142,3 +142,81 @@ def test_resolution_pools_the_scores_each_mode_attends(models):
     by_hand = [np.mean(np.diagonal(s, -d)) for d in range(2 * TRAIN_LEN)]
     np.testing.assert_allclose(full.expected_scores[0], by_hand, rtol=1e-4, atol=1e-5)
     assert np.isfinite(full.mean) and np.isfinite(bca.mean)
+
+
+def _documents(count, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, BASE.vocab_size, length).astype(np.int32) for _ in range(count)]
+
+
+def test_a_length_gives_the_same_number_whatever_other_lengths_are_asked(models):
+    model, params = models["xpos"]
+    docs = _documents(3, 4 * TRAIN_LEN + 1)
+    alone = evaluation.perplexity(model, params, docs, [W], block=W, max_length=4 * TRAIN_LEN)
+    among = evaluation.perplexity(
+        model, params, docs, [W, TRAIN_LEN, 4 * TRAIN_LEN], block=W, max_length=4 * TRAIN_LEN
+    )
+    for mode in evaluation.MODES:
+        a = next(r for r in alone if r.mode == mode)
+        b = next(r for r in among if (r.mode, r.length) == (mode, W))
+        assert (a.tokens, a.max_length) == (b.tokens, b.max_length) == (3 * 64, 64)
+        assert a.perplexity == pytest.approx(b.perplexity, rel=1e-6)
+
+
+def test_every_cell_of_a_table_scores_the_same_tokens(models):
+    """Learned positions cannot go past their table without BCA, and 12 does not
+    divide the budget: those cells are missing, the others score the same tokens."""
+    model, params = models["learned"]
+    docs = _documents(2, 2 * TRAIN_LEN + 1, seed=1)
+    budget = 2 * TRAIN_LEN
+    notes = []
+    results = evaluation.perplexity(
+        model, params, docs, [W, 12, TRAIN_LEN, budget], block=W, max_length=budget,
+        strict=False, say=notes.append,
+    )  # fmt: skip
+    cells = {(r.mode, r.length) for r in results}
+    assert cells == {
+        ("bca", W),
+        ("bca", TRAIN_LEN),
+        ("bca", budget),
+        ("full", W),
+        ("full", TRAIN_LEN),
+    }
+    assert {r.tokens for r in results} == {2 * budget} and {r.documents for r in results} == {2}
+    assert len(notes) == 3  # bca 12, full 12, full 32
+    with pytest.raises(evaluation.EvaluationError, match="does not divide"):
+        evaluation.perplexity(model, params, docs, [12], block=W, max_length=budget)
+    # The budget, not the largest length, fixes the tokens: W alone on the same budget.
+    alone = evaluation.perplexity(
+        model, params, docs, [W], block=W, max_length=budget, modes=["full"]
+    )
+    full_w = next(r for r in results if (r.mode, r.length) == ("full", W))
+    assert alone[0].perplexity == pytest.approx(full_w.perplexity, rel=1e-6)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_bca_gives_absolute_encodings_window_relative_positions(position):
+    """What the scan computes for absolute encodings, built by hand window by window:
+    for a one-layer model, token t of block b ≥ 1 is the plain training forward (no
+    cache, no block mask) over the tokens of blocks b − 1 … t, each embedded at the
+    position it had when its own block was scored (w + j after the first block,
+    j in it) — not at its position in the sequence, as the authors' code keeps."""
+    config = dataclasses.replace(BASE, position=position, num_layers=1)
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(3), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    tokens = _tokens(1, 4 * W + 1, seed=6)
+    scanned = np.asarray(evaluation.block_scan_logprobs(model, params, tokens, W))[0]
+    inputs, targets = np.asarray(tokens[0, :-1]), np.asarray(tokens[0, 1:])
+    forward = jax.jit(lambda x, p: model.apply({"params": params}, x[None], p[None])[0][0])
+    for t in range(len(inputs)):
+        b = t // W
+        window = np.arange(max(b - 1, 0) * W, t + 1)
+        embedded_at = np.where(window < W, window % W, W + window % W)
+        # Padded to 2w after the last token (causal: it cannot change it), one compile.
+        pad = 2 * W - len(window)
+        logits = forward(
+            jnp.asarray(np.pad(inputs[window], (0, pad))),
+            jnp.asarray(np.pad(embedded_at, (0, pad))),
+        )
+        by_hand = jax.nn.log_softmax(logits[len(window) - 1])[targets[t]]
+        np.testing.assert_allclose(scanned[t], by_hand, rtol=1e-5, atol=1e-5, err_msg=f"t={t}")

@@ -6,6 +6,9 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = [
     sys.executable,
@@ -43,6 +46,13 @@ def _number(cell):
     return float(cell)
 
 
+def _eq3(s):
+    """Attention resolution, paper eq. 3, of one curve s[0 … N]: the numerator's
+    e^{s[i+1]} exists for i < N, the denominator sums every term."""
+    e = np.exp(s - np.max(s))  # R does not change when a constant is added to s
+    return float(np.sum(e[:-1] * (e[:-1] - e[1:])) / np.sum(e) ** 2)
+
+
 def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     out = tmp_path / "out"
     done = _run(out)
@@ -61,9 +71,30 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     for row in rows:
         assert all(_number(c) > 1 for c in row[1:])
     header, rows = _table(out / "table3.md")
-    assert header == ["model", "R at 16", "R at 32", "s range at 16", "s range at 32"]
-    for row in rows:
-        assert all(-1 <= _number(c) <= 1 for c in row[1:3]) and _number(row[3]) >= 0
+    assert header == [
+        "model",
+        "R at 16",
+        "R at 32",
+        "R at 32, N = 16",
+        "s range at 16",
+        "s range at 32",
+    ]
+    # Every R is eq. 3 of the stored per-layer curves s[n] (eq. 11), here by hand in
+    # float64, averaged over layers; "N = 16" sums over the distances 0 … 15 only.
+    with open(out / "runs" / "rope_s0" / "resolution.json") as f:
+        stored = {(r["mode"], r["length"]): r for r in json.load(f)["results"]}
+    for r in stored.values():
+        curves = np.asarray(r["expected_scores"], np.float64)
+        assert r["mean"] == pytest.approx(np.mean([_eq3(s) for s in curves]), rel=1e-5)
+        assert r["window_mean"] == pytest.approx(np.mean([_eq3(s[:16]) for s in curves]), rel=1e-5)
+    rope_bca = next(row for row in rows if row[0] == "RoPE with BCA")
+    assert rope_bca[1:4] == [
+        f"{stored['bca', 16]['mean']:.3g}",
+        f"{stored['bca', 32]['mean']:.3g}",
+        f"{stored['bca', 32]['window_mean']:.3g}",
+    ]
+    # Under BCA every distance lies in a window, so at 32 N is 16 either way.
+    assert stored["bca", 32]["mean"] == pytest.approx(stored["bca", 32]["window_mean"])
 
     with open(out / "results.json") as f:
         results = json.load(f)

@@ -26,6 +26,7 @@ refused rather than mixed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,12 +38,17 @@ from collections.abc import Callable
 import jax
 
 from lexjax import checkpoint, evaluation, reports
-from lexjax.config import Config, ConfigError, from_configdict, to_dict
+from lexjax.config import REMOVED_FIELDS, Config, ConfigError, from_configdict, to_dict
 from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
 from lexjax.evaluation import MODES
 from lexjax.model import Decoder
 
 __all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_experiment"]
+
+# The evaluation protocol of the stage files. 2: every cell scores the same tokens of
+# one budget, and resolution is also given at equal N. Evaluations written by another
+# protocol are redone when the command runs again; trainings are kept.
+PROTOCOL = 2
 
 
 class ExperimentError(ConfigError):
@@ -128,20 +134,23 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def _stage_done(path: str, config: Config) -> dict | None:
-    """The stage's stored result if it exists and belongs to ``config``; refuses another config."""
+def _stage_done(path: str, config: Config, *, protocol: int | None = None) -> dict | None:
+    """The stage's stored result if it exists and belongs to ``config``; refuses another
+    config. A result of another evaluation ``protocol`` is not done (it is redone)."""
     if not os.path.exists(path):
         return None
     stored = _read_json(path)
     ours = json.loads(json.dumps(to_dict(config)))
-    if stored.get("config") != ours:
-        theirs = stored.get("config") or {}
+    theirs = {k: v for k, v in (stored.get("config") or {}).items() if k not in REMOVED_FIELDS}
+    with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
+        theirs = json.loads(json.dumps(to_dict(from_configdict(theirs))))
+    if theirs != ours:
         diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         raise ExperimentError(
             f"{path} was written for another training config (differs in "
             f"{', '.join(diff)}); use a new --out or the same config"
         )
-    return stored
+    return None if protocol not in (None, stored.get("protocol")) else stored
 
 
 def machine() -> dict:
@@ -199,9 +208,10 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per mode and attention resolution of one trained run, each stage once."""
-    todo = [m for m in MODES if _stage_done(_perplexity_path(workdir, m), config) is None]
+    done = lambda path: _stage_done(path, config, protocol=PROTOCOL) is not None
+    todo = [m for m in MODES if not done(_perplexity_path(workdir, m))]
     resolution_path = os.path.join(workdir, "resolution.json")
-    if _stage_done(resolution_path, config) is None:
+    if not done(resolution_path):
         todo.append("resolution")
     if not todo:
         log(f"[{spec.name}] evaluated already")
@@ -213,14 +223,15 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     model = Decoder(stored_config.model)
     say = lambda message: log(f"[{spec.name}] {message}")
 
-    def write(path, start, results):
-        record = {"config": to_dict(config), "run": spec.name, "step": step}
+    def write(path, start, results, **extra):
+        record = {"config": to_dict(config), "run": spec.name, "step": step, **extra}
+        record["protocol"] = PROTOCOL
         record["seconds"] = time.perf_counter() - start
         reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
     for mode in (m for m in MODES if m in todo):
-        docs = plan["documents"][: plan["docs"][mode]]
-        say(f"perplexity {mode}: {len(docs)} documents")
+        docs = plan["documents"][: plan["docs"]["perplexity"]]
+        say(f"perplexity {mode}: {len(docs)} documents × {plan['max_length']} tokens")
         start = time.perf_counter()
         results = evaluation.perplexity(
             model,
@@ -228,6 +239,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
             docs,
             plan["lengths"],
             block=config.block,
+            max_length=plan["max_length"],
             modes=[mode],
             strict=False,
             say=say,
@@ -235,7 +247,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         )
         for r in results:
             say(f"  {mode} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
-        write(_perplexity_path(workdir, mode), start, results)
+        write(_perplexity_path(workdir, mode), start, results, max_length=plan["max_length"])
     if "resolution" in todo:
         start = time.perf_counter()
         results = evaluation.resolution_protocol(
@@ -259,14 +271,18 @@ def _perplexity_path(workdir: str, mode: str) -> str:
 def _plan(exp, shared_config: Config) -> dict:
     """Lengths and held-out documents shared by every run."""
     lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
-    docs = {
-        "bca": int(exp["bca_docs"]),
-        "full": int(exp["full_docs"]),
-        "resolution": int(exp["resolution_docs"]),
-    }
+    # Both modes score the same documents and budget: every cell of a table the same tokens.
+    docs = {"perplexity": int(exp["eval_docs"]), "resolution": int(exp["resolution_docs"])}
     if min(docs.values()) < 1:
-        raise ExperimentError("bca_docs, full_docs and resolution_docs must be positive")
-    longest = max(lengths[-1] + 1, 2 * shared_config.train_len)
+        raise ExperimentError("eval_docs and resolution_docs must be positive")
+    max_length = lengths[-1]
+    uneven = [n for n in lengths if max_length % n]
+    if uneven:
+        raise ExperimentError(
+            f"multipliers: lengths {uneven} do not divide the largest, {max_length}: they "
+            "would score fewer tokens than the other cells; use powers of two"
+        )
+    longest = max(max_length + 1, 2 * shared_config.train_len)
     _, documents = evaluation.held_out_documents(shared_config, splits=(exp["eval_split"],))
     documents = [d for d in documents if len(d) >= longest]
     if not documents:
@@ -282,6 +298,7 @@ def _plan(exp, shared_config: Config) -> dict:
         "eval_split": exp["eval_split"],
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "longest": longest,
+        "max_length": max_length,
     }
 
 
