@@ -173,8 +173,8 @@ class WorkdirLease:
         except ValueError:
             moved_token = None
         if moved_token != stale.get("token"):
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.path)  # never over a lease created meanwhile
+            with contextlib.suppress(OSError):  # FileExistsError: never over a newer lease
+                os.link(aside, self.path)
             os.unlink(aside)
             return False
         os.unlink(aside)
@@ -192,9 +192,12 @@ class WorkdirLease:
             self.held = False
             return False
         tmp = f"{self.path}.{self.token}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._content())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._content())
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # e.g. a full disk: the next beat tries again; saving reports the disk
         return True
 
     def release(self) -> None:
