@@ -30,6 +30,8 @@ import sys
 
 from absl import app, flags, logging
 
+from lexjax import cli
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKDIR = flags.DEFINE_string(
     "workdir",
@@ -79,10 +81,7 @@ def main(argv):
     # read-only; lexjax's own warnings (a damaged checkpoint skipped) still show.
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
-    from lexjax import cli
-
-    return cli.main(
-        cli.run_eval,
+    return cli.run_eval(
         _WORKDIR.value,
         lengths=_LENGTHS.value,
         max_length=_MAX_LENGTH.value,
@@ -101,6 +100,12 @@ def main(argv):
     )
 
 
+def run(argv: list[str] | None = None) -> int:
+    """The program on ``argv`` (default ``sys.argv``); raises SystemExit like ``app.run``."""
+    # Flag parsing runs inside cli.main: a bad flag is one line, exit status 2.
+    return cli.main(app.run, main, argv=argv, flags_parser=cli.parse_flags)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, _HERE)
-    app.run(main)
+    sys.exit(run())

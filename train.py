@@ -46,9 +46,17 @@ _HEARTBEAT = flags.DEFINE_integer(
     100,
     "A process that sends no heartbeat for this long is dead; "
     "the others then stop (exit status 134) instead of waiting forever.",
+    lower_bound=1,
 )
 _INIT_TIMEOUT = flags.DEFINE_integer(
-    "initialization_timeout_s", 300, "How long to wait for every process to join."
+    "initialization_timeout_s", 300, "How long to wait for every process to join.", lower_bound=1
+)
+_LEASE_TIMEOUT = flags.DEFINE_float(
+    "lease_timeout_s",
+    120.0,
+    "The workdir lease's heartbeat timeout: another job takes over this job's lease once "
+    "it has sent no heartbeat for this long (a dead pid on the same host is noticed at once).",
+    lower_bound=1.0,
 )
 
 
@@ -63,11 +71,18 @@ def main(argv):
         heartbeat_timeout_s=_HEARTBEAT.value,
         initialization_timeout_s=_INIT_TIMEOUT.value,
     )
-    return cli.run_training(flags.FLAGS.config, _WORKDIR.value, cluster)
+    return cli.run_training(
+        flags.FLAGS.config, _WORKDIR.value, cluster, lease_timeout_s=_LEASE_TIMEOUT.value
+    )
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The program on ``argv`` (default ``sys.argv``); raises SystemExit like ``app.run``."""
+    # Flag parsing runs inside cli.main too: a bad flag or --config is one line, exit status 2.
+    parse = flags_parser(os.path.join(_HERE, "configs", "tiny.py"))
+    return cli.main(app.run, main, argv=argv, flags_parser=parse)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, _HERE)  # so configs/*.py can import each other
-    # Flag parsing runs inside cli.main too: a bad --config is one line, exit status 2.
-    parse = flags_parser(os.path.join(_HERE, "configs", "tiny.py"))
-    sys.exit(cli.main(app.run, main, flags_parser=parse))
+    sys.exit(run())

@@ -12,13 +12,14 @@ import os
 import sys
 
 import jax
+from absl import flags as absl_flags
 from absl import logging as absl_logging
 
 from lexjax import checkpoint, distributed, evaluation, generation, training
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
-__all__ = ["main", "run_training", "run_eval", "parse_lengths"]
+__all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths"]
 
 
 def main(program, *args, **kwargs) -> int:
@@ -33,6 +34,15 @@ def main(program, *args, **kwargs) -> int:
     except LexjaxError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl ``flags_parser`` of a program without ``--config`` (eval.py): a bad flag is a
+    one-line ConfigError (exit status 2), as :func:`lexjax.config.flags_parser` makes it."""
+    try:
+        return absl_flags.FLAGS(argv)
+    except absl_flags.Error as e:
+        raise ConfigError(one_line(e)) from None
 
 
 class _NoOrbaxErrors(logging.Filter):
@@ -93,14 +103,17 @@ def quiet_checkpoint_io_noise() -> None:
     sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
-def run_training(configdict, workdir: str, cluster: distributed.ClusterOptions) -> int:
+def run_training(
+    configdict, workdir: str, cluster: distributed.ClusterOptions, lease_timeout_s: float = 120.0
+) -> int:
     """train.py: validates the config, joins the processes of ``cluster``, trains.
 
     Only process 0 prints the summary. Errors propagate to :func:`main`.
     """
+    _check_workdir_flag(workdir)
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
-    summary = training.train(config, workdir)
+    summary = training.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0:
         return 0
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
@@ -115,15 +128,22 @@ def run_training(configdict, workdir: str, cluster: distributed.ClusterOptions) 
     return 0
 
 
+def _check_workdir_flag(workdir: str) -> None:
+    if not workdir.strip():
+        raise ConfigError("--workdir is empty; name the run's directory")
+
+
 # --------------------------------------------------------------------------- eval.py
 
 BCA_MODES = {"both": evaluation.MODES, "on": ("bca",), "off": ("full",)}
 
 
 def parse_lengths(values) -> list[int] | None:
-    """``--lengths`` strings → sorted positive ints; None or empty → None (the default)."""
-    if not values:
+    """``--lengths`` strings → sorted positive ints; None (not given) → None (the default)."""
+    if values is None:
         return None
+    if not values:
+        raise ConfigError("--lengths is empty; give lengths such as 256,1024 or leave it out")
     lengths = []
     for value in values:
         try:
@@ -155,15 +175,17 @@ def run_eval(
     Figure 1 (:func:`lexjax.evaluation.evaluate_run`), or with ``generate`` a
     continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
     temperature, top_k, top_p, seed; :func:`lexjax.generation.complete`)."""
+    _check_workdir_flag(workdir)
     if bca not in BCA_MODES:
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
     if max_docs < 1:
         raise ConfigError(f"--max_docs={max_docs} must be positive")
     if max_length is not None and max_length < 1:
         raise ConfigError(f"--max_length={max_length} must be positive")
+    if eval_files is not None and not eval_files.strip():
+        raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
     requested = parse_lengths(lengths)
-    if generate:
-        generation.check_sampling(**sampling)
+    generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     config, params, step = checkpoint.load_params(workdir)
     if generate:
         sys.stdout.write(prompt + generation.complete(config, params, prompt, **sampling) + "\n")

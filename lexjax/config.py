@@ -353,8 +353,9 @@ def _validated(config: Config) -> Config:
         )
     if m.position in ABSOLUTE_ENCODINGS and m.d_model % 2:
         raise ConfigError(f"model.d_model={m.d_model} must be even for {m.position} positions")
-    if not m.scale_base > 0:
-        raise ConfigError(f"model.scale_base={m.scale_base} must be positive")
+    for name in ("scale_base", "theta"):
+        if not getattr(m, name) > 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
     for name in ("dtype", "param_dtype"):
         if getattr(m, name) not in _DTYPES:
             raise ConfigError(f"model.{name}={getattr(m, name)!r}: use {', '.join(_DTYPES)}")
@@ -386,11 +387,30 @@ def _validated(config: Config) -> Config:
             f"optim.grad_accum_steps={o.grad_accum_steps} must divide "
             f"batch_size={config.batch_size}"
         )
+    if not 0 <= o.end_lr_fraction <= 1:
+        raise ConfigError(f"optim.end_lr_fraction={o.end_lr_fraction} must be in [0, 1]")
+    for name in ("b1", "b2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1)")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps={o.eps} must be positive")
+    for name, what in (("weight_decay", "0: none"), ("grad_clip", "0: no clipping")):
+        if getattr(o, name) < 0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be ≥ 0 ({what})")
+    if not 0 <= config.seed < 2**32:
+        raise ConfigError(f"seed={config.seed} must be in [0, 2**32) (the data shuffle's range)")
     if config.on_corrupt_checkpoint not in ("fallback", "error"):
         raise ConfigError("on_corrupt_checkpoint must be 'fallback' or 'error'")
     if config.peak_flops is not None and not config.peak_flops > 0:
         raise ConfigError(f"peak_flops={config.peak_flops} must be positive (FLOP/s per device)")
     d = config.data
+    for name in ("name", "text_feature"):
+        if not getattr(d, name).strip():
+            raise ConfigError(f"data.{name} is empty")
+    if d.worker_count < 0:
+        raise ConfigError(
+            f"data.worker_count={d.worker_count} must be ≥ 0 (0: no worker processes)"
+        )
     if d.name == "textfiles" and not d.files:
         raise ConfigError(
             "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"

@@ -72,7 +72,7 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
         if num_devices % known:
             raise ConfigError(
                 f"mesh {tuple(sizes)} cannot fill {num_devices} devices: "
-                f"{known} does not divide {num_devices}"
+                f"{known} does not divide {num_devices}; change mesh.data, mesh.fsdp or mesh.tensor"
             )
         sizes[fill[0]] = num_devices // known
     if math.prod(sizes) != num_devices:

@@ -24,6 +24,7 @@ import jax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
 from lexjax import distributed, metrics
+from lexjax import lease as lease_lib
 from lexjax.config import Config, to_dict
 from lexjax.errors import CheckpointError, TrainingError
 from lexjax.progress import Progress
@@ -94,8 +95,15 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     peak_flops: float | None = None,
+    lease_timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
+
+    The job holds the workdir's lease (:mod:`lexjax.lease`) throughout and
+    releases it on every exit: a second job on the same workdir raises
+    :class:`CheckpointError` naming the holder; a lease whose holder is gone
+    (dead pid on this host, or no heartbeat for its ``lease_timeout_s``) is
+    taken over with a one-line notice.
 
     SIGTERM / Ctrl-C finish the current step, save and return. A non-finite
     loss raises :class:`TrainingError` naming the step; that state is never
@@ -112,11 +120,16 @@ def train(
     _check_workdir(workdir)
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda _: None)
+    with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
+        return _train(config, workdir, lease, say, progress and is_main, stop_after, peak_flops)
+
+
+def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
     setup = TrainSetup(config)
     if jax.process_count() > 1:
         # Process 0 builds a dataset first, so processes sharing a data_dir never
         # write it at the same time; the others then load (or build their own copy).
-        if is_main:
+        if jax.process_index() == 0:
             _source(config, "train")
         distributed.any_process(False)
     data_iter = _iterator(config, _source(config, "train"), config.seed, config.data.worker_count)
@@ -134,8 +147,8 @@ def train(
         peak_flops = getattr(config, "peak_flops", None)
     try:
         state, step = _restore_or_init(setup, checkpointer, data_iter, say)
-        loop = _Loop(setup, checkpointer, data_iter, workdir, say, peak_flops)
-        return loop.run(state, step, val_batches, progress and is_main, stop_after)
+        loop = _Loop(setup, checkpointer, data_iter, workdir, say, peak_flops, lease)
+        return loop.run(state, step, val_batches, show_progress, stop_after)
     finally:
         checkpointer.close()
 
@@ -173,8 +186,9 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, say):
 class _Loop:
     """One invocation of the step loop, with its metrics, progress and saves."""
 
-    def __init__(self, setup: TrainSetup, checkpointer, data_iter, workdir, say, peak_flops):
+    def __init__(self, setup: TrainSetup, checkpointer, data_iter, workdir, say, peak_flops, lease):
         self.setup, self.checkpointer, self.data_iter = setup, checkpointer, data_iter
+        self.workdir, self.lease = workdir, lease
         self.say = say
         self.writer = metrics.MetricsWriter(workdir, jax.process_index() == 0)
         self.peak = metrics.peak_flops(jax.devices()[0].device_kind, peak_flops)
@@ -292,6 +306,7 @@ class _Loop:
         self.writer.write(step, {"val_loss": self.summary["val_loss"]})
 
     def _save(self, step: int, state) -> int:
+        lease_lib.check_held(self.lease, self.workdir)  # never write over another job
         self.checkpointer.save(
             step, state, data_iter=self.data_iter, config=to_dict(self.setup.config)
         )

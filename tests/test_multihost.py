@@ -10,6 +10,9 @@ rows, then process 1's — to the same 8-device mesh.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import signal
 import time
 
@@ -134,6 +137,32 @@ def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_r
     assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
+
+
+def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_0(ctx):
+    """Only the worker gets SIGTERM; the processes agree at the next log step, save that
+    step together (each its own data position) and exit 0; process 0 says why."""
+    workdir = ctx[0] / "sigterm-one"
+    procs = start_pair(ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000)
+    P.wait_until(lambda: P.last_step(workdir) >= 3, procs[0])
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    match = re.search(r"stopped by a signal to another process at step (\d+)", outputs[0][0])
+    assert match, outputs[0][0][-2000:]
+    stopped = int(match.group(1))
+    assert stopped == P.last_step(workdir) >= 3
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [stopped]  # one step, saved by both processes together
+    ckpt.close()
+    step_dir = workdir / "checkpoints" / str(stopped)
+    integrity = json.loads((step_dir / "integrity" / "metadata").read_text())
+    assert integrity["data_iter"]["process_count"] == 2
+    for i, digest in enumerate(integrity["data_iter"]["sha256"]):  # each process's position
+        position = json.loads((step_dir / "data_iter" / f"process_{i}-of-2.json").read_text())
+        canonical = json.dumps(position, sort_keys=True).encode()
+        assert hashlib.sha256(canonical).hexdigest() == digest
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])

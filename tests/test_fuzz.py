@@ -1,0 +1,300 @@
+"""Command-line fuzzing: every flag of train.py and eval.py and every config field gets
+values of the wrong type, out of range, empty, and a misspelled name. Each invalid
+value is one ``error:`` line naming what to change, a non-zero exit and no traceback;
+each valid value is accepted.
+
+In-process, through the programs' own ``run(argv)`` (absl parsing, the ``--config``
+parser, ``cli.main``'s one catch site, config and mesh validation); only the work
+after validation is replaced: training by the mesh check ``TrainSetup`` does first,
+joining processes by the check of the cluster flags, loading a checkpoint by a
+marker. A few subprocess spot checks run the real programs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+from absl import flags
+
+from lexjax import cli, distributed, sharding
+from lexjax import config as cfg
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FLAGS = flags.FLAGS
+
+# Per config field: (valid non-default values, invalid values besides the generic
+# wrong-type / empty / misspelled cases). sharding_rules is a table set in config
+# files, not a command-line value; it has its own test in test_config.py.
+FIELDS = {
+    "batch_size": (["8"], ["0", "-4", "12"]),  # 12 does not divide the 8-device mesh
+    "checkpoint_every": (["5"], ["0", "-1"]),
+    "data.data_dir": (["/tmp/lexjax-data"], []),
+    "data.files": (["/tmp/*.txt"], [" --config.data.name=textfiles"]),
+    "data.name": (["textfiles --config.data.files=/tmp/*.txt"], ["textfiles", ""]),
+    "data.text_feature": (["content"], [""]),
+    "data.worker_count": (["2"], ["-1"]),
+    "eval_batches": (["1"], ["0"]),
+    "eval_every": (["50"], ["0"]),
+    "keep_checkpoints": (["1"], ["0", "-2"]),
+    "learning_rate": (["1e-4"], ["0", "-1e-3", "nan"]),
+    "log_every": (["1"], ["0"]),
+    "mesh.data": (["2 --config.mesh.fsdp=4"], ["0", "-2", "3"]),
+    "mesh.fsdp": (["-1 --config.mesh.data=1"], ["0", "3", "-1"]),  # -1 twice
+    "mesh.tensor": (["2"], ["0", "3"]),
+    "model.attention_impl": (["fused"], ["flash"]),
+    "model.d_model": (["128"], ["0", "-8", "250"]),  # 250: heads do not divide it
+    "model.dtype": (["bfloat16"], ["float64", "fp32"]),
+    "model.max_len": (["512"], ["128", "-1"]),  # below train_len
+    "model.mlp_dim": (["512"], ["0", "-1"]),
+    "model.num_heads": (["8"], ["0", "3"]),
+    "model.num_layers": (["2"], ["0", "-1"]),
+    "model.param_dtype": (["bfloat16"], ["int8"]),
+    "model.position": (["rope", "alibi", "learned", "none"], ["relative", "XPOS"]),
+    "model.remat": (["True"], []),
+    "model.scale_base": (["256"], ["0", "-512"]),
+    "model.scan_layers": (["True"], []),
+    "model.theta": (["500000"], ["0", "-1"]),
+    "model.tie_embeddings": (["False"], []),
+    "model.vocab_size": (["512"], ["100", "0"]),
+    "num_train_steps": (["10"], ["0", "-1"]),
+    "on_corrupt_checkpoint": (["error"], ["ignore"]),
+    "optim.b1": (["0.8"], ["1.0", "-0.1"]),
+    "optim.b2": (["0.95"], ["1.5"]),
+    "optim.end_lr_fraction": (["0.0"], ["1.5", "-0.1"]),
+    "optim.eps": (["1e-8"], ["0", "-1e-8"]),
+    "optim.grad_accum_steps": (["2"], ["0", "3"]),  # 3 does not divide batch_size 16
+    "optim.grad_clip": (["0"], ["-1"]),
+    "optim.schedule": (["constant", "polynomial"], ["linear"]),
+    "optim.weight_decay": (["0"], ["-0.1"]),
+    "peak_flops": (["1e15"], ["0", "-1"]),
+    "seed": (["123"], ["-1", str(2**32)]),
+    "sharding": (["fsdp", "data"], ["fdsp"]),
+    "train_len": (["128"], ["0", "7", "-2"]),
+    "warmup_steps": (["0"], ["-1"]),
+}
+
+# Per flag of train.py / eval.py: (valid argument lists, invalid values). A value may be
+# followed by the other flags it needs, after a space.
+TRAIN_FLAGS = {
+    "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
+    "distributed": ([["--distributed=off"]], ["maybe", ""]),
+    "coordinator_address": (
+        [["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]],
+        ["127.0.0.1", "", "host:port"],
+    ),
+    "num_processes": (
+        [["--coordinator_address=h:1", "--num_processes=4", "--process_id=3"]],
+        ["0 --coordinator_address=h:1 --process_id=0", "2"],  # 2: without the other two
+    ),
+    "process_id": (
+        [["--coordinator_address=h:1", "--num_processes=2", "--process_id=0"]],
+        [
+            "-1 --coordinator_address=h:1 --num_processes=2",
+            "2 " + "--coordinator_address=h:1 --num_processes=2",
+        ],
+    ),
+    "heartbeat_timeout_s": ([["--heartbeat_timeout_s=10"]], ["0", "-5"]),
+    "initialization_timeout_s": ([["--initialization_timeout_s=10"]], ["0", "-1"]),
+    "lease_timeout_s": ([["--lease_timeout_s=30"]], ["0", "-1"]),
+}
+EVAL_FLAGS = {
+    "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
+    "lengths": ([["--lengths=256,64"]], ["", "0", "-5", "abc", "64,x"]),
+    "bca": ([["--bca=on"], ["--bca=off"]], ["maybe", ""]),
+    "eval_files": ([["--eval_files=/tmp/*.txt"]], [""]),
+    "max_docs": ([["--max_docs=5"]], ["0", "-1"]),
+    "max_length": ([["--max_length=4096"], ["--lengths=64", "--max_length=128"]], ["0", "-3", "x"]),
+    "resolution": ([["--resolution"], ["--noresolution"]], ["maybe"]),
+    "figure": ([["--figure"]], ["2"]),
+    "generate": ([["--generate"]], ["yes"]),
+    "prompt": ([["--prompt=def "], ["--prompt="]], []),
+    "max_new_tokens": ([["--max_new_tokens=3"]], ["0", "-1"]),
+    "temperature": ([["--temperature=0"]], ["-0.5"]),
+    "top_k": ([["--top_k=5"]], ["-1"]),
+    "top_p": ([["--top_p=0.9"]], ["0", "1.5"]),
+    "seed": ([["--seed=7"]], []),
+}
+GENERIC_BAD = {  # wrong type and empty, by the flag's type
+    "int": ["abc", "1.5", ""],
+    "float": ["abc", ""],
+    "bool": ["maybe", ""],
+    "str": [],
+    "enum": [],
+    "list": [],
+}
+
+
+class _Reached(Exception):
+    """Validation passed: the program went on to load a checkpoint."""
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_fuzz", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_mesh(config, workdir, **_):
+    sharding.check_mesh(config, jax.device_count(), jax.process_count())
+    return {"start_step": 0, "step": 0, "stopped_by": None, "checkpoint_dir": workdir}
+
+
+def _raise_reached(*args, **kwargs):
+    raise _Reached
+
+
+@pytest.fixture
+def program(monkeypatch):
+    """``invoke(name, argv) -> (exit status or 'reached', stderr)`` with the program loaded
+    once (``invoke.own_flags[name]``: the flags it defines); they are removed afterwards
+    (train.py and eval.py share flag names)."""
+    monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # once per process
+    monkeypatch.setattr(cli.training, "train", _check_mesh)
+    monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
+    monkeypatch.setattr(cli.checkpoint, "load_params", _raise_reached)
+    before = set(FLAGS)
+    loaded = {}
+
+    def invoke(name: str, argv: list[str], capsys):
+        if name not in loaded:
+            known = set(FLAGS)
+            loaded[name] = _load(name)
+            invoke.own_flags[name] = set(FLAGS) - known
+        defined = set(FLAGS)
+        FLAGS.unparse_flags()
+        capsys.readouterr()
+        try:
+            code = loaded[name].run([f"{name}.py", *argv])
+        except SystemExit as e:
+            code = e.code
+        except _Reached:
+            code = "reached"
+        finally:
+            for flag in set(FLAGS) - defined:  # --config and its fields, defined per parse
+                delattr(FLAGS, flag)
+        return code, capsys.readouterr().err
+
+    invoke.own_flags = {}
+    yield invoke
+    for flag in set(FLAGS) - before:
+        delattr(FLAGS, flag)
+
+
+def _field_type(path: str) -> str:
+    *parents, leaf = path.split(".")
+    node = cfg.default_configdict()
+    for key in parents:
+        node = node[key]
+    return {int: "int", float: "float", bool: "bool", str: "str"}[node.get_type(leaf)]
+
+
+def _flag_type(name: str) -> str:
+    kind = FLAGS[name].flag_type()
+    return {"string": "str", "string enum": "enum", "bool": "bool", "int": "int"}.get(
+        kind, "float" if kind == "float" else "list"
+    )
+
+
+def _check(failures, argv, code, err, *, valid: bool, name: str, accepted):
+    lines = err.strip().splitlines()
+    if valid:
+        if code != accepted or any(line.startswith("error:") for line in lines):
+            failures.append(f"valid {argv} refused: {code} {err.strip()[-300:]}")
+        return
+    if code in (0, None, accepted) or "Traceback" in err:
+        failures.append(f"invalid {argv} accepted or traceback: {code} {err.strip()[-300:]}")
+    elif len(lines) != 1 or not lines[0].startswith("error: "):
+        failures.append(f"invalid {argv}: not one error line: {err.strip()[-300:]}")
+    elif name.split(".")[-1] not in lines[0]:
+        failures.append(f"invalid {argv}: the line does not name {name}: {lines[0]}")
+
+
+def _flag_cases(table, type_of):
+    for name, (valid, bad) in table.items():
+        for argv in valid:
+            yield argv, True, name
+        kind = type_of(name)
+        for value in [*GENERIC_BAD[kind], *bad]:
+            first, *more = value.split(" ")
+            yield [f"--{name}={first}", *more], False, name
+        if kind == "bool":
+            yield [f"--no{name[:-1]}"], False, name[:-1]
+        yield [f"--{name[:-1]}=1"], False, name[:-1]  # misspelled
+
+
+def test_every_train_flag_and_config_field(program, capsys):
+    program("train", ["--workdir=/tmp/lexjax-fuzz"], capsys)  # defines train.py's flags
+    own = program.own_flags["train"]
+    assert own == set(TRAIN_FLAGS)  # a new flag needs its cases here
+    leaves = {name for name, _ in _leaves(cfg.default_configdict().to_dict())}
+    assert leaves == set(FIELDS)  # a new field needs its cases here
+
+    cases = list(_flag_cases(TRAIN_FLAGS, _flag_type))
+    for name, (valid, bad) in FIELDS.items():
+        for value in valid:
+            first, *more = value.split(" ")  # a value and the flags it needs
+            cases.append(([f"--config.{name}={first}", *more], True, name))
+        for value in [*GENERIC_BAD[_field_type(name)], *bad]:
+            first, *more = value.split(" ")
+            cases.append(([f"--config.{name}={first}", *more], False, name))
+        cases.append(([f"--config.{name[:-1]}=1"], False, name[:-1]))
+    cases.append((["--config=configs/nope.py"], False, "nope.py"))
+    cases.append((["--config.sharding_rules=abc"], False, "sharding_rules"))
+
+    failures = []
+    for argv, valid, name in cases:
+        code, err = program("train", ["--workdir=/tmp/lexjax-fuzz", *argv], capsys)
+        _check(failures, argv, code, err, valid=valid, name=name, accepted=0)
+    assert not failures, "\n".join(failures)
+    assert len(cases) > 200
+
+
+def test_every_eval_flag(program, capsys):
+    program("eval", [], capsys)
+    own = program.own_flags["eval"]
+    assert own == set(EVAL_FLAGS)
+    failures = []
+    cases = list(_flag_cases(EVAL_FLAGS, _flag_type))
+    for argv, valid, name in cases:
+        code, err = program("eval", ["--workdir=/tmp/lexjax-fuzz", *argv], capsys)
+        _check(failures, argv, code, err, valid=valid, name=name, accepted="reached")
+    assert not failures, "\n".join(failures)
+
+
+def _leaves(tree: dict, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+@pytest.mark.parametrize(
+    "program_args,expected",
+    [
+        (["train.py", "--config.optim.b2=1.5"], "error: optim.b2=1.5 must be in [0, 1)"),
+        (["train.py", "--lease_timeout_s=abc"], "error: flag --lease_timeout_s=abc:"),
+        (["eval.py", "--max_doc=3"], "error: Unknown command line flag 'max_doc'"),
+        (["eval.py", "--top_p=1.5"], "error: top_p must be in (0, 1], got 1.5"),
+    ],
+)
+def test_real_programs_spot_checks(tmp_path, program_args, expected):
+    result = subprocess.run(
+        [sys.executable, *program_args, f"--workdir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

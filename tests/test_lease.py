@@ -1,0 +1,172 @@
+"""One writer per workdir: the lease (lexjax.lease) in-process, then with real train.py
+processes — a second job is refused while the first finishes untouched, readers need
+no lease and read only complete, verified steps, a killed holder's lease is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lexjax import checkpoint as ckpt_lib
+from lexjax import config as cfg
+from lexjax import lease as lease_lib
+from lexjax import training
+from lexjax.errors import CheckpointError, DataError
+from tests import processes as P
+
+HOST = socket.gethostname()
+
+
+def write_lease(workdir, **fields):
+    record = {"host": HOST, "pid": os.getpid(), "started": "then", "token": "old"}
+    record |= {"heartbeat": time.time(), "timeout_s": 60.0} | fields
+    pathlib.Path(workdir, lease_lib.LEASE_FILE).write_text(json.dumps(record))
+
+
+def lease_record(workdir) -> dict:
+    return json.loads(pathlib.Path(workdir, lease_lib.LEASE_FILE).read_text())
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid no longer exists
+    return proc.pid
+
+
+def test_a_held_lease_refuses_a_second_job_naming_the_holder(tmp_path):
+    with lease_lib.WorkdirLease(tmp_path) as first:
+        record = lease_record(tmp_path)
+        assert (record["host"], record["pid"], record["token"]) == (HOST, os.getpid(), first.token)
+        with pytest.raises(CheckpointError) as e:
+            lease_lib.WorkdirLease(tmp_path).acquire()
+        assert f"is in use by a training job on host {HOST} pid {os.getpid()}" in str(e.value)
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / lease_lib.LEASE_FILE).exists()  # released on exit
+    with lease_lib.WorkdirLease(tmp_path):
+        pass
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
+    pid = dead_pid()
+    write_lease(tmp_path, pid=pid)  # fresh heartbeat, but the process is gone
+    notes = []
+    with lease_lib.WorkdirLease(tmp_path, log=notes.append) as lease:
+        assert lease_record(tmp_path)["token"] == lease.token
+    assert notes == [
+        f"note: took over the stale lease of host {HOST} pid {pid} (started then): "
+        f"pid {pid} is gone"
+    ]
+
+
+def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 50, timeout_s=60.0)
+    with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
+        lease_lib.WorkdirLease(tmp_path, timeout_s=1).acquire()  # the holder's timeout counts
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 70, timeout_s=60.0)
+    notes = []
+    with lease_lib.WorkdirLease(tmp_path, log=notes.append):
+        pass
+    assert len(notes) == 1 and re.search(r"no heartbeat for 7\d s \(timeout 60 s\)$", notes[0])
+
+
+def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_path):
+    with lease_lib.WorkdirLease(tmp_path, timeout_s=0.4) as lease:
+        first = lease_record(tmp_path)["heartbeat"]
+        time.sleep(0.5)  # longer than the timeout: only heartbeats keep it live
+        assert lease_record(tmp_path)["heartbeat"] > first
+        assert lease.owned()
+        lease_lib.check_held(lease, str(tmp_path))
+        # A job that judged this one stale replaced the lease while it was stalled.
+        write_lease(tmp_path, host="elsewhere", token="new")
+        with pytest.raises(CheckpointError, match="was taken over by another job"):
+            lease_lib.check_held(lease, str(tmp_path))
+    assert lease_record(tmp_path)["token"] == "new"  # never deleted by the old holder
+
+
+def test_an_exception_inside_train_releases_the_lease(tmp_path):
+    """A notebook cell that fails inside train() can simply be run again."""
+    config = cfg.from_configdict(
+        {
+            "model": {"num_layers": 1, "d_model": 16},
+            "data": {"name": "textfiles", "files": str(tmp_path / "none" / "*.txt")},
+            "train_len": 16,
+            "batch_size": 8,
+        }
+    )
+    for _ in range(2):  # the second call fails the same way, not on the lease
+        with pytest.raises(DataError):
+            training.train(config, str(tmp_path / "run"), progress=False)
+        assert not (tmp_path / "run" / lease_lib.LEASE_FILE).exists()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return P.context(tmp_path_factory, "lease", 2)
+
+
+def args(ctx, workdir, **overrides):
+    base, files, data_dir, _ = ctx
+    return P.train_args(workdir, files, data_dir, **overrides)
+
+
+def complete_steps(workdir) -> list[int]:
+    root = pathlib.Path(workdir, "checkpoints")
+    return sorted(int(p.name) for p in root.iterdir() if (p / "integrity").is_dir())
+
+
+def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
+    steps = 60
+    workdir = ctx[0] / "shared"
+    overrides = {"num_train_steps": steps, "checkpoint_every": 4, "keep_checkpoints": 100}
+    first = P.start(args(ctx, workdir, **overrides), ctx[3])
+    P.wait_until(lambda: P.last_step(workdir) >= 2, first)
+
+    second = P.run(args(ctx, workdir, **overrides), ctx[3])
+    assert second.returncode == CheckpointError.exit_code, second.stderr[-3000:]
+    assert "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines() == [
+        f"error: workdir {workdir} is in use by a training job on host {HOST} pid "
+        f"{first.pid} (started {lease_record(workdir)['started']}); wait for it to finish "
+        "or use another --workdir"
+    ]
+
+    # Readers take no lease, and read the newest complete step, verified, while it writes.
+    reads = []
+    while first.poll() is None and len(reads) < 3:
+        if not complete_steps(workdir):
+            continue
+        newest = complete_steps(workdir)[-1]
+        _, _, step = ckpt_lib.load_params(workdir)  # checksums verified inside
+        assert newest <= step <= complete_steps(workdir)[-1]
+        reads.append(step)
+    assert reads and first.poll() is None, "the run ended before the readers read"
+    assert lease_record(workdir)["pid"] == first.pid
+
+    code, out, err = P.kill(first)  # leaves its lease behind
+    assert code == -signal.SIGKILL
+    assert lease_record(workdir)["pid"] == first.pid
+    logged = [s for s, _ in P.losses(workdir)]
+    assert logged == list(range(1, len(logged) + 1)), "the refused job wrote metrics"
+    assert not (workdir / "checkpoints" / "superseded").exists()  # nothing saved over
+
+    third = P.run(args(ctx, workdir, **overrides), ctx[3])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert (
+        f"note: took over the stale lease of host {HOST} pid {first.pid} "
+        in third.stdout.splitlines()[0]
+    )
+    assert third.stdout.splitlines()[0].endswith(f"pid {first.pid} is gone")
+    assert complete_steps(workdir)[-1] == steps
+    assert not (workdir / lease_lib.LEASE_FILE).exists()
