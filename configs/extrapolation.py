@@ -10,8 +10,9 @@ Presets (the part after ``:``):
 
 - ``small``: a 3.2 M-parameter byte-level model at train_len 128 on the Python standard
   library, sized so all seven runs train and evaluate within an hour on 2 CPU cores.
-- ``paper``: configs/paper.py (24 layers, d_model 1024, train_len 1024, bfloat16) with the
-  paper's b = 512, evaluated at 256 … 16,384 tokens.
+- ``paper``: configs/paper.py (24 layers, d_model 1024, train_len 1024, bfloat16) with
+  b = 512 (torchscale's default; the paper states no scale base), evaluated at 256 … 16,384
+  tokens.
 - ``smoke``: seconds; two positions, two lengths (the test suite runs it).
 
 ``runs`` lists the trainings, comma-separated: a position (``sinusoidal``, ``learned``,
@@ -34,8 +35,8 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
     c.tokens_per_batch = 8192  # evaluation batch size in tokens
     if preset == "small":
         c.train = tiny.get_config()
-        # b = train_len/2 keeps the paper's ratio (b = 512 at l = 1024): the decay over one
-        # training window is the same as in the paper; b = 512 is the paper's absolute value.
+        # b = train_len/2 keeps the ratio of torchscale's default b = 512 at the paper's
+        # l = 1024 (the paper itself states no scale base): the same decay over one window.
         c.train.model.update(dict(num_layers=4, scale_base=64.0))
         # 1000 steps × 16 × 128 = 2.05 M tokens: about 4.5 minutes a run at ~8,000 tokens/s
         # (2 idle cores). At equal tokens batch 16 beat batch 8 (twice the steps) and
