@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -72,11 +73,11 @@ def corpus(tmp_path_factory):
 
 
 def test_textfiles_write_array_record_and_read_back_without_tensorflow(corpus):
-    version_dir = os.path.join(corpus["data_dir"], "textfiles", "1.0.0")
-    assert glob.glob(os.path.join(version_dir, "textfiles-train.array_record-*"))
+    builder = data.prepare("textfiles", corpus["data_dir"], corpus["pattern"])
+    assert glob.glob(os.path.join(builder.data_path, "textfiles-train.array_record-*"))
     seen = {}
     for split in data.SPLITS:
-        records = tfds.data_source("textfiles", split=split, data_dir=corpus["data_dir"])
+        records = builder.as_data_source(split)
         for i in range(len(records)):
             example = records[i]
             path = example["path"].decode()
@@ -85,7 +86,7 @@ def test_textfiles_write_array_record_and_read_back_without_tensorflow(corpus):
     assert sorted(seen) == corpus["names"]
     for path, text in seen.items():
         with open(os.path.join(corpus["root"], path), "rb") as f:
-            assert text == f.read()
+            assert text == f.read().decode("utf-8", errors="replace").encode()
     assert "tensorflow" not in sys.modules
 
 
@@ -114,10 +115,11 @@ def test_split_is_stable_disjoint_and_roughly_90_5_5():
 
 def test_python_stdlib_builds_once_and_reuses(tmp_path):
     source = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
-    array_records = glob.glob(str(tmp_path / "python_stdlib" / "*" / "1.0.0" / "*.array_record-*"))
+    array_records = glob.glob(str(tmp_path / "python_stdlib" / "*" / "2.0.0" / "*.array_record-*"))
+    assert array_records
     mtimes = {p: os.stat(p).st_mtime_ns for p in array_records}
     root, relpaths = builders.stdlib_files(12)
-    assert len(source) == sum(builders.split_of(p) == "train" for p in relpaths)
+    assert len(source) == len(data.plan_corpus("python_stdlib", max_files=12).pieces["train"])
     assert all(not part.startswith("site-packages") for p in relpaths for part in p.split("/"))
     source_again = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
     assert len(source_again) == len(source)
@@ -125,16 +127,33 @@ def test_python_stdlib_builds_once_and_reuses(tmp_path):
     assert "tensorflow" not in sys.modules
 
 
-def test_changed_files_are_refused_until_overwrite(tmp_path):
-    root, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+def test_one_build_per_corpus_and_a_changed_file_gets_a_new_one(tmp_path):
+    root, other, data_dir = tmp_path / "corpus", tmp_path / "other", tmp_path / "tfds"
     names = _write_corpus(str(root), 5)
-    pattern = str(root / "**" / "*.txt")
-    data.prepare("textfiles", data_dir, pattern)
+    _write_corpus(str(other), 5)
+    (other / "extra.txt").write_text("one more file\n")
+    pattern, other_pattern = str(root / "**" / "*.txt"), str(other / "**" / "*.txt")
+    first = data.prepare("textfiles", data_dir, pattern)
+    second = data.prepare("textfiles", data_dir, other_pattern)
+    assert first.data_path != second.data_path  # two corpora coexist, nothing deleted
+    assert data.prepare("textfiles", data_dir, pattern).data_path == first.data_path
     (root / names[0]).write_bytes(b"edited")
-    with pytest.raises(DataError, match="overwrite=True"):
-        data.load_source("textfiles", "train", data_dir, pattern)
-    data.prepare("textfiles", data_dir, pattern, overwrite=True)
-    assert len(data.load_source("textfiles", "train", data_dir, pattern)) >= 1
+    edited = data.prepare("textfiles", data_dir, pattern)
+    assert edited.data_path not in (first.data_path, second.data_path)
+    for builder in (first, second, edited):
+        assert builder.is_prepared()
+    assert len(os.listdir(data_dir / "textfiles")) == 3
+
+
+def test_builds_leave_no_temporary_directories(tmp_path, monkeypatch):
+    """TFDS's bucket lookup made an empty tmpXXXXtfds in $TMPDIR for every build."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    root = tmp_path / "corpus"
+    _write_corpus(str(root), 4)
+    data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
+    assert os.listdir(scratch) == []
 
 
 def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
@@ -144,7 +163,10 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     names = _write_corpus(str(root), 5)
     data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
     out, err = capfd.readouterr()
-    assert out.splitlines() == [f"building dataset textfiles ({len(names)} files)... done"], out
+    line = f"building dataset textfiles ({len(names)} files, split by file)... done"
+    invalid = len(range(0, len(names), 5))  # _write_corpus ends every fifth file with 0xFF
+    replaced = f"; {invalid} documents had invalid UTF-8, replaced by U+FFFD"
+    assert out.splitlines() == [line + replaced], out
     assert err == "", err
     data.load_source("textfiles", "validation", tmp_path / "tfds", str(root / "**" / "*.txt"))
     assert capfd.readouterr() == ("", "")  # built once
@@ -187,15 +209,17 @@ def test_bad_input_says_what_to_change(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
-    with pytest.raises(DataError, match="pass files="):
+    with pytest.raises(DataError, match="textfiles needs files="):
         data.load_source("textfiles", "train", tmp_path)
 
 
 def test_unknown_split_and_feature(corpus):
     with pytest.raises(DataError, match="Unknown split"):
-        data.load_source("textfiles", "training", corpus["data_dir"])
+        data.load_source("textfiles", "training", corpus["data_dir"], corpus["pattern"])
     with pytest.raises(DataError, match="text_feature"):
-        data.load_source("textfiles", "train", corpus["data_dir"], text_feature="body")
+        data.load_source(
+            "textfiles", "train", corpus["data_dir"], corpus["pattern"], text_feature="body"
+        )
 
 
 # ---------------------------------------------------------------- pipeline
@@ -374,7 +398,7 @@ def test_bad_pipeline_arguments():
 
 
 def test_pipeline_reads_a_prepared_dataset(corpus):
-    source = data.load_source("textfiles", "train", corpus["data_dir"])
+    source = data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"])
     batch = next(data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0))
     assert batch["inputs"].shape == (2, SEQ_LEN)
     assert batch["inputs"][0, 0] == data.BOS
