@@ -335,7 +335,7 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def __init__(self, *, plan: Plan, file_format: str = "array_record", **kwargs):
         self.plan = plan
-        self.replaced = 0  # documents decoded with U+FFFD replacement in this build
+        self.replaced = set()  # files decoded with U+FFFD replacement in this build
         config = tfds.core.BuilderConfig(name=plan.fingerprint[:16])
         super().__init__(config=config, file_format=file_format, **kwargs)
 
@@ -385,7 +385,7 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                     text = chunk.decode("utf-8")
                 except UnicodeDecodeError:
                     text = chunk.decode("utf-8", errors="replace")
-                    self.replaced += 1
+                    self.replaced.add(piece.path)
                 # The key of a whole small file is its path, as in version 1.0.0, so
                 # TFDS's key-hash order of the documents (hence evaluation's) stays.
                 key = piece.relpath if start == 0 else f"{piece.relpath}@{start}"
@@ -471,7 +471,7 @@ def prepare(
         )
         with _quiet_tfds():
             builder.download_and_prepare()
-        replaced = f"; {builder.replaced} documents had invalid UTF-8, replaced by U+FFFD"
+        replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
         print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
 
