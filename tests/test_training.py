@@ -293,6 +293,26 @@ def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
     assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
+def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
+    """The largest supported size is named; no workdir and no tokenizer file are left."""
+    workdir = tmp_path / "run"
+    result = _train_cli(
+        f"--workdir={workdir}",
+        "--config.data.name=textfiles",
+        f"--config.data.files={_textfiles(tmp_path)}",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+        "--config.data.tokenizer=sentencepiece",
+        "--config.data.vocab_size=8192",
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "use at most" in lines[0], result.stderr
+    assert "data.vocab_size=8192 is more than this corpus supports" in lines[0]
+    assert not workdir.exists()
+    assert not list((tmp_path / "tfds").glob("textfiles/*/*/sentencepiece-*"))
+
+
 def test_train_program_end_to_end(tmp_path):
     workdir = tmp_path / "run"
     result = _train_cli(
