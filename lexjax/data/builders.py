@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
 import logging
@@ -178,6 +179,16 @@ class Plan:
 
 
 def _file_digest(path: str) -> str:
+    """SHA-256 of a file's contents, read in 1 MiB blocks; remembered for this
+    process while the file keeps its size and modification time (a run opens
+    its corpus several times: train, validation, tokenizer)."""
+    stat = os.stat(path)
+    return _content_digest(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # Only the cache key.
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
