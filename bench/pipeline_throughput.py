@@ -1,6 +1,7 @@
 """Does the SentencePiece data pipeline keep up with training? Tokens/s of both.
 
     python bench/pipeline_throughput.py [--json docs/pipeline_throughput.json] [--quick]
+        [--note TEXT]
 
 Pipeline: ``lexjax.data.make_train_iterator`` (read ArrayRecord, tokenize,
 chunk, pack, batch) in this process, no worker processes, over the first
@@ -93,6 +94,7 @@ def run(args) -> dict:
             "worker_count": 0,
         },
         machine=common.machine(),
+        note=args.note,
     )
 
 
@@ -114,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batches", type=int, default=20, help="pipeline batches per round")
     p.add_argument("--steps", type=int, default=5, help="train steps per round")
+    p.add_argument(
+        "--note", default="", help="where it ran (e.g. a shared machine), kept in the JSON"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.files, args.vocab_size, args.rounds, args.batches, args.steps = 60, 512, 1, 2, 1
