@@ -1,9 +1,16 @@
 """The paper's setting (Sun et al. 2022, §4.1) for accelerators.
 
-24 layers, d_model 1024, 16 heads, training length 1024, batch 512 × 1024
-tokens, Adam β = (0.9, 0.98), ε = 1e-6 (the defaults), learning rate 3e-4 with
-polynomial decay, bfloat16 compute. On a TPU pod slice or a GPU host (``-1``
-fills the fsdp axis with every device):
+24 layers, d_model 1024, 16 heads, training length 1024 subword tokens, batch
+512 × 1024 tokens, Adam β = (0.9, 0.98), ε = 1e-6 (the defaults), learning rate
+3e-4 with polynomial decay, bfloat16 compute. Tokens are SentencePiece pieces
+(32768 ids) learned from the training split when the dataset is built, so
+lengths are in subword tokens as in the paper, not bytes.
+
+What still differs from the paper: the data (the paper's pre-training corpus is
+not bundled; pass yours as below), the tokenizer (a SentencePiece model
+learned from that corpus, not the paper's vocabulary), and how long it trains
+(50k steps here; match the paper's token count on your hardware). On a TPU pod
+slice or a GPU host (``-1`` fills the fsdp axis with every device):
 
     python train.py --config=configs/paper.py --workdir=gs://BUCKET/lex-paper \
         --config.data.name=scientific_papers/arxiv --config.data.text_feature=article
@@ -27,6 +34,7 @@ OVERRIDES = {
         scan_layers=True,
         attention_impl="fused",
     ),
+    "data": dict(tokenizer="sentencepiece", vocab_size=32768),
     "optim": dict(schedule="polynomial", end_lr_fraction=0.0),
     "mesh": dict(data=1, fsdp=-1),
     "sharding": "fsdp",

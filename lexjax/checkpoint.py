@@ -9,6 +9,8 @@ holds four items::
     data_iter/   process_<i>-of-<n>.json, one per process (grain's layout;
                  restoring it needs the same number of processes)
     config/      metadata: the config dict as JSON
+    tokenizer/   metadata: the tokenizer as JSON (a SentencePiece model in
+                 base64), so evaluation and generation use the training one
     integrity/   metadata: JSON with a sha256 of every state leaf and of
                  every process's iterator state
   DIR/superseded/<step>-<time>/   steps moved aside by `save` (never deleted)
@@ -56,9 +58,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from lexjax import data as data_lib
 from lexjax.config import Config, from_configdict
+from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.distributed import all_processes
-from lexjax.errors import CheckpointError, one_line
+from lexjax.errors import CheckpointError, DataError, one_line
 from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ log = logging.getLogger(__name__)
 PyTree = Any
 
 _STATE, _DATA_ITER, _CONFIG, _INTEGRITY = "state", "data_iter", "config", "integrity"
+_TOKENIZER = "tokenizer"
 _FORMAT = 1
 
 
@@ -182,6 +187,7 @@ class Checkpointer:
                     _STATE: ocp.StandardCheckpointHandler(),
                     _DATA_ITER: grain.checkpoint.CheckpointHandler(),
                     _CONFIG: ocp.JsonCheckpointHandler(),
+                    _TOKENIZER: ocp.JsonCheckpointHandler(),
                     _INTEGRITY: ocp.JsonCheckpointHandler(),
                 },
             )
@@ -240,9 +246,11 @@ class Checkpointer:
         *,
         data_iter: Any = None,
         config: dict[str, Any] | None = None,
+        tokenizer: dict[str, Any] | None = None,
         force: bool = False,
     ) -> bool:
-        """Starts saving `state` (and the iterator position, config) as `step`.
+        """Starts saving `state` (and the iterator position, config, tokenizer's
+        `to_json()`) as `step`.
 
         The caller decides when to save; every call saves, except a second save
         of the same `step` by this object (e.g. a final save right after a
@@ -288,6 +296,9 @@ class Checkpointer:
             items[_CONFIG] = ocp.args.JsonSave(
                 config.to_dict() if hasattr(config, "to_dict") else dict(config)
             )
+        if tokenizer is not None:
+            integrity["tokenizer_sha256"] = _sha256(json.dumps(tokenizer, sort_keys=True))
+            items[_TOKENIZER] = ocp.args.JsonSave(tokenizer)
         items[_INTEGRITY] = ocp.args.JsonSave(integrity)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -431,6 +442,27 @@ class Checkpointer:
                 f"{one_line(e, innermost=True)}"
             ) from e
         return restored[_CONFIG]
+
+    def restore_tokenizer_json(self, step: int) -> dict[str, Any] | None:
+        """The tokenizer record saved with `step`, checked against its checksum,
+        or None if none was saved (checkpoints of an older lexjax)."""
+        if not (self._step_dir(step) / _TOKENIZER).is_dir():
+            return None
+        try:
+            record = self._manager.restore(
+                step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
+            )[_TOKENIZER]
+        except Exception as e:
+            raise CheckpointError(
+                f"tokenizer of checkpoint step {step} in {self.directory} is unreadable: "
+                f"{one_line(e, innermost=True)}"
+            ) from e
+        expected = self._read_integrity(step).get("tokenizer_sha256")
+        if expected != _sha256(json.dumps(record, sort_keys=True)):
+            raise CheckpointError(
+                f"tokenizer of checkpoint step {step} in {self.directory} fails its checksum"
+            )
+        return record
 
     def _pick_step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -598,6 +630,7 @@ def load_params(
     Reads only the ``params`` subtree of the saved state (no optimizer moments)
     and verifies the checksum of every array it reads; a damaged step is
     reported and the next older one tried, as :meth:`Checkpointer.restore` does.
+    The tokenizer saved with that step is :func:`load_tokenizer` ``(workdir, step)``.
     ``sharding``: one ``jax.sharding.Sharding`` for every array or a pytree of
     them shaped like the params (any mesh); default one device.
     """
@@ -677,3 +710,46 @@ def _restore_params(checkpointer: Checkpointer, step: int, abstract: PyTree, sha
     if bad:
         raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
     return jax.tree.map(lambda x, a: x.astype(a.dtype), restored, abstract)
+
+
+# -- the tokenizer -------------------------------------------------------------
+
+
+def stored_tokenizer(
+    checkpointer: Checkpointer, step: int, config: dict[str, Any] | None
+) -> data_lib.Tokenizer:
+    """The tokenizer saved with ``step``. Checkpoints of an older lexjax saved none;
+    they were all byte-level, which their config (``data.tokenizer`` absent or
+    'bytes') confirms. ``config``: the config dict saved with the step."""
+    record = checkpointer.restore_tokenizer_json(step)
+    if record is None:
+        kind = ((config or {}).get("data") or {}).get("tokenizer", "bytes")
+        if kind != "bytes":
+            raise CheckpointError(
+                f"checkpoint step {step} in {checkpointer.directory} has no saved {kind} "
+                "tokenizer; it cannot be evaluated or resumed without the exact one it "
+                "was trained with"
+            )
+        return data_lib.BYTES
+    try:
+        return tokenizer_lib.from_json(record)
+    except (DataError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"tokenizer of checkpoint step {step} in {checkpointer.directory} is damaged: "
+            f"{one_line(e)}"
+        ) from None
+
+
+def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> data_lib.Tokenizer:
+    """The tokenizer a training workdir's model was trained with, as saved with
+    checkpoint ``step`` (default the newest complete one; pass the step
+    :func:`load_params` returned to pair them)."""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint in {workdir} ({directory} does not exist)")
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        step = checkpointer._pick_step(step)
+        return stored_tokenizer(checkpointer, step, checkpointer.restore_config(step))
+    finally:
+        checkpointer.close()

@@ -36,6 +36,8 @@ __all__ = [
     "POSITION_KINDS",
     "ATTENTION_IMPLS",
     "TOKENIZER_VOCAB_SIZE",
+    "TOKENIZERS",
+    "tokenizer_vocab_size",
     "ConfigError",
     "ModelConfig",
     "DataConfig",
@@ -59,6 +61,13 @@ ATTENTION_IMPLS = ("explicit", "fused")
 # lexjax.data.tokenizer.VOCAB_SIZE: 256 bytes + BOS + EOS. Importing lexjax.data here
 # would load grain and TFDS into every program; tests/test_config.py checks they agree.
 TOKENIZER_VOCAB_SIZE = 258
+TOKENIZERS = ("bytes", "sentencepiece")
+# The embedding table is padded to a multiple of this many rows, so the vocabulary
+# axis shards evenly over any tensor axis up to 64 devices (258 bytes → 320).
+VOCAB_MULTIPLE = 64
+# SentencePiece's smallest vocabulary here: 256 byte pieces, padding, unknown, BOS,
+# EOS and the newline piece (lexjax.data.tokenizer).
+_MIN_SENTENCEPIECE_VOCAB = 261
 # Top-level fields an older lexjax stored with its checkpoints; ignored on loading.
 # poison_step: fault injection, now a test hook (tests/), not a production setting.
 REMOVED_FIELDS = ("poison_step",)
@@ -73,7 +82,9 @@ class ModelConfig:
     d_model: int = 256
     num_heads: int = 4
     mlp_dim: int = 1024
-    vocab_size: int = 320  # the tokenizer's 258, padded so the vocabulary shards evenly
+    # None: the tokenizer's vocabulary (data.tokenizer) padded to VOCAB_MULTIPLE; a
+    # stored config keeps the resolved number, so its checkpoints load with it.
+    vocab_size: int | None = None
     scale_base: float = 512.0  # XPOS b; must be the same in training and inference
     theta: float = 10000.0
     max_len: int | None = None  # table size of learned absolute positions; None: train_len
@@ -93,6 +104,10 @@ class ModelConfig:
 class DataConfig:
     name: str = "python_stdlib"  # python_stdlib | textfiles | a TFDS dataset in ArrayRecord form
     files: str | None = None  # textfiles: a glob of the corpus files
+    validation_files: str | None = None  # a glob: these files are the validation split
+    test_files: str | None = None  # a glob: these files are the test split
+    tokenizer: str = "bytes"  # bytes | sentencepiece (learned from the train split)
+    vocab_size: int = 8192  # sentencepiece: ids to learn (bytes: always 258)
     data_dir: str | None = None
     text_feature: str = "text"
     worker_count: int = 0
@@ -314,17 +329,39 @@ def _checked(path: str, value, hint):
     return float(value) if kind is float else value
 
 
+def tokenizer_vocab_size(data: DataConfig) -> int:
+    """The number of ids ``data.tokenizer`` produces (a SentencePiece model has
+    exactly ``data.vocab_size``)."""
+    return TOKENIZER_VOCAB_SIZE if data.tokenizer == "bytes" else data.vocab_size
+
+
 def _validated(config: Config) -> Config:
-    """Checks every value a user can get wrong; resolves ``model.max_len`` = None."""
+    """Checks every value a user can get wrong; resolves ``model.max_len`` and
+    ``model.vocab_size`` = None."""
+    d = config.data
+    if d.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: use {' or '.join(TOKENIZERS)}")
+    if d.tokenizer == "sentencepiece" and d.vocab_size < _MIN_SENTENCEPIECE_VOCAB:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} is too small for sentencepiece: its 256 byte "
+            f"pieces and 5 markers need at least {_MIN_SENTENCEPIECE_VOCAB}"
+        )
+    needed = tokenizer_vocab_size(d)
     m = config.model
+    if m.vocab_size is None:
+        m = dataclasses.replace(m, vocab_size=-(-needed // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    elif m.vocab_size < needed:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is below the {d.tokenizer} tokenizer's "
+            f"{needed} ids; leave it unset (it follows the tokenizer)"
+        )
     if m.max_len is not None and m.max_len < config.train_len:
         raise ConfigError(
             f"model.max_len={m.max_len} is below train_len={config.train_len}; "
             "raise it or leave it unset (it follows train_len)"
         )
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(m, max_len=m.max_len or config.train_len)
-    )
+    m = dataclasses.replace(m, max_len=m.max_len or config.train_len)
+    config = dataclasses.replace(config, model=m)
     if m.position not in POSITION_KINDS:
         raise ConfigError(
             f"model.position={m.position!r} is unknown; choose one of {', '.join(POSITION_KINDS)}"
@@ -336,11 +373,6 @@ def _validated(config: Config) -> Config:
     for name in ("num_layers", "d_model", "num_heads", "mlp_dim"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.vocab_size < TOKENIZER_VOCAB_SIZE:
-        raise ConfigError(
-            f"model.vocab_size={m.vocab_size} is below the byte tokenizer's "
-            f"{TOKENIZER_VOCAB_SIZE} ids (256 bytes, BOS, EOS); use at least that"
-        )
     if m.d_model % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.d_model="

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics
 from lexjax import lease as lease_lib
 from lexjax.config import Config, to_dict
-from lexjax.errors import CheckpointError, TrainingError
+from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
 
@@ -56,17 +57,39 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def _source(config: Config, split: str) -> data_lib.TextSource:
+def corpus_args(config: Config) -> dict[str, Any]:
+    """The keyword arguments naming ``config``'s corpus for ``data.load_source`` and
+    ``data.load_tokenizer``."""
     d = config.data
-    return data_lib.load_source(
-        d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
+    return dict(
+        data_dir=d.data_dir,
+        files=d.files,
+        validation_files=d.validation_files,
+        test_files=d.test_files,
+        text_feature=d.text_feature,
     )
 
 
-def _iterator(config: Config, source, seed: int, worker_count: int = 0):
+def _source(config: Config, split: str) -> data_lib.TextSource:
+    return data_lib.load_source(config.data.name, split, **corpus_args(config))
+
+
+def _tokenizer(config: Config) -> data_lib.Tokenizer:
+    d = config.data
+    tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **corpus_args(config))
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is below the tokenizer's "
+            f"{tokenizer.vocab_size} ids; leave it unset (it follows the tokenizer)"
+        )
+    return tokenizer
+
+
+def _iterator(config: Config, source, tokenizer, seed: int, worker_count: int = 0):
     """This process's share of each global batch."""
     return data_lib.make_train_iterator(
         source,
+        tokenizer=tokenizer,
         seq_len=config.train_len,
         batch_size=config.batch_size // jax.process_count(),
         seed=seed,
@@ -77,6 +100,7 @@ def _iterator(config: Config, source, seed: int, worker_count: int = 0):
 
 
 def _check_workdir(workdir: str) -> None:
+    """Creates ``workdir`` if needed; raises CheckpointError unless it is writable."""
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -117,26 +141,43 @@ def train(
     ``loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec`` (``mfu``)
     and ``val_loss``.
     """
+    created = not os.path.isdir(workdir)
     _check_workdir(workdir)
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda _: None)
-    with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
-        return _train(config, workdir, lease, say, progress and is_main, stop_after, peak_flops)
+    try:
+        with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
+            show = progress and is_main
+            return _train(config, workdir, lease, say, show, stop_after, peak_flops)
+    except BaseException:
+        if created and jax.process_index() == 0:
+            _remove_if_no_files(workdir)
+        raise
+
+
+def _remove_if_no_files(workdir: str) -> None:
+    """Removes a workdir this run created when the run failed before writing a file
+    into it (it may hold empty directories), so no empty run is left behind."""
+    if not any(files for _, _, files in os.walk(workdir)):
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
-    setup = TrainSetup(config)
     if jax.process_count() > 1:
-        # Process 0 builds a dataset first, so processes sharing a data_dir never
-        # write it at the same time; the others then load (or build their own copy).
+        # Process 0 builds a dataset (and its tokenizer) first, so processes sharing a
+        # data_dir never write it at the same time; the others then load it.
         if jax.process_index() == 0:
-            _source(config, "train")
+            _tokenizer(config)
         distributed.any_process(False)
-    data_iter = _iterator(config, _source(config, "train"), config.seed, config.data.worker_count)
+    tokenizer = _tokenizer(config)
+    setup = TrainSetup(config)
+    data_iter = _iterator(
+        config, _source(config, "train"), tokenizer, config.seed, config.data.worker_count
+    )
     # Read now, not at the first evaluation: a corpus without a validation split
     # must fail before training, not after eval_every steps of it. The same fixed
     # batches are used at every evaluation.
-    val_iter = _iterator(config, _source(config, "validation"), seed=0)
+    val_iter = _iterator(config, _source(config, "validation"), tokenizer, seed=0)
     val_batches = [next(val_iter) for _ in range(config.eval_batches)]
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(os.path.abspath(workdir), "checkpoints"),
@@ -146,14 +187,14 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
     if peak_flops is None:
         peak_flops = getattr(config, "peak_flops", None)
     try:
-        state, step = _restore_or_init(setup, checkpointer, data_iter, say)
-        loop = _Loop(setup, checkpointer, data_iter, workdir, say, peak_flops, lease)
+        state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
+        loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
         return loop.run(state, step, val_batches, show_progress, stop_after)
     finally:
         checkpointer.close()
 
 
-def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, say):
+def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say):
     config = setup.config
     if checkpointer.latest_step() is None:
         say(
@@ -173,6 +214,13 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, say):
     state, stored, step = checkpointer.restore(
         abstract_state=setup.abstract_state, data_iter=data_iter
     )
+    saved = ckpt_lib.stored_tokenizer(checkpointer, step, stored)
+    if saved.fingerprint != tokenizer.fingerprint:
+        raise CheckpointError(
+            f"workdir {checkpointer.directory} was trained with another tokenizer "
+            f"({saved.describe()}) than this corpus build gives ({tokenizer.describe()}); "
+            "use a new --workdir or the corpus and tokenizer it was trained with"
+        )
     say(f"resumed from {checkpointer.directory} at step {step}")
     before = (stored or {}).get("num_train_steps", config.num_train_steps)
     if before != config.num_train_steps:
@@ -186,9 +234,11 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, say):
 class _Loop:
     """One invocation of the step loop, with its metrics, progress and saves."""
 
-    def __init__(self, setup: TrainSetup, checkpointer, data_iter, workdir, say, peak_flops, lease):
+    def __init__(
+        self, setup: TrainSetup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease
+    ):
         self.setup, self.checkpointer, self.data_iter = setup, checkpointer, data_iter
-        self.workdir, self.lease = workdir, lease
+        self.tokenizer, self.workdir, self.lease = tokenizer, workdir, lease
         self.say = say
         self.writer = metrics.MetricsWriter(workdir, jax.process_index() == 0)
         self.peak = metrics.peak_flops(jax.devices()[0].device_kind, peak_flops)
@@ -308,6 +358,10 @@ class _Loop:
     def _save(self, step: int, state) -> int:
         lease_lib.check_held(self.lease, self.workdir)  # never write over another job
         self.checkpointer.save(
-            step, state, data_iter=self.data_iter, config=to_dict(self.setup.config)
+            step,
+            state,
+            data_iter=self.data_iter,
+            config=to_dict(self.setup.config),
+            tokenizer=self.tokenizer.to_json(),
         )
         return step

@@ -109,7 +109,19 @@ def test_unknown_field_in_a_dict_names_the_closest():
     "values,message",
     [
         ({"train_len": 64, "model": {"max_len": 32}}, "model.max_len=32 is below train_len=64"),
-        ({"model": {"vocab_size": 257}}, "model.vocab_size=257 is below the byte tokenizer's 258"),
+        ({"model": {"vocab_size": 257}}, "model.vocab_size=257 is below the bytes tokenizer's 258"),
+        (
+            {
+                "data": {"tokenizer": "sentencepiece", "vocab_size": 2048},
+                "model": {"vocab_size": 1024},
+            },
+            "model.vocab_size=1024 is below the sentencepiece tokenizer's 2048 ids",
+        ),
+        ({"data": {"tokenizer": "wordpiece"}}, "data.tokenizer='wordpiece': use bytes or"),
+        (
+            {"data": {"tokenizer": "sentencepiece", "vocab_size": 100}},
+            "data.vocab_size=100 is too small for sentencepiece",
+        ),
         ({"peak_flops": 0}, "peak_flops=0.0 must be positive"),
         ({"batch_size": 1.5}, "batch_size=1.5: expected an integer"),
     ],
@@ -122,6 +134,23 @@ def test_bad_values_are_rejected(values, message):
 def test_max_len_follows_train_len_unless_larger():
     assert cfg.from_configdict({"train_len": 64}).model.max_len == 64
     assert cfg.from_configdict({"train_len": 64, "model": {"max_len": 96}}).model.max_len == 96
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({}, 320),
+        ({"tokenizer": "sentencepiece", "vocab_size": 2048}, 2048),
+        ({"tokenizer": "sentencepiece", "vocab_size": 2000}, 2048),
+    ],
+)
+def test_model_vocab_follows_the_tokenizer_padded_to_64(data, expected):
+    """258 byte ids → 320 rows (5 × 64); a SentencePiece vocabulary rounds up to 64s."""
+    assert cfg.from_configdict({"data": data}).model.vocab_size == expected
+    assert "vocab_size" not in tiny.get_config().to_dict()["model"] or (
+        tiny.get_config().model.vocab_size is None
+    )
+    assert "vocab_size" not in paper.OVERRIDES["model"]
 
 
 def test_tokenizer_vocab_constant_matches_the_tokenizer():
@@ -144,8 +173,11 @@ def test_config_stored_by_an_older_lexjax_loads_with_a_note(capsys):
     assert capsys.readouterr().err == "note: ignoring config field poison_step of an older lexjax\n"
     assert (config.train_len, config.model.max_len, config.model.d_model) == (32, 32, 16)
     now = cfg.to_dict(config)
-    assert {k: v for k, v in stored.items() if k != "poison_step"} == {
-        k: v for k, v in now.items() if k != "peak_flops"
+    # Fields added since take their defaults; the stored ones keep their values.
+    assert now["data"] | stored["data"] == now["data"]
+    assert now["data"]["tokenizer"] == "bytes" and now["model"]["vocab_size"] == 320
+    assert {k: v for k, v in stored.items() if k not in ("poison_step", "data")} == {
+        k: v for k, v in now.items() if k not in ("peak_flops", "data")
     }
 
 

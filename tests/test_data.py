@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import tensorflow_datasets as tfds
 
 from lexjax import data
 from lexjax.data import builders
+from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError
 
 SEQ_LEN = 32
@@ -72,11 +74,11 @@ def corpus(tmp_path_factory):
 
 
 def test_textfiles_write_array_record_and_read_back_without_tensorflow(corpus):
-    version_dir = os.path.join(corpus["data_dir"], "textfiles", "1.0.0")
-    assert glob.glob(os.path.join(version_dir, "textfiles-train.array_record-*"))
+    builder = data.prepare("textfiles", corpus["data_dir"], corpus["pattern"])
+    assert glob.glob(os.path.join(builder.data_path, "textfiles-train.array_record-*"))
     seen = {}
     for split in data.SPLITS:
-        records = tfds.data_source("textfiles", split=split, data_dir=corpus["data_dir"])
+        records = builder.as_data_source(split)
         for i in range(len(records)):
             example = records[i]
             path = example["path"].decode()
@@ -85,7 +87,7 @@ def test_textfiles_write_array_record_and_read_back_without_tensorflow(corpus):
     assert sorted(seen) == corpus["names"]
     for path, text in seen.items():
         with open(os.path.join(corpus["root"], path), "rb") as f:
-            assert text == f.read()
+            assert text == f.read().decode("utf-8", errors="replace").encode()
     assert "tensorflow" not in sys.modules
 
 
@@ -114,10 +116,11 @@ def test_split_is_stable_disjoint_and_roughly_90_5_5():
 
 def test_python_stdlib_builds_once_and_reuses(tmp_path):
     source = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
-    array_records = glob.glob(str(tmp_path / "python_stdlib" / "*" / "1.0.0" / "*.array_record-*"))
+    array_records = glob.glob(str(tmp_path / "python_stdlib" / "*" / "2.0.0" / "*.array_record-*"))
+    assert array_records
     mtimes = {p: os.stat(p).st_mtime_ns for p in array_records}
     root, relpaths = builders.stdlib_files(12)
-    assert len(source) == sum(builders.split_of(p) == "train" for p in relpaths)
+    assert len(source) == len(data.plan_corpus("python_stdlib", max_files=12).pieces["train"])
     assert all(not part.startswith("site-packages") for p in relpaths for part in p.split("/"))
     source_again = data.load_source("python_stdlib", "train", tmp_path, max_files=12)
     assert len(source_again) == len(source)
@@ -125,16 +128,33 @@ def test_python_stdlib_builds_once_and_reuses(tmp_path):
     assert "tensorflow" not in sys.modules
 
 
-def test_changed_files_are_refused_until_overwrite(tmp_path):
-    root, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+def test_one_build_per_corpus_and_a_changed_file_gets_a_new_one(tmp_path):
+    root, other, data_dir = tmp_path / "corpus", tmp_path / "other", tmp_path / "tfds"
     names = _write_corpus(str(root), 5)
-    pattern = str(root / "**" / "*.txt")
-    data.prepare("textfiles", data_dir, pattern)
+    _write_corpus(str(other), 5)
+    (other / "extra.txt").write_text("one more file\n")
+    pattern, other_pattern = str(root / "**" / "*.txt"), str(other / "**" / "*.txt")
+    first = data.prepare("textfiles", data_dir, pattern)
+    second = data.prepare("textfiles", data_dir, other_pattern)
+    assert first.data_path != second.data_path  # two corpora coexist, nothing deleted
+    assert data.prepare("textfiles", data_dir, pattern).data_path == first.data_path
     (root / names[0]).write_bytes(b"edited")
-    with pytest.raises(DataError, match="overwrite=True"):
-        data.load_source("textfiles", "train", data_dir, pattern)
-    data.prepare("textfiles", data_dir, pattern, overwrite=True)
-    assert len(data.load_source("textfiles", "train", data_dir, pattern)) >= 1
+    edited = data.prepare("textfiles", data_dir, pattern)
+    assert edited.data_path not in (first.data_path, second.data_path)
+    for builder in (first, second, edited):
+        assert builder.is_prepared()
+    assert len(os.listdir(data_dir / "textfiles")) == 3
+
+
+def test_builds_leave_no_temporary_directories(tmp_path, monkeypatch):
+    """TFDS's bucket lookup made an empty tmpXXXXtfds in $TMPDIR for every build."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    root = tmp_path / "corpus"
+    _write_corpus(str(root), 4)
+    data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
+    assert os.listdir(scratch) == []
 
 
 def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
@@ -144,7 +164,10 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     names = _write_corpus(str(root), 5)
     data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
     out, err = capfd.readouterr()
-    assert out.splitlines() == [f"building dataset textfiles ({len(names)} files)... done"], out
+    line = f"building dataset textfiles ({len(names)} files, split by file)... done"
+    invalid = len(range(0, len(names), 5))  # _write_corpus ends every fifth file with 0xFF
+    replaced = f"; {invalid} files had invalid UTF-8, replaced by U+FFFD"
+    assert out.splitlines() == [line + replaced], out
     assert err == "", err
     data.load_source("textfiles", "validation", tmp_path / "tfds", str(root / "**" / "*.txt"))
     assert capfd.readouterr() == ("", "")  # built once
@@ -187,15 +210,17 @@ def test_bad_input_says_what_to_change(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
-    with pytest.raises(DataError, match="pass files="):
+    with pytest.raises(DataError, match="textfiles needs files="):
         data.load_source("textfiles", "train", tmp_path)
 
 
 def test_unknown_split_and_feature(corpus):
     with pytest.raises(DataError, match="Unknown split"):
-        data.load_source("textfiles", "training", corpus["data_dir"])
+        data.load_source("textfiles", "training", corpus["data_dir"], corpus["pattern"])
     with pytest.raises(DataError, match="text_feature"):
-        data.load_source("textfiles", "train", corpus["data_dir"], text_feature="body")
+        data.load_source(
+            "textfiles", "train", corpus["data_dir"], corpus["pattern"], text_feature="body"
+        )
 
 
 # ---------------------------------------------------------------- pipeline
@@ -374,7 +399,7 @@ def test_bad_pipeline_arguments():
 
 
 def test_pipeline_reads_a_prepared_dataset(corpus):
-    source = data.load_source("textfiles", "train", corpus["data_dir"])
+    source = data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"])
     batch = next(data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0))
     assert batch["inputs"].shape == (2, SEQ_LEN)
     assert batch["inputs"][0, 0] == data.BOS
@@ -406,3 +431,215 @@ def test_worker_processes_resume_exactly():
         _assert_batches_equal(_take(resumed, 3), uninterrupted)
     finally:
         resumed.close()
+
+
+# ---------------------------------------------------------------- the split rule
+
+
+def _book(path, lines, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "whale", "ship", "sea", "Ahab", "said", "und", "café", "naïve", ","]
+    text = "".join(
+        " ".join(rng.choice(words, size=int(rng.integers(3, 15)))) + "\n" for _ in range(lines)
+    )
+    path.write_text(text, encoding="utf-8")
+    return text.encode()
+
+
+def _split_bytes(plan):
+    """{split: {relpath: [(start, end), ...]}} of a plan."""
+    out = {s: collections.defaultdict(list) for s in data.SPLITS}
+    for split, pieces in plan.pieces.items():
+        for p in pieces:
+            out[split][p.relpath].append((p.start, p.end))
+    return out
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_few_files_split_within_each_file_and_no_byte_is_in_two_splits(tmp_path, count):
+    books = {f"book{i}.txt": _book(tmp_path / f"book{i}.txt", 400, seed=i) for i in range(count)}
+    plan = data.plan_corpus("textfiles", str(tmp_path / "*.txt"))
+    assert plan.rule == "within files"
+    assert plan == data.plan_corpus("textfiles", str(tmp_path / "*.txt"))  # deterministic
+    ranges = _split_bytes(plan)
+    for name, content in books.items():
+        (t0, t1), (v0, v1), (s0, s1) = (ranges[s][name][0] for s in data.SPLITS)
+        # Contiguous, disjoint, covering: train | validation | test, in that order.
+        assert (t0, t1, v1, s1) == (0, v0, s0, len(content))
+        assert 0.89 < t1 / len(content) < 0.92 and 0.94 < v1 / len(content) < 0.97
+        assert content[v0 - 1 : v0] == b"\n" and content[s0 - 1 : s0] == b"\n"  # line starts
+    # What the build stores is exactly those bytes.
+    data_dir = tmp_path / "tfds"
+    stored = collections.defaultdict(dict)
+    for split in data.SPLITS:
+        source = data.load_source("textfiles", split, data_dir, str(tmp_path / "*.txt"))
+        for i in range(len(source)):
+            stored[split][source._records[i]["path"].decode()] = source[i]
+    for name, content in books.items():
+        assert b"".join(stored[s][name] for s in data.SPLITS) == content
+
+
+def test_many_files_split_by_file_hash(tmp_path):
+    names = [f"f{i:03d}.txt" for i in range(300)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_text(f"file {i}\n")
+    plan = data.plan_corpus("textfiles", str(tmp_path / "*.txt"))
+    assert plan.rule == "by file"
+    ranges = _split_bytes(plan)
+    for name in names:
+        homes = [s for s in data.SPLITS if name in ranges[s]]
+        assert homes == [builders.split_of(name)]
+        assert ranges[homes[0]][name] == [(0, len(f"file {names.index(name)}\n"))]
+
+
+def test_explicit_validation_and_test_files_override(tmp_path):
+    for name in ("a", "b", "val", "test"):
+        _book(tmp_path / f"{name}.txt", 50)
+    plan = data.plan_corpus(
+        "textfiles",
+        str(tmp_path / "*.txt"),
+        validation_files=str(tmp_path / "val.txt"),
+        test_files=str(tmp_path / "test.txt"),
+    )
+    ranges = _split_bytes(plan)
+    assert sorted(ranges["train"]) == ["a.txt", "b.txt"]  # whole files, not split inside
+    assert [len(r) for r in ranges["train"].values()] == [1, 1]
+    assert list(ranges["validation"]) == ["val.txt"] and list(ranges["test"]) == ["test.txt"]
+    # Only a validation glob: the test split comes from the tails of the rest.
+    plan = data.plan_corpus(
+        "textfiles", str(tmp_path / "*.txt"), validation_files=str(tmp_path / "val.txt")
+    )
+    ranges = _split_bytes(plan)
+    assert list(ranges["validation"]) == ["val.txt"]
+    assert sorted(ranges["test"]) == ["a.txt", "b.txt", "test.txt"]
+    assert "val.txt" not in ranges["train"]
+
+
+def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(builders, "_MAX_DOCUMENT_BYTES", 1000)
+    content = _book(tmp_path / "big.txt", 2000)
+    content += "é".encode() * 3000  # a long last line: cut between characters, never inside one
+    (tmp_path / "big.txt").write_bytes(content)
+    plan = data.plan_corpus("textfiles", str(tmp_path / "*.txt"))
+    pieces = [builders.documents(p) for s in data.SPLITS for p in plan.pieces[s]]
+    chunks = [chunk for piece in pieces for _, chunk in piece]
+    assert b"".join(chunks) == content
+    assert max(map(len, chunks)) <= 1000
+    for chunk in chunks:
+        chunk.decode("utf-8")  # each document is whole characters
+
+
+def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):
+    _book(tmp_path / "good.txt", 200)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0")
+    (tmp_path / "latin1.txt").write_bytes("ça va\n".encode("latin-1") * 40)
+    source = data.load_source("textfiles", "train", tmp_path / "tfds", str(tmp_path / "*.txt"))
+    out = capfd.readouterr().out
+    assert "(2 files, split within files; skipped 1 empty, 1 binary)" in out
+    assert "1 files had invalid UTF-8, replaced by U+FFFD" in out
+    texts = [source[i] for i in range(len(source))]
+    assert any("\ufffd".encode() in t for t in texts)
+
+
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"a.txt": b"", "b.txt": b""}, "no training text: the files are 2 empty and 0 binary"),
+        ({"a.bin": b"\0\1\2"}, "no training text: the files are 0 empty and 1 binary"),
+        ({"a.txt": b"ab"}, "too small to hold out validation text"),
+    ],
+)
+def test_corpora_without_text_are_one_line_errors(tmp_path, files, message):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=message) as e:
+        data.load_source("textfiles", "train", tmp_path / "tfds", str(tmp_path / "*"))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "tfds" / "textfiles").exists() or not any(
+        (tmp_path / "tfds" / "textfiles").iterdir()
+    )
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("books")
+    for i in range(3):
+        _book(root / f"book{i}.txt", 600, seed=i)
+    data_dir = tmp_path_factory.mktemp("tfds")
+    pattern = str(root / "*.txt")
+    tok = data.load_tokenizer("sentencepiece", 300, "textfiles", data_dir, pattern)
+    return {"tokenizer": tok, "data_dir": data_dir, "pattern": pattern}
+
+
+@pytest.mark.parametrize(
+    "text", ["", "the whale said", "naïve café\n\n  indented\tline", "日本語 𝄞 ✓", "a\0b"]
+)
+def test_sentencepiece_round_trips_any_text_and_counts_its_bytes(sentencepiece_corpus, text):
+    tok = sentencepiece_corpus["tokenizer"]
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and tok.decode(ids) == text
+    document = tok.encode_document(text)
+    assert (document[0], document[-1]) == (tok.bos, tok.eos)
+    assert tok.decode(document) == text
+    assert tok.num_bytes(document) == len(text.encode("utf-8"))
+
+
+def test_byte_tokenizer_counts_bytes_and_round_trips_through_json():
+    tok = data.BYTES
+    # Hand count: BOS + "é!" (2 + 1 bytes) + EOS cover 3 bytes.
+    assert tok.num_bytes([data.BOS, 0xC3, 0xA9, 0x21, data.EOS]) == 3
+    assert tokenizer_lib.from_json(tok.to_json()) is tok
+    assert tok.vocab_size == 258
+
+
+def test_sentencepiece_is_stored_with_the_build_and_reused(sentencepiece_corpus, capfd):
+    tok = sentencepiece_corpus["tokenizer"]
+    assert tok.vocab_size == 300
+    [model] = glob.glob(
+        str(sentencepiece_corpus["data_dir"] / "textfiles" / "*" / "*" / "sentencepiece-300.model")
+    )
+    again = data.load_tokenizer(
+        "sentencepiece",
+        300,
+        "textfiles",
+        sentencepiece_corpus["data_dir"],
+        sentencepiece_corpus["pattern"],
+    )
+    assert capfd.readouterr().out == ""  # neither built nor trained again
+    assert again.fingerprint == tok.fingerprint
+    restored = tokenizer_lib.from_json(json.loads(json.dumps(tok.to_json())))
+    assert restored.fingerprint == tok.fingerprint
+    import pickle
+
+    assert (
+        pickle.loads(pickle.dumps(tok)).encode("the sea").tolist() == tok.encode("the sea").tolist()
+    )
+
+
+def test_sentencepiece_feeds_the_packing_pipeline(sentencepiece_corpus):
+    tok = sentencepiece_corpus["tokenizer"]
+    source = data.load_source(
+        "textfiles", "train", sentencepiece_corpus["data_dir"], sentencepiece_corpus["pattern"]
+    )
+    batch = next(
+        data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0, tokenizer=tok)
+    )
+    assert batch["inputs"][0, 0] == tok.bos
+    assert batch["inputs"].max() < tok.vocab_size
+    document = next(data.eval_documents(source, tokenizer=tok))
+    np.testing.assert_array_equal(document, tok.encode_document(source[0]))
+
+
+def test_vocab_larger_than_the_corpus_supports_names_the_largest(tmp_path):
+    (tmp_path / "a.txt").write_text("abc abd\n" * 200)
+    with pytest.raises(
+        DataError, match=r"data\.vocab_size=5000 is more than this corpus supports; use at most \d+"
+    ):
+        data.load_tokenizer(
+            "sentencepiece", 5000, "textfiles", tmp_path / "tfds", str(tmp_path / "*.txt")
+        )
+    assert not glob.glob(str(tmp_path / "tfds" / "textfiles" / "*" / "*" / "sentencepiece-*"))

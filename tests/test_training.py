@@ -12,7 +12,9 @@ import pytest
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
+from lexjax import data as data_lib
 from lexjax import metrics
+from lexjax.errors import DataError
 from lexjax.optim import learning_rate_schedule
 from lexjax.steps import TrainSetup
 from lexjax.training import train
@@ -130,6 +132,45 @@ def _final_params(workdir, config):
     state, _, step = ckpt.restore(abstract_state=setup.abstract_state)
     ckpt.close()
     return jax.device_get(state.params), step
+
+
+def test_a_sentencepiece_run_saves_its_tokenizer_with_every_checkpoint(tmp_path):
+    config = _train_config(
+        tmp_path,
+        **{
+            "data.tokenizer": "sentencepiece",
+            "data.vocab_size": 280,
+            "model.vocab_size": None,
+            "num_train_steps": 2,
+            "checkpoint_every": 1,
+        },
+    )
+    assert config.model.vocab_size == 320  # 280 ids, padded to a multiple of 64
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    built = data_lib.load_tokenizer(
+        "sentencepiece", 280, "textfiles", config.data.data_dir, config.data.files
+    )
+    for step in (1, 2):
+        saved = ckpt_lib.load_tokenizer(workdir, step)
+        assert saved.kind == "sentencepiece" and saved.fingerprint == built.fingerprint
+    stored, _, step = ckpt_lib.load_params(workdir)
+    assert (stored.model.vocab_size, stored.data.tokenizer, step) == (320, "sentencepiece", 2)
+
+
+def test_checkpoints_of_an_older_lexjax_carry_the_byte_tokenizer():
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_v1")
+    assert ckpt_lib.load_tokenizer(fixture) is data_lib.BYTES
+
+
+def test_a_run_that_fails_on_its_data_leaves_no_workdir(tmp_path):
+    corpus = tmp_path / "empty"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"")
+    config = _train_config(tmp_path, **{"data.files": str(corpus / "*.txt")})
+    with pytest.raises(DataError, match="no training text"):
+        train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -252,6 +293,26 @@ def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
     assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
+def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
+    """The largest supported size is named; no workdir and no tokenizer file are left."""
+    workdir = tmp_path / "run"
+    result = _train_cli(
+        f"--workdir={workdir}",
+        "--config.data.name=textfiles",
+        f"--config.data.files={_textfiles(tmp_path)}",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+        "--config.data.tokenizer=sentencepiece",
+        "--config.data.vocab_size=8192",
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "use at most" in lines[0], result.stderr
+    assert "data.vocab_size=8192 is more than this corpus supports" in lines[0]
+    assert not workdir.exists()
+    assert not list((tmp_path / "tfds").glob("textfiles/*/*/sentencepiece-*"))
+
+
 def test_train_program_end_to_end(tmp_path):
     workdir = tmp_path / "run"
     result = _train_cli(
@@ -271,7 +332,7 @@ def test_train_program_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"next: python eval.py --workdir={workdir}" in result.stdout
     # The corpus build is one plain line: no TFDS progress bars or warnings.
-    assert "building dataset textfiles (40 files)... done" in result.stdout
+    assert "building dataset textfiles (40 files, split by file)... done" in result.stdout
     assert "\x1b" not in result.stdout + result.stderr
     assert "Downloading and preparing" not in result.stdout
     assert "dataset_info.json" not in result.stderr

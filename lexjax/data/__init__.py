@@ -1,7 +1,8 @@
-"""Data for lexjax: byte tokenizer, TF-less TFDS ArrayRecord datasets, grain pipelines.
+"""Data for lexjax: tokenizers, TF-less TFDS ArrayRecord datasets, grain pipelines.
 
 source = load_source("python_stdlib", "train")          # raw text, random access
-it = make_train_iterator(source, seq_len=256, batch_size=8, seed=0)
+tok = load_tokenizer("sentencepiece", 2048, "python_stdlib")   # or "bytes"
+it = make_train_iterator(source, seq_len=256, batch_size=8, seed=0, tokenizer=tok)
 batch = next(it)   # inputs, targets, segment_ids, positions: int32 [8, 256]
 """
 
@@ -13,29 +14,48 @@ from lexjax.data.builders import (
     TextFiles,
     TextSource,
     load_source,
+    load_tokenizer,
+    plan_corpus,
     prepare,
     split_of,
 )
 from lexjax.data.pipeline import as_document, eval_documents, make_train_iterator
-from lexjax.data.tokenizer import BOS, EOS, VOCAB_SIZE, decode, encode, encode_document
+from lexjax.data.tokenizer import (
+    BOS,
+    BYTES,
+    EOS,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    decode,
+    encode,
+    encode_document,
+)
 
 __all__ = [
     "BOS",
     "BUILDER_NAMES",
+    "BYTES",
     "DEFAULT_DATA_DIR",
     "EOS",
     "SPLITS",
     "VOCAB_SIZE",
+    "ByteTokenizer",
     "PythonStdlib",
+    "SentencePieceTokenizer",
     "TextFiles",
     "TextSource",
+    "Tokenizer",
     "as_document",
     "decode",
     "encode",
     "encode_document",
     "eval_documents",
     "load_source",
+    "load_tokenizer",
     "make_train_iterator",
+    "plan_corpus",
     "prepare",
     "split_of",
 ]

@@ -1,51 +1,74 @@
 """TFDS datasets written and read as ArrayRecord, with no TensorFlow anywhere.
 
-Two builders turn a directory of text files into a TFDS dataset, one document
-per file, each example `{"text": bytes, "path": str}`:
+Two builders turn text files into a TFDS dataset, each example
+`{"text": str, "path": str}`:
 
 - `python_stdlib`: every `.py` file of the running Python's standard library
   (`sysconfig.get_paths()['stdlib']`), without `site-packages`/`dist-packages`
   (third-party code) and without the stdlib's own `test`/`tests`/`idle_test`
   directories (generated fixtures and deliberately malformed files, not prose
   about the library). Present wherever Python is, so it is the default corpus.
-- `textfiles`: the files matching a glob (`files='/data/**/*.txt'`).
+- `textfiles`: the files matching a glob (`files='/data/**/*.txt'`), with
+  optional `validation_files=` / `test_files=` globs for explicit held-out splits.
 
-A file goes to train/validation/test (90/5/5) by the SHA-256 of its path
-relative to the corpus root, so the split never depends on which other files
-exist, on the machine, or on `PYTHONHASHSEED`. A split that receives no file is
-not written (TFDS refuses empty splits); asking for it raises DataError.
+The split rule (no byte is ever in two splits):
+
+1. Files matched by `validation_files` / `test_files` form those splits whole
+   (and leave the `files` pool if it matches them too).
+2. By file: a pool file goes to train/validation/test (90/5/5) by the SHA-256
+   of its path relative to the corpus root, so the split never depends on
+   which other files exist, on the machine, or on `PYTHONHASHSEED`; a file
+   whose bucket is an explicit split goes to train. This rule is used when it
+   gives every automatic held-out split at least one file.
+3. Otherwise (one to a few dozen files) within files: every pool file keeps
+   its head for train, and each automatic held-out split gets a 5% tail: with
+   both automatic, bytes [0, 90%) train, [90%, 95%) validation, [95%, 100%)
+   test. Each cut moves forward to the next line start (within 64 KiB, else the
+   next UTF-8 character start).
+
+Files are read in bounded pieces: a document is at most 4 MiB (a longer file or
+piece becomes several documents, cut at line starts), so a file of hundreds of
+MB is streamed. Empty files and binary files (a NUL byte in the first 8 KiB)
+are skipped; invalid UTF-8 is decoded with U+FFFD replacement; the build line
+counts both, and a corpus with no text left is a DataError.
+
+One build per corpus: the dataset's config name is a fingerprint of the input
+(the split rule, each file's role, relative path and contents), so
+`<data_dir>/<name>/<fingerprint>/<version>/` holds one corpus; another corpus,
+or a changed file, gets its own directory and two runs on different corpora
+coexist. TFDS writes a build into a temporary directory and renames it on
+success, so an interrupted build is never taken as complete. Tokenizers
+learned from a build are stored in its directory (see `load_tokenizer`).
 
 How the build avoids TensorFlow: `tfds.core.GeneratorBasedBuilder` with
 `file_format='array_record'` and `download_and_prepare()` serializes examples
 with TFDS's own protobuf serializer and writes through `array_record`; the
 dataset info comes from `tfds.core.DatasetInfo(...)` directly (the
 `dataset_info_from_configs` helper wants a package directory with metadata
-files). Reading is `tfds.data_source(name, data_dir=..., download=False)`.
+files). Reading is the builder's `as_data_source`, or `tfds.data_source(name,
+data_dir=..., download=False)` for other datasets.
 
-The dataset version is the builder's `VERSION` (the directory
-`<data_dir>/<name>/<version>/`). A fingerprint of the input files (SHA-256 over
-relative paths and contents) is stored in the dataset's `metadata.json`,
-written atomically with the data; loading compares it against the files on
-disk and refuses a mismatch with a message saying how to rebuild.
-
-Any other TFDS dataset (e.g. 'pg19') is read through the same
-`tfds.data_source` call, once it has been prepared as ArrayRecord in
-`data_dir` (e.g. `tfds build pg19 --file_format=array_record --data_dir=...`).
+Any other TFDS dataset (e.g. 'pg19') is read through `tfds.data_source`, once
+it has been prepared as ArrayRecord in `data_dir` (e.g. `tfds build pg19
+--file_format=array_record --data_dir=...`).
 """
 
+from __future__ import annotations
+
 import contextlib
+import dataclasses
 import functools
 import glob
 import hashlib
 import logging
 import os
-import shutil
-import sys
 import sysconfig
-from pathlib import Path, PurePath
+import time
+from pathlib import PurePath
 
 import tensorflow_datasets as tfds
 
+from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
@@ -56,6 +79,11 @@ _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 )
 _GLOB_CHARS = frozenset("*?[")
+_SPLIT_RULE = "lexjax split rule 2"  # part of the fingerprint: a new rule is a new build
+_HELD_OUT_FRACTION = 0.05  # within files: each automatic held-out split's tail
+_MAX_DOCUMENT_BYTES = 4 << 20
+_SNAP_BYTES = 64 << 10  # how far a cut looks for a line start
+_SNIFF_BYTES = 8 << 10  # a NUL byte in here marks a binary file
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
@@ -90,11 +118,12 @@ def stdlib_files(max_files: int | None = None) -> tuple[str, list[str]]:
     return root, relpaths[:max_files] if max_files is not None else relpaths
 
 
-def glob_files(pattern: str) -> tuple[str, list[str]]:
+def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
     """Returns (root, sorted relative posix paths) of the files matching a glob.
 
     The root is the pattern's leading directories that contain no wildcard, so
     '/data/books/**/*.txt' gives root '/data/books'. `**` matches recursively.
+    `what` names the setting in the error for a glob that matches nothing.
     """
     pattern = os.path.abspath(os.path.expanduser(pattern))
     parts = PurePath(pattern).parts
@@ -107,35 +136,219 @@ def glob_files(pattern: str) -> tuple[str, list[str]]:
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
         raise DataError(
-            f"files={pattern!r} matches no files; pass a glob of existing text "
+            f"{what}={pattern!r} matches no files; pass a glob of existing text "
             "files, e.g. files='/data/books/**/*.txt'"
         )
     return root, sorted(_relative(p, root) for p in matches)
-
-
-def fingerprint(root: str, relpaths: list[str]) -> str:
-    """Returns a SHA-256 hex digest over the relative paths and file contents."""
-    digest = hashlib.sha256()
-    for relpath in sorted(relpaths):
-        content = hashlib.sha256(Path(root, relpath).read_bytes()).hexdigest()
-        digest.update(f"{relpath}\0{content}\n".encode())
-    return digest.hexdigest()
 
 
 def _relative(path: str, root: str) -> str:
     return PurePath(os.path.relpath(path, root)).as_posix()
 
 
-class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """One document per file: {'text': file bytes, 'path': path relative to the root}."""
+# ---------------------------------------------------------------- the split plan
 
-    VERSION = tfds.core.Version("1.0.0")
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Bytes [start, end) of one file, all in one split."""
+
+    root: str
+    relpath: str
+    start: int
+    end: int
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.relpath)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which bytes of which files go to which split (see the module docstring).
+
+    `rule` is 'by file' or 'within files'; `skipped` counts empty and binary
+    files; `fingerprint` is the SHA-256 hex digest that names the build.
+    """
+
+    pieces: dict[str, list[Piece]]
+    rule: str
+    num_files: int
+    skipped: dict[str, int]
+    fingerprint: str
+
+
+def _file_digest(path: str) -> str:
+    """SHA-256 of a file's contents, read in 1 MiB blocks; remembered for this
+    process while the file keeps its size and modification time (a run opens
+    its corpus several times: train, validation, tokenizer)."""
+    stat = os.stat(path)
+    return _content_digest(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # Only the cache key.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _kind_of(path: str) -> str:
+    """'empty', 'binary' (a NUL byte near the start) or 'text'."""
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    if not head:
+        return "empty"
+    return "binary" if b"\0" in head else "text"
+
+
+def _snap(f, size: int, offset: int) -> int:
+    """The first line start at or after `offset` within _SNAP_BYTES, else the
+    first UTF-8 character start at or after it (f is open in binary mode)."""
+    if offset <= 0 or offset >= size:
+        return min(max(offset, 0), size)
+    f.seek(offset - 1)
+    window = f.read(_SNAP_BYTES + 1)
+    newline = window.find(b"\n")
+    if newline != -1:
+        return offset + newline  # just after the '\n' at window[newline]
+    for i in range(1, len(window)):
+        if window[i] & 0xC0 != 0x80:  # not a continuation byte
+            return offset - 1 + i
+    return size
+
+
+def plan_splits(
+    pool: tuple[str, list[str]], explicit: dict[str, tuple[str, list[str]]] | None = None
+) -> Plan:
+    """The split plan of a pool of files and explicit held-out splits.
+
+    `pool` and each `explicit[split]` are (root, relative paths), as from
+    `glob_files`. Raises DataError when no text is left for some split.
+    """
+    explicit = dict(explicit or {})
+    for split in explicit:
+        if split not in ("validation", "test"):
+            raise DataError(f"explicit files are for validation and test, not {split!r}")
+    digest = hashlib.sha256(_SPLIT_RULE.encode())
+    skipped = {"empty": 0, "binary": 0}
+    taken = set()
+
+    def text_files(role: str, root: str, relpaths: list[str]) -> list[str]:
+        kept = []
+        for relpath in relpaths:
+            path = os.path.join(root, relpath)
+            digest.update(f"{role}\0{relpath}\0{_file_digest(path)}\n".encode())
+            kind = _kind_of(path)
+            if kind == "text":
+                kept.append(relpath)
+            else:
+                skipped[kind] += 1
+        return kept
+
+    pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
+    for split, (root, relpaths) in sorted(explicit.items()):
+        for relpath in text_files(split, root, relpaths):
+            taken.add(os.path.realpath(os.path.join(root, relpath)))
+            pieces[split].append(
+                Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
+            )
+    root, relpaths = pool
+    relpaths = [r for r in relpaths if os.path.realpath(os.path.join(root, r)) not in taken]
+    pool_files = text_files("pool", root, relpaths)
+    num_files = len(pool_files) + sum(len(p) for p in pieces.values())
+    if not pool_files:
+        raise DataError(_no_text("training", skipped))
+    held = [s for s in ("validation", "test") if s not in explicit]
+    by_file = {r: split_of(r) for r in pool_files}
+    by_file = {r: (s if s in held else "train") for r, s in by_file.items()}
+    if all(s in by_file.values() for s in held):
+        rule = "by file"
+        for relpath in pool_files:
+            size = os.path.getsize(os.path.join(root, relpath))
+            pieces[by_file[relpath]].append(Piece(root, relpath, 0, size))
+    else:
+        rule = "within files"
+        fractions = [1 - _HELD_OUT_FRACTION * k for k in range(len(held), 0, -1)]
+        for relpath in pool_files:
+            path = os.path.join(root, relpath)
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                cuts = [0] + [_snap(f, size, int(size * x)) for x in fractions] + [size]
+            for split, start, end in zip(["train"] + held, cuts, cuts[1:]):
+                if end > start:
+                    pieces[split].append(Piece(root, relpath, start, end))
+    for split in SPLITS:
+        if not pieces[split]:
+            raise DataError(
+                f"the corpus is too small to hold out {split} text ({num_files} text files); "
+                f"add text or pass data.{split}_files"
+            )
+    digest.update(rule.encode())
+    return Plan(pieces, rule, num_files, skipped, digest.hexdigest())
+
+
+def _no_text(what: str, skipped: dict[str, int]) -> str:
+    return (
+        f"no {what} text: the files are {skipped['empty']} empty and "
+        f"{skipped['binary']} binary (a NUL byte in the first 8 KiB), all skipped; "
+        "pass a glob of text files"
+    )
+
+
+def documents(piece: Piece):
+    """Yields (start offset, bytes) of the documents of a piece: at most
+    _MAX_DOCUMENT_BYTES each, cut at line starts where possible, read streaming."""
+    with open(piece.path, "rb") as f:
+        start = piece.start
+        while start < piece.end:
+            f.seek(start)
+            chunk = f.read(min(_MAX_DOCUMENT_BYTES, piece.end - start))
+            if start + len(chunk) < piece.end:
+                newline = chunk.rfind(b"\n")
+                if newline != -1:
+                    chunk = chunk[: newline + 1]
+                else:  # no line break in 4 MiB: cut before a character start
+                    cut = len(chunk)
+                    while cut > 1 and chunk[cut - 1] & 0xC0 == 0x80:
+                        cut -= 1
+                    chunk = chunk[: cut - 1] if chunk[cut - 1] >= 0xC0 else chunk[:cut]
+            yield start, chunk
+            start += len(chunk)
+
+
+# ---------------------------------------------------------------- TFDS builders
+
+
+class _LocalInfo(tfds.core.DatasetInfo):
+    """DatasetInfo of a corpus made here: there is nothing to fetch from TFDS's bucket.
+
+    (TFDS's own fetch leaves an empty `tmpXXXXtfds` directory in $TMPDIR for
+    every builder constructed before its data exists.)
+    """
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
+class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Documents of the pieces of a Plan: {'text': str, 'path': path relative to the root}."""
+
+    VERSION = tfds.core.Version("2.0.0")
     RELEASE_NOTES = {
-        "1.0.0": "One document per file; 90/5/5 split by SHA-256 of the relative path."
+        "1.0.0": "One document per file; 90/5/5 split by SHA-256 of the relative path.",
+        "2.0.0": "One build per input fingerprint; within-file split for few files; "
+        "documents of at most 4 MiB; explicit validation/test files.",
     }
 
-    def __init__(self, *, file_format: str = "array_record", **kwargs):
-        super().__init__(file_format=file_format, **kwargs)
+    def __init__(self, *, plan: Plan, file_format: str = "array_record", **kwargs):
+        self.plan = plan
+        self.replaced = set()  # files decoded with U+FFFD replacement in this build
+        config = tfds.core.BuilderConfig(name=plan.fingerprint[:16])
+        super().__init__(config=config, file_format=file_format, **kwargs)
 
     # TFDS looks beside a builder's source file for checksums and metadata
     # files; these builders download nothing and have none. Saying so also
@@ -145,10 +358,6 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     @classmethod
     def code_path(cls):
         return None
-
-    def list_files(self) -> tuple[str, list[str]]:
-        """Returns (root, relative paths) of the input files."""
-        raise NotImplementedError
 
     # TFDS announces a download ("Downloading and preparing dataset Unknown
     # size ...") and its end; nothing is downloaded here and prepare() says
@@ -160,7 +369,7 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         pass
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description=self.__doc__,
             features=tfds.features.FeaturesDict(
@@ -171,46 +380,33 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def _split_generators(self, dl_manager):
         del dl_manager  # Nothing is downloaded.
-        root, relpaths = self.list_files()
-        self.info.metadata["source_fingerprint"] = fingerprint(root, relpaths)
-        self.info.metadata["num_files"] = len(relpaths)
-        by_split = {split: [] for split in SPLITS}
-        for relpath in relpaths:
-            by_split[split_of(relpath)].append(relpath)
-        return {
-            split: self._generate_examples(root, files)
-            for split, files in by_split.items()
-            if files
-        }
+        plan = self.plan
+        self.info.metadata.update(
+            source_fingerprint=plan.fingerprint,
+            split_rule=plan.rule,
+            num_files=plan.num_files,
+            skipped=plan.skipped,
+        )
+        return {split: self._generate_examples(plan.pieces[split]) for split in SPLITS}
 
-    def _generate_examples(self, root, relpaths):
-        for relpath in relpaths:
-            yield relpath, {"text": Path(root, relpath).read_bytes(), "path": relpath}
-
-
-def _python_tag() -> str:
-    """The running interpreter, e.g. 'cpython3_11_7': its stdlib is this corpus."""
-    v = sys.version_info
-    return f"{sys.implementation.name}{v.major}_{v.minor}_{v.micro}"
+    def _generate_examples(self, pieces):
+        for piece in pieces:
+            for start, chunk in documents(piece):
+                try:
+                    text = chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = chunk.decode("utf-8", errors="replace")
+                    self.replaced.add(piece.path)
+                # The key of a whole small file is its path, as in version 1.0.0, so
+                # TFDS's key-hash order of the documents (hence evaluation's) stays.
+                key = piece.relpath if start == 0 else f"{piece.relpath}@{start}"
+                yield key, {"text": text, "path": piece.relpath}
 
 
 class PythonStdlib(_FileCorpus):
-    """The .py files of the running Python's standard library (no tests, no site-packages).
-
-    One build per interpreter (a TFDS config named after it, so the data lives in
-    ``python_stdlib/<tag>/<version>``): Pythons of other versions sharing a cache
-    directory each read their own standard library.
-    """
+    """The .py files of the running Python's standard library (no tests, no site-packages)."""
 
     name = "python_stdlib"
-    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=_python_tag())]
-
-    def __init__(self, *, max_files: int | None = None, **kwargs):
-        self._max_files = max_files
-        super().__init__(**kwargs)
-
-    def list_files(self):
-        return stdlib_files(self._max_files)
 
 
 class TextFiles(_FileCorpus):
@@ -218,14 +414,39 @@ class TextFiles(_FileCorpus):
 
     name = "textfiles"
 
-    def __init__(self, *, files: str | None = None, **kwargs):
-        self._files = files
-        super().__init__(**kwargs)
 
-    def list_files(self):
-        if self._files is None:
-            raise DataError("textfiles needs files='<glob>' to build, e.g. files='/data/**/*.txt'")
-        return glob_files(self._files)
+_BUILDERS = {"python_stdlib": PythonStdlib, "textfiles": TextFiles}
+
+
+def plan_corpus(
+    name: str,
+    files: str | None = None,
+    *,
+    validation_files: str | None = None,
+    test_files: str | None = None,
+    max_files: int | None = None,
+) -> Plan:
+    """The split plan of `python_stdlib` or `textfiles` (see `prepare`)."""
+    explicit = {}
+    if validation_files:
+        explicit["validation"] = glob_files(validation_files, "validation_files")
+    if test_files:
+        explicit["test"] = glob_files(test_files, "test_files")
+    if name == "python_stdlib":
+        if files is not None:
+            raise DataError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
+        return plan_splits(stdlib_files(max_files), explicit)
+    if name == "textfiles":
+        if max_files is not None:
+            raise DataError(
+                "max_files= applies to 'python_stdlib' only; narrow the files= glob instead"
+            )
+        if not files:
+            raise DataError("textfiles needs files='<glob>', e.g. files='/data/**/*.txt'")
+        return plan_splits(glob_files(files), explicit)
+    raise DataError(
+        f"prepare() builds {BUILDER_NAMES}, not {name!r}; prepare other datasets with `tfds build`"
+    )
 
 
 def prepare(
@@ -233,63 +454,36 @@ def prepare(
     data_dir: str | os.PathLike | None = None,
     files: str | None = None,
     *,
+    validation_files: str | None = None,
+    test_files: str | None = None,
     max_files: int | None = None,
-    overwrite: bool = False,
 ) -> tfds.core.DatasetBuilder:
-    """Builds `python_stdlib` or `textfiles` into data_dir once; later calls reuse it.
+    """Builds `python_stdlib` or `textfiles` into data_dir once per corpus; later
+    calls with the same input files reuse that build.
 
-    An existing build is checked against the input files' fingerprint: for
-    `python_stdlib` always, for `textfiles` when `files` is given (without it the
-    prepared data is read as is). A mismatch raises DataError unless
-    `overwrite=True`, which deletes the old build and writes a new one.
+    The build lives in `<data_dir>/<name>/<fingerprint>/2.0.0/`; changing,
+    adding or removing a file makes a new one beside it. Prints one line while
+    building: the file count, the split rule and what was skipped or replaced.
     """
     data_dir = resolve_data_dir(data_dir)
-    if name == "python_stdlib":
-        if files is not None:
-            raise DataError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
-        make = functools.partial(PythonStdlib, data_dir=data_dir, max_files=max_files)
-    elif name == "textfiles":
-        if max_files is not None:
-            raise DataError(
-                "max_files= applies to 'python_stdlib' only; narrow the files= glob instead"
-            )
-        if files is not None:
-            glob_files(files)  # Fail on a bad glob before touching data_dir.
-        make = functools.partial(TextFiles, data_dir=data_dir, files=files)
-    else:
-        raise DataError(
-            f"prepare() builds {BUILDER_NAMES}, not {name!r}; "
-            "prepare other datasets with `tfds build`"
-        )
-
+    plan = plan_corpus(
+        name, files, validation_files=validation_files, test_files=test_files, max_files=max_files
+    )
     with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
-        builder = make()
-        if overwrite and builder.is_prepared():
-            shutil.rmtree(builder.data_path)
-            builder = make()
+        builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
         prepared = builder.is_prepared()
     if not prepared:
-        if name == "textfiles" and files is None:
-            raise DataError(
-                f"textfiles is not prepared in {data_dir}; pass files='<glob>' "
-                "(e.g. files='/data/**/*.txt') to build it"
-            )
-        _, relpaths = builder.list_files()
-        print(f"building dataset {name} ({len(relpaths)} files)...", end="", flush=True)
+        skipped = ", ".join(f"{n} {kind}" for kind, n in plan.skipped.items() if n)
+        print(
+            f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
+            f"{'; skipped ' + skipped if skipped else ''})...",
+            end="",
+            flush=True,
+        )
         with _quiet_tfds():
             builder.download_and_prepare()
-        print(" done", flush=True)
-        return builder
-    if name == "python_stdlib" or files is not None:
-        stored = builder.info.metadata.get("source_fingerprint")
-        current = fingerprint(*builder.list_files())
-        if stored != current:
-            raise DataError(
-                f"{name} in {builder.data_path} was built from other files than "
-                f"the current ones (fingerprint {str(stored)[:12]} vs {current[:12]}); "
-                f"delete {builder.data_path} (overwrite=True in prepare()) to rebuild it, or "
-                "use another data_dir"
-            )
+        replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
+        print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
 
 
@@ -331,12 +525,53 @@ class TextSource:
         return f"TextSource({self._records!r}, text_feature={self._text_feature!r})"
 
 
+def _open(
+    name: str,
+    data_dir: str | os.PathLike | None,
+    files: str | None,
+    validation_files: str | None,
+    test_files: str | None,
+    max_files: int | None,
+):
+    """(records of a split → ArrayRecord data source, directory of the build)."""
+    data_dir = resolve_data_dir(data_dir)
+    if name in BUILDER_NAMES:
+        builder = prepare(
+            name,
+            data_dir,
+            files,
+            validation_files=validation_files,
+            test_files=test_files,
+            max_files=max_files,
+        )
+        return builder.as_data_source, os.fspath(builder.data_path)
+    if any(x is not None for x in (files, validation_files, test_files, max_files)):
+        raise DataError(
+            f"files=/validation_files=/test_files=/max_files= apply to {BUILDER_NAMES} "
+            f"only, not {name!r}"
+        )
+    base = name.split(":")[0]
+    infos = glob.glob(os.path.join(data_dir, base, "**", "dataset_info.json"), recursive=True)
+    if not infos:
+        raise DataError(
+            f"dataset {name!r} is not prepared in {data_dir}; run `tfds build {base} "
+            f"--file_format=array_record --data_dir={data_dir}` or use one of {BUILDER_NAMES}"
+        )
+
+    def records(split):
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+
+    return records, os.path.dirname(sorted(infos)[-1])
+
+
 def load_source(
     name: str,
     split: str,
     data_dir: str | os.PathLike | None = None,
     files: str | None = None,
     *,
+    validation_files: str | None = None,
+    test_files: str | None = None,
     text_feature: str = "text",
     max_files: int | None = None,
 ) -> TextSource:
@@ -346,23 +581,14 @@ def load_source(
     any other name must already be prepared as ArrayRecord in data_dir.
     `split` accepts the TFDS split syntax ('train', 'validation[:10%]', ...).
     """
-    data_dir = resolve_data_dir(data_dir)
-    if name in BUILDER_NAMES:
-        prepare(name, data_dir, files, max_files=max_files)
-    elif files is not None or max_files is not None:
-        raise DataError(f"files=/max_files= apply to {BUILDER_NAMES} only, not {name!r}")
-    else:
-        base = name.split(":")[0]
-        if not glob.glob(os.path.join(data_dir, base, "**", "dataset_info.json"), recursive=True):
-            raise DataError(
-                f"dataset {name!r} is not prepared in {data_dir}; run `tfds build {base} "
-                f"--file_format=array_record --data_dir={data_dir}` or use one of {BUILDER_NAMES}"
-            )
+    records_of, _ = _open(name, data_dir, files, validation_files, test_files, max_files)
     try:
-        records = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        records = records_of(split)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"cannot read split {split!r} of {name!r} from {data_dir}: {reason}") from e
+        raise DataError(
+            f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: {reason}"
+        ) from e
     features = records.dataset_info.features
     if text_feature not in features:
         raise DataError(
@@ -370,3 +596,63 @@ def load_source(
             f"pass text_feature= one of {sorted(features.keys())}"
         )
     return TextSource(records, text_feature)
+
+
+def load_tokenizer(
+    kind: str,
+    vocab_size: int,
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    files: str | None = None,
+    *,
+    validation_files: str | None = None,
+    test_files: str | None = None,
+    text_feature: str = "text",
+    max_files: int | None = None,
+) -> tokenizer_lib.Tokenizer:
+    """The tokenizer of a corpus: bytes, or the SentencePiece model of `vocab_size`
+    ids learned from its train split.
+
+    A SentencePiece model is trained once per build (on a bounded sample,
+    `tokenizer.SAMPLE_BYTES`, with one progress line) and stored in the build's
+    directory as `sentencepiece-<vocab_size>.model`, written to a temporary
+    name and renamed, so a failed training leaves nothing that looks complete.
+    """
+    if kind == "bytes":
+        return tokenizer_lib.BYTES
+    if kind != "sentencepiece":
+        raise DataError(f"unknown tokenizer {kind!r}; use one of {', '.join(tokenizer_lib.KINDS)}")
+    _, build_dir = _open(name, data_dir, files, validation_files, test_files, max_files)
+    path = os.path.join(build_dir, f"sentencepiece-{vocab_size}.model")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return tokenizer_lib.SentencePieceTokenizer(f.read())
+    train = load_source(
+        name,
+        "train",
+        data_dir,
+        files,
+        validation_files=validation_files,
+        test_files=test_files,
+        text_feature=text_feature,
+        max_files=max_files,
+    )
+    budget = tokenizer_lib.SAMPLE_BYTES
+    print(
+        f"training sentencepiece tokenizer ({vocab_size} ids) on up to "
+        f"{budget >> 20} MiB of {len(train)} training documents...",
+        end="",
+        flush=True,
+    )
+    start = time.perf_counter()
+    try:
+        trained = tokenizer_lib.train_sentencepiece(
+            tokenizer_lib.sample_lines(train, budget), vocab_size
+        )
+    finally:
+        print(f" {time.perf_counter() - start:.0f} s", flush=True)
+    partial = f"{path}.tmp{os.getpid()}"
+    with open(partial, "wb") as f:
+        f.write(trained.model_proto)
+    os.replace(partial, path)
+    return trained

@@ -1,10 +1,11 @@
 """grain pipelines: packed, shuffled, sharded training batches and evaluation documents.
 
 Packing convention (the model and its tests rely on it). Each document is
-d = [BOS, bytes..., EOS]; its training pair is inputs = d[:-1], targets =
-d[1:]. The pair is cut into chunks of at most `seq_len` tokens, and chunks are
-packed first-fit into rows of exactly `seq_len`. A batch is a dict of int32
-numpy arrays, each [batch_size, seq_len] (batch_size per process):
+d = [BOS, tokens..., EOS] (bytes unless a `tokenizer` is given); its training
+pair is inputs = d[:-1], targets = d[1:]. The pair is cut into chunks of at
+most `seq_len` tokens, and chunks are packed first-fit into rows of exactly
+`seq_len`. A batch is a dict of int32 numpy arrays, each [batch_size, seq_len]
+(batch_size per process):
 
 - `inputs`, `targets`: token ids; 0 at padding;
 - `segment_ids`: 1, 2, 3, ... for the chunks of a row, 0 at padding;
@@ -21,7 +22,7 @@ import grain
 import numpy as np
 from absl import flags
 
-from lexjax.data import tokenizer
+from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError
 
 # Bounded so that set_state() and a 2-core machine do not pay for hundreds of
@@ -29,8 +30,10 @@ from lexjax.errors import DataError
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)
 
 
-def as_document(document: str | bytes | np.ndarray) -> np.ndarray:
-    """Returns int32 ids [BOS, bytes..., EOS]; raw text is encoded, ids pass through."""
+def as_document(
+    document: str | bytes | np.ndarray, tokenizer: tokenizer_lib.Tokenizer = tokenizer_lib.BYTES
+) -> np.ndarray:
+    """Returns int32 ids [BOS, tokens..., EOS]; raw text is encoded, ids pass through."""
     if isinstance(document, (str, bytes)):
         return tokenizer.encode_document(document)
     return np.asarray(document, dtype=np.int32)
@@ -38,8 +41,11 @@ def as_document(document: str | bytes | np.ndarray) -> np.ndarray:
 
 # Transforms live at module level so grain worker processes can unpickle them.
 class _Tokenize(grain.transforms.Map):
+    def __init__(self, tokenizer: tokenizer_lib.Tokenizer):
+        self.tokenizer = tokenizer
+
     def map(self, document):
-        return as_document(document)
+        return as_document(document, self.tokenizer)
 
 
 class _ChunkPairs(grain.experimental.FlatMapTransform):
@@ -80,6 +86,7 @@ def make_train_iterator(
     shard_count: int = 1,
     num_epochs: int | None = None,
     worker_count: int = 0,
+    tokenizer: tokenizer_lib.Tokenizer = tokenizer_lib.BYTES,
 ) -> grain.DatasetIterator:
     """Returns a checkpointable iterator of packed batches (see module docstring).
 
@@ -98,6 +105,7 @@ def make_train_iterator(
       worker_count: grain worker processes for background prefetch; 0 runs
         in-process. Batches are deterministic for a given worker_count but
         differ between counts (packing is stateful and runs per worker).
+      tokenizer: encodes raw-text documents (default bytes).
 
     `it.get_state()` / `it.set_state(state)` resume exactly: a restored
     iterator yields the batches an uninterrupted one would.
@@ -116,7 +124,7 @@ def make_train_iterator(
             f"shard {shard_index} of {shard_count} has no documents ({len(source)} in the "
             "source); use fewer shards or a larger split"
         )
-    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(_Tokenize())
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(_Tokenize(tokenizer))
     ds = ds.to_iter_dataset(_READ_OPTIONS)
     ds = grain.experimental.FlatMapIterDataset(ds, _ChunkPairs(seq_len))
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -137,9 +145,12 @@ def make_train_iterator(
 
 
 def eval_documents(
-    source: Sequence, max_docs: int | None = None, min_len: int = 0
+    source: Sequence,
+    max_docs: int | None = None,
+    min_len: int = 0,
+    tokenizer: tokenizer_lib.Tokenizer = tokenizer_lib.BYTES,
 ) -> Iterator[np.ndarray]:
-    """Yields int32 documents [BOS, bytes..., EOS] in source order.
+    """Yields int32 documents [BOS, tokens..., EOS] in source order.
 
     Documents shorter than `min_len` tokens (BOS and EOS included) are skipped;
     at most `max_docs` documents are yielded.
@@ -148,7 +159,7 @@ def eval_documents(
     for index in range(len(source)):
         if max_docs is not None and yielded >= max_docs:
             return
-        document = as_document(source[index])
+        document = as_document(source[index], tokenizer)
         if len(document) >= min_len:
             yielded += 1
             yield document

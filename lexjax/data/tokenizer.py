@@ -1,15 +1,40 @@
-"""Byte-level tokenizer: ids 0..255 are UTF-8 bytes, plus two document markers.
+"""Tokenizers: UTF-8 bytes, or SentencePiece pieces learned from the training text.
 
-Every byte sequence is representable, so encoding never drops or replaces
-anything; only decoding (bytes -> str) may substitute U+FFFD for invalid UTF-8.
+Both give the same small interface (:class:`Tokenizer`): ``encode`` /
+``encode_document`` / ``decode``, ``vocab_size``, ``bos`` / ``eos``, and
+``num_bytes(ids)``, the number of UTF-8 bytes of text a run of ids covers (the
+denominator of bits per byte, so models with different tokenizers compare).
+``to_json`` / :func:`from_json` carry a tokenizer inside a checkpoint;
+``fingerprint`` tells two tokenizers apart.
+
+Bytes: ids 0..255 are the bytes, then BOS and EOS. Every byte sequence is
+representable, so encoding never drops or replaces anything; only decoding
+(bytes -> str) may substitute U+FFFD for invalid UTF-8.
+
+SentencePiece (:func:`train_sentencepiece`): a unigram model with byte
+fallback and no normalization (no NFKC, no dummy prefix, whitespace kept), so
+every string encodes and ``decode(encode(text)) == text`` exactly; the one
+exception is a literal U+2581 (``▁``, SentencePiece's space marker), which
+decodes as a space. Ids: 0 padding, 1 unknown (never produced: byte fallback),
+2 BOS, 3 EOS, then 256 byte pieces and the learned pieces.
 """
 
-from collections.abc import Iterable
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import re
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-BOS = 256  # document start
-EOS = 257  # document end
+from lexjax.errors import DataError
+
+KINDS = ("bytes", "sentencepiece")
+
+BOS = 256  # byte tokenizer: document start
+EOS = 257  # byte tokenizer: document end
 VOCAB_SIZE = 258
 
 
@@ -20,12 +45,12 @@ def _as_bytes(text: str | bytes) -> bytes:
 
 
 def encode(text: str | bytes) -> np.ndarray:
-    """Returns the bytes of `text` (str is UTF-8 encoded) as int32 ids, shape [n]."""
+    """Byte tokenizer: the bytes of `text` (str is UTF-8 encoded) as int32 ids, shape [n]."""
     return np.frombuffer(_as_bytes(text), dtype=np.uint8).astype(np.int32)
 
 
 def encode_document(text: str | bytes) -> np.ndarray:
-    """Returns [BOS, bytes..., EOS] as int32 ids, shape [n + 2]."""
+    """Byte tokenizer: [BOS, bytes..., EOS] as int32 ids, shape [n + 2]."""
     body = _as_bytes(text)
     ids = np.empty(len(body) + 2, dtype=np.int32)
     ids[0] = BOS
@@ -35,7 +60,211 @@ def encode_document(text: str | bytes) -> np.ndarray:
 
 
 def decode(ids: Iterable[int] | np.ndarray) -> str:
-    """Returns the text of byte ids, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
+    """Byte tokenizer: the text of byte ids, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     body = ids[(ids >= 0) & (ids < 256)].astype(np.uint8)
     return body.tobytes().decode("utf-8", errors="replace")
+
+
+class Tokenizer:
+    """What every tokenizer offers; pure (no state changes after construction).
+
+    Subclasses set ``kind``, ``vocab_size``, ``bos``, ``eos`` and the int64
+    table ``_bytes_per_id`` [vocab_size] of UTF-8 bytes each id stands for
+    (0 for BOS/EOS/padding).
+    """
+
+    kind: str
+    vocab_size: int
+    bos: int
+    eos: int
+    _bytes_per_id: np.ndarray
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """int32 ids [n] of `text` (bytes are decoded as UTF-8 where needed)."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """The text of `ids`, without BOS/EOS."""
+        raise NotImplementedError
+
+    def encode_document(self, text: str | bytes) -> np.ndarray:
+        """int32 ids [BOS, encode(text)..., EOS], shape [n + 2]."""
+        return np.concatenate([[self.bos], self.encode(text), [self.eos]]).astype(np.int32)
+
+    def num_bytes(self, ids: Iterable[int] | np.ndarray) -> int:
+        """UTF-8 bytes of text that `ids` cover (BOS, EOS, padding cover none)."""
+        return int(self._bytes_per_id[np.asarray(ids, dtype=np.int64).reshape(-1)].sum())
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest that is equal for two tokenizers iff they tokenize alike."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.vocab_size} ids)"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255, BOS 256, EOS 257 (the module-level functions)."""
+
+    kind, vocab_size, bos, eos = "bytes", VOCAB_SIZE, BOS, EOS
+    _bytes_per_id = np.array([1] * 256 + [0, 0], dtype=np.int64)
+
+    def encode(self, text):
+        return encode(text)
+
+    def encode_document(self, text):
+        return encode_document(text)
+
+    def decode(self, ids):
+        return decode(ids)
+
+    def to_json(self):
+        return {"kind": "bytes"}
+
+    @property
+    def fingerprint(self):
+        return hashlib.sha256(b"lexjax bytes tokenizer").hexdigest()
+
+
+BYTES = ByteTokenizer()
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (see the module docstring for its settings and ids)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_proto: bytes):
+        import sentencepiece
+
+        self.model_proto = bytes(model_proto)
+        self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        sp = self._sp
+        self.vocab_size, self.bos, self.eos = sp.get_piece_size(), sp.bos_id(), sp.eos_id()
+        self._bytes_per_id = np.array(
+            [
+                0
+                if sp.is_control(i) or sp.is_unknown(i)
+                else 1
+                if sp.is_byte(i)
+                else len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+                for i in range(self.vocab_size)
+            ],
+            dtype=np.int64,
+        )
+
+    # grain's worker processes get the tokenizer by pickling; the C++ processor
+    # is rebuilt from the model bytes.
+    def __getstate__(self):
+        return {"model_proto": self.model_proto}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_proto"])
+
+    def encode(self, text):
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+    def decode(self, ids):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
+
+    def to_json(self):
+        return {
+            "kind": "sentencepiece",
+            "vocab_size": self.vocab_size,
+            "sha256": self.fingerprint,
+            "model": base64.b64encode(self.model_proto).decode("ascii"),
+        }
+
+    @property
+    def fingerprint(self):
+        return hashlib.sha256(self.model_proto).hexdigest()
+
+
+def from_json(record: dict) -> Tokenizer:
+    """The tokenizer of a ``to_json`` record (raises DataError on a damaged one)."""
+    kind = record.get("kind")
+    if kind == "bytes":
+        return BYTES
+    if kind == "sentencepiece":
+        tokenizer = SentencePieceTokenizer(base64.b64decode(record["model"]))
+        if tokenizer.fingerprint != record.get("sha256"):
+            raise DataError("the stored sentencepiece model does not match its checksum")
+        return tokenizer
+    raise DataError(f"unknown tokenizer kind {kind!r}; lexjax knows {', '.join(KINDS)}")
+
+
+# Bytes of training text the SentencePiece trainer reads at most; a bounded,
+# deterministic sample (see sample_lines) keeps time and memory bounded.
+SAMPLE_BYTES = 16 << 20
+_MAX_LINE_CHARS = 4096
+
+
+def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
+    """Lines for the trainer: the leading lines of every document, an equal byte
+    budget each, so one long file does not crowd out the rest. Deterministic."""
+    per_document = max(budget // max(len(documents), 1), 1)
+    for index in range(len(documents)):
+        document = documents[index]
+        if isinstance(document, (bytes, bytearray)):
+            document = bytes(document).decode("utf-8", errors="replace")
+        taken = 0
+        for line in document.split("\n"):
+            if taken >= per_document:
+                break
+            taken += len(line) + 1
+            if line:
+                yield line[:_MAX_LINE_CHARS]
+
+
+def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
+    """Trains a unigram SentencePiece model of exactly `vocab_size` ids on `lines`.
+
+    Raises DataError naming the largest (or smallest) vocabulary the text
+    supports when `vocab_size` does not fit it.
+    """
+    import sentencepiece
+
+    model = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="unigram",
+            normalization_rule_name="identity",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            user_defined_symbols=["\n"],  # lines are sentences; newlines stay one id
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            max_sentence_length=4 * _MAX_LINE_CHARS,
+            num_threads=2,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        message = str(e)
+        if largest := re.search(r"too high.*<= (\d+)", message):
+            raise DataError(
+                f"data.vocab_size={vocab_size} is more than this corpus supports; "
+                f"use at most {largest[1]}"
+            ) from None
+        if smallest := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+            raise DataError(
+                f"data.vocab_size={vocab_size} cannot hold this corpus's characters; "
+                f"use at least {smallest[1]}"
+            ) from None
+        raise DataError(f"sentencepiece training failed: {message.splitlines()[0]}") from None
+    return SentencePieceTokenizer(model.getvalue())
