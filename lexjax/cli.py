@@ -187,8 +187,10 @@ def run_eval(
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     config, params, step = checkpoint.load_params(workdir)
+    tokenizer = checkpoint.load_tokenizer(workdir, step)
     if generate:
-        sys.stdout.write(prompt + generation.complete(config, params, prompt, **sampling) + "\n")
+        text = generation.complete(config, params, prompt, tokenizer=tokenizer, **sampling)
+        sys.stdout.write(prompt + text + "\n")
         return 0
     evaluation.evaluate_run(
         config,
@@ -202,5 +204,6 @@ def run_eval(
         max_docs=max_docs,
         resolution=resolution,
         figure=figure,
+        tokenizer=tokenizer,
     )
     return 0

@@ -112,6 +112,12 @@ class DataConfig:
     text_feature: str = "text"
     worker_count: int = 0
 
+    def corpus(self) -> dict[str, typing.Any]:
+        """The keyword arguments naming this corpus for ``data.load_source`` and
+        ``data.load_tokenizer`` (after the dataset name)."""
+        keys = ("data_dir", "files", "validation_files", "test_files", "text_feature")
+        return {k: getattr(self, k) for k in keys}
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:

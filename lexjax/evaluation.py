@@ -248,6 +248,8 @@ class PerplexityResult:
     documents: int
     seconds: float
     max_length: int  # the token budget per document (every cell of a table scores the same)
+    bytes: int | None = None  # UTF-8 bytes of text the scored tokens cover
+    bits_per_byte: float | None = None  # nll · tokens / (ln 2 · bytes): across tokenizers
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -288,6 +290,7 @@ def perplexity(
     progress: bool = False,
     strict: bool = True,
     say: Callable[[str], None] = _stderr,
+    tokenizer: data_lib.Tokenizer | None = None,
 ) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
@@ -296,6 +299,8 @@ def perplexity(
       lengths: evaluated lengths.
       block: w = train_len/2; the full mode uses it as its query chunk too.
       max_length: the token budget per document (default: the largest length).
+      tokenizer: the documents' tokenizer; with it every result also gives the
+        UTF-8 ``bytes`` the scored tokens cover and ``bits_per_byte``.
       tokens_per_batch: segments are batched up to this many tokens per call.
       progress: show a :class:`lexjax.progress.Progress` on stderr, counting
         targets over all lengths and modes.
@@ -326,6 +331,10 @@ def perplexity(
             else:
                 say(f"note: no {mode} cell at length {length}: {problem}")
     total = len(documents) * max_length * len(cells)
+    # Every cell scores targets 1 … max_length of every document: the same bytes.
+    covered = None
+    if tokenizer is not None:
+        covered = sum(tokenizer.num_bytes(d[1 : max_length + 1]) for d in documents)
     bar = Progress(total, label="tokens", enabled=progress)
     done = 0
     results = []
@@ -345,9 +354,19 @@ def perplexity(
             bar.update(done, f"{mode} {length}")
         nll = nll_sum / count
         seconds = time.perf_counter() - start
+        bpb = nll_sum / (math.log(2) * covered) if covered else None
         results.append(
             PerplexityResult(
-                mode, length, math.exp(nll), nll, count, len(documents), seconds, max_length
+                mode,
+                length,
+                math.exp(nll),
+                nll,
+                count,
+                len(documents),
+                seconds,
+                max_length,
+                covered,
+                bpb,
             )
         )
     bar.close()
@@ -473,32 +492,45 @@ def measure_resolution(
 
 
 def held_out_documents(
-    config: Config, eval_files: str | None = None, say=_stderr, splits=("test", "validation")
+    config: Config,
+    eval_files: str | None = None,
+    say=_stderr,
+    splits=("test", "validation"),
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
 ):
-    """``(where, documents)``: the held-out text as int32 token arrays and its
+    """``(where, documents)``: the held-out text as int32 token arrays of
+    ``tokenizer`` (the run's: :func:`lexjax.checkpoint.load_tokenizer`) and its
     description — the files of ``eval_files`` (a glob), else the first of the run
     dataset's ``splits`` it has (by default ``test``, else ``validation``).
-    Raises :class:`DataError` when the text cannot be read."""
+    Raises :class:`DataError` when the text cannot be read, or when the run's
+    corpus build holds another tokenizer than ``tokenizer``."""
     try:
         if eval_files:
             root, relpaths = glob_files(eval_files)
             docs = []
             for rel in relpaths:
                 with open(os.path.join(root, rel), "rb") as f:
-                    docs.append(data_lib.encode_document(f.read()))
+                    docs.append(tokenizer.encode_document(f.read()))
             return f"{len(relpaths)} files of {eval_files}", docs
         d = config.data
+        built = data_lib.load_tokenizer(
+            d.tokenizer, d.vocab_size, d.name, **d.corpus(), train=False
+        )
+        if built is not None and built.fingerprint != tokenizer.fingerprint:
+            raise DataError(
+                f"the {d.name} build holds a {built.describe()} tokenizer other than the "
+                f"{tokenizer.describe()} one this run was trained with; evaluate with "
+                "--eval_files or rebuild the corpus the run was trained on"
+            )
         for split, fallback in zip(splits, [*splits[1:], None]):
             try:
-                source = data_lib.load_source(
-                    d.name, split, data_dir=d.data_dir, files=d.files, text_feature=d.text_feature
-                )
+                source = data_lib.load_source(d.name, split, **d.corpus())
             except ValueError as e:
                 if fallback is None:
                     raise
                 say(f"note: {e}; using the {fallback} split")
                 continue
-            docs = [data_lib.as_document(source[i]) for i in range(len(source))]
+            docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
             return f"{d.name} {split} split", docs
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):
@@ -509,7 +541,13 @@ def held_out_documents(
 def select_documents(documents, max_length: int, *, max_docs: int, where: str):
     """The first ``max_docs`` documents with at least ``max_length + 1`` tokens (the
     budget and the token after it); :class:`DataError` when there is none."""
-    chosen = [d for d in documents if len(d) >= max_length + 1][:max_docs]
+    long_enough = [d for d in documents if len(d) >= max_length + 1]
+    chosen = long_enough[:max_docs]
+    if 0 < len(long_enough) < len(documents):
+        _stderr(
+            f"note: {len(documents) - len(long_enough)} of {len(documents)} documents of {where} "
+            f"are shorter than the budget of {max_length} tokens + 1 and are left out"
+        )
     if not chosen:
         longest = max((len(d) for d in documents), default=0)
         raise DataError(
@@ -596,6 +634,7 @@ def evaluate_run(
     resolution: bool = False,
     figure: bool = False,
     say: Callable[[str], None] = _stderr,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
 ) -> list[str]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
@@ -608,7 +647,7 @@ def evaluate_run(
     train_len, position = config.train_len, config.model.position
     lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
-    where, documents = held_out_documents(config, eval_files, say)
+    where, documents = held_out_documents(config, eval_files, say, tokenizer=tokenizer)
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     missing = [
         {"mode": m, "length": n, "reason": problem}
@@ -629,6 +668,7 @@ def evaluate_run(
         strict=False,
         say=say,
         progress=True,
+        tokenizer=tokenizer,
     )
     settings = dict(
         step=step,
@@ -644,6 +684,8 @@ def evaluate_run(
         f"on {where}\n"
     )
     print(reports.perplexity_table(results, position, missing=missing))
+    print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
+    print(reports.perplexity_table(results, position, missing=missing, metric="bits_per_byte"))
     out_dir = os.path.join(workdir, "eval")
     stems = ["perplexity", settings_name("perplexity", settings)]
     summary = reports.perplexity_json(

@@ -189,9 +189,11 @@ def complete(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
 ) -> str:
-    """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS."""
-    tokens = np.concatenate([[data_lib.BOS], data_lib.encode(prompt)]).astype(np.int32)
+    """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
+    in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`)."""
+    tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model),
         params,
@@ -204,5 +206,5 @@ def complete(
         top_p=top_p,
     )
     out = np.asarray(out[0])
-    end = np.nonzero(out == data_lib.EOS)[0]
-    return data_lib.decode(out[: end[0]] if len(end) else out)
+    end = np.nonzero(out == tokenizer.eos)[0]
+    return tokenizer.decode(out[: end[0]] if len(end) else out)

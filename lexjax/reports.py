@@ -46,22 +46,28 @@ POSITION_NAMES = {
 _ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
 
 
-def perplexity_table(results: Sequence, position: str, missing: Sequence[dict] = ()) -> str:
-    """Markdown: one row per mode, one column per length (paper Table 2); a
-    ``missing`` cell (``{"mode", "length", "reason"}``) shows "—" and its reason below."""
+def perplexity_table(
+    results: Sequence, position: str, missing: Sequence[dict] = (), metric: str = "perplexity"
+) -> str:
+    """Markdown: one row per mode, one column per length (paper Table 2) of ``metric``
+    (``perplexity`` or ``bits_per_byte``); a ``missing`` cell (``{"mode", "length",
+    "reason"}``) shows "—" and its reason below."""
     lengths = sorted({r.length for r in results} | {m["length"] for m in missing})
     modes = [m for m in MODE_NAMES if any(r.mode == m for r in results)]
     modes += [m for m in MODE_NAMES if m not in modes and any(x["mode"] == m for x in missing)]
     cell = {(r.mode, r.length): r for r in results}
     lines = [_header("model", lengths)]
     for mode in modes:
-        cells = [f"{cell[mode, n].perplexity:.3f}" if (mode, n) in cell else "—" for n in lengths]
+        cells = [
+            f"{getattr(cell[mode, n], metric):.3f}" if (mode, n) in cell else "—" for n in lengths
+        ]
         lines.append(_row(f"{position} {MODE_NAMES[mode]}", cells))
     some = results[0]
     lines += [
         "",
         f"every cell: {some.documents} documents × the first {some.max_length} tokens = "
-        f"{some.tokens} scored tokens",
+        f"{some.tokens} scored tokens"
+        + (f" ({some.bytes} bytes of text)" if some.bytes is not None else ""),
     ]
     lines += [f"— {m['mode']} {m['length']}: {m['reason']}" for m in missing]
     if position in ABSOLUTE_ENCODINGS and "bca" in modes:
@@ -300,6 +306,7 @@ def collect(out, specs, config, plan, timing) -> dict:
         "max_length": plan["max_length"],
         "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
         "eval_split": plan.get("eval_split"),
+        "tokenizer": plan["tokenizer"].describe(),
         "data": config.data.name,
         "model": {
             "num_layers": m.num_layers,
@@ -536,7 +543,7 @@ def _settings(c) -> str:
     lines = [
         f"- model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads "
         f"(head_dim {m['head_dim']}), mlp {m['mlp_dim']}, {m['dtype']}; "
-        f"{first['num_params'] / 1e6:.2f} M parameters (byte-level, vocabulary 320)",
+        f"{first['num_params'] / 1e6:.2f} M parameters ({c['tokenizer']} tokenizer)",
         f"- training: {c['data']} train split, train_len {c['train_len']}, batch "
         f"{t['batch_size']}, {t['num_train_steps']} steps = {first['tokens']:,} tokens per run, "
         f"learning rate {t['learning_rate']:g} ({t['warmup_steps']} warmup steps, "

@@ -57,26 +57,13 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def corpus_args(config: Config) -> dict[str, Any]:
-    """The keyword arguments naming ``config``'s corpus for ``data.load_source`` and
-    ``data.load_tokenizer``."""
-    d = config.data
-    return dict(
-        data_dir=d.data_dir,
-        files=d.files,
-        validation_files=d.validation_files,
-        test_files=d.test_files,
-        text_feature=d.text_feature,
-    )
-
-
 def _source(config: Config, split: str) -> data_lib.TextSource:
-    return data_lib.load_source(config.data.name, split, **corpus_args(config))
+    return data_lib.load_source(config.data.name, split, **config.data.corpus())
 
 
 def _tokenizer(config: Config) -> data_lib.Tokenizer:
     d = config.data
-    tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **corpus_args(config))
+    tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **config.data.corpus())
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size} is below the tokenizer's "

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -233,3 +234,76 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     _tamper_integrity(damaged, ".params")
     with pytest.raises(checkpoint.CheckpointError, match="every step is damaged"):
         checkpoint.load_params(damaged)
+
+
+def test_a_sentencepiece_run_evaluates_and_generates_with_its_own_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "a",
+        "length",
+        "extrapolates",
+    ]
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        lines = [" ".join(rng.choice(words, 12)) for _ in range(150)]
+        (corpus / f"book{i}.txt").write_text("\n".join(lines) + "\n")
+    workdir, data_dir = tmp_path / "run", tmp_path / "tfds"
+    data = [
+        "--config.data.name=textfiles",
+        f"--config.data.files={corpus}/*.txt",
+        f"--config.data.data_dir={data_dir}",
+        "--config.data.tokenizer=sentencepiece",
+        "--config.data.vocab_size=300",
+    ]
+    done = _run("train.py", *TINY, *data, f"--workdir={workdir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    held_out = tmp_path / "other.txt"
+    held_out.write_text("a lazy fox extrapolates over the quick dog\n" * 40)
+    done = _run(
+        "eval.py",
+        f"--workdir={workdir}",
+        f"--eval_files={held_out}",
+        "--lengths=32,64",
+        "--max_length=128",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bits per byte (sentencepiece (300 ids) tokens" in done.stdout
+    with open(workdir / "eval" / "perplexity.json") as f:
+        rows = json.load(f)["results"]
+    tok = checkpoint.load_tokenizer(workdir)
+    scored = tok.encode_document(held_out.read_bytes())[1 : rows[0]["max_length"] + 1]
+    assert tok.kind == "sentencepiece" and len({r["bytes"] for r in rows}) == 1
+    assert rows[0]["bytes"] == len(tok.decode(scored).encode())  # the text those tokens spell
+    for r in rows:
+        assert r["bits_per_byte"] == pytest.approx(
+            r["nll"] * r["tokens"] / (np.log(2) * r["bytes"]), rel=1e-6
+        )
+
+    done = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=the ", "--temperature=0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("the ") and "\ufffd" not in done.stdout
+
+    # The corpus build now holds another tokenizer than the run's: refused in one line.
+    (model_file,) = data_dir.glob("textfiles/*/*/sentencepiece-300.model")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.txt").write_text((corpus / "book0.txt").read_text().upper())
+    from lexjax import data as data_lib
+
+    retrained = data_lib.load_tokenizer(
+        "sentencepiece", 300, "textfiles", tmp_path / "t2", str(other / "*.txt")
+    )
+    model_file.write_bytes(retrained.model_proto)
+    _one_line_error(_run("eval.py", f"--workdir={workdir}"), 3, "other than the")

@@ -220,3 +220,23 @@ def test_bca_gives_absolute_encodings_window_relative_positions(position):
         )
         by_hand = jax.nn.log_softmax(logits[len(window) - 1])[targets[t]]
         np.testing.assert_allclose(scanned[t], by_hand, rtol=1e-5, atol=1e-5, err_msg=f"t={t}")
+
+
+def test_bits_per_byte_is_the_nll_over_the_bytes_of_the_scored_text(models):
+    """Bits per byte by hand: the summed NLL in nats over ln 2 and over the UTF-8 bytes
+    of the text whose tokens are scored, counted here from the text itself."""
+    from lexjax.data.tokenizer import BYTES
+
+    model, params = models["xpos"]
+    text = "naïve café — 12 bytes more".encode()  # multi-byte characters count as bytes
+    doc = BYTES.encode_document(text)  # BOS, the bytes, EOS; ids < 258 but the model has 40
+    doc = np.asarray(doc % BASE.vocab_size, np.int32)
+    budget = len(text)  # targets: every byte of the text (tokens 1 … len), not EOS
+    (r,) = evaluation.perplexity(
+        model, params, [doc], [budget], block=W, max_length=budget, modes=["bca"], tokenizer=BYTES
+    )
+    logprobs = evaluation.block_scan_logprobs(model, params, doc[None, : budget + 1], W)
+    nats = -float(np.sum(np.asarray(logprobs, np.float64)))
+    assert r.bytes == len(text)
+    assert r.bits_per_byte == pytest.approx(nats / (np.log(2) * len(text)), rel=1e-5)
+    assert r.bits_per_byte == pytest.approx(r.nll * r.tokens / (np.log(2) * len(text)), rel=1e-6)

@@ -609,9 +609,10 @@ def load_tokenizer(
     test_files: str | None = None,
     text_feature: str = "text",
     max_files: int | None = None,
-) -> tokenizer_lib.Tokenizer:
+    train: bool = True,
+) -> tokenizer_lib.Tokenizer | None:
     """The tokenizer of a corpus: bytes, or the SentencePiece model of `vocab_size`
-    ids learned from its train split.
+    ids learned from its train split (None when it has none yet and not `train`).
 
     A SentencePiece model is trained once per build (on a bounded sample,
     `tokenizer.SAMPLE_BYTES`, with one progress line) and stored in the build's
@@ -627,6 +628,8 @@ def load_tokenizer(
     if os.path.exists(path):
         with open(path, "rb") as f:
             return tokenizer_lib.SentencePieceTokenizer(f.read())
+    if not train:
+        return None
     train = load_source(
         name,
         "train",

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import jax
 
 from lexjax import checkpoint, evaluation, reports
+from lexjax import data as data_lib
 from lexjax.config import REMOVED_FIELDS, Config, ConfigError, from_configdict, to_dict
 from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
 from lexjax.evaluation import MODES
@@ -244,6 +245,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
             strict=False,
             say=say,
             tokens_per_batch=plan["tokens_per_batch"],
+            tokenizer=plan["tokenizer"],
         )
         for r in results:
             say(f"  {mode} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
@@ -283,7 +285,11 @@ def _plan(exp, shared_config: Config) -> dict:
             "would score fewer tokens than the other cells; use powers of two"
         )
     longest = max(max_length + 1, 2 * shared_config.train_len)
-    _, documents = evaluation.held_out_documents(shared_config, splits=(exp["eval_split"],))
+    d = shared_config.data  # every run shares the corpus, so its tokenizer
+    tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **d.corpus())
+    _, documents = evaluation.held_out_documents(
+        shared_config, splits=(exp["eval_split"],), tokenizer=tokenizer
+    )
     documents = [d for d in documents if len(d) >= longest]
     if not documents:
         raise ExperimentError(
@@ -294,6 +300,7 @@ def _plan(exp, shared_config: Config) -> dict:
     return {
         "lengths": lengths,
         "documents": documents,
+        "tokenizer": tokenizer,
         "docs": docs,
         "eval_split": exp["eval_split"],
         "tokens_per_batch": int(exp["tokens_per_batch"]),
