@@ -15,7 +15,7 @@ import jax
 from absl import flags as absl_flags
 from absl import logging as absl_logging
 
-from lexjax import checkpoint, distributed, evaluation, generation, training
+from lexjax import api, distributed, evaluation, generation
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
@@ -113,7 +113,7 @@ def run_training(
     _check_workdir_flag(workdir)
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
-    summary = training.train(config, workdir, lease_timeout_s=lease_timeout_s)
+    summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0:
         return 0
     if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
@@ -172,9 +172,9 @@ def run_eval(
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
-    Figure 1 (:func:`lexjax.evaluation.evaluate_run`), or with ``generate`` a
+    Figure 1 (:meth:`lexjax.api.Run.evaluate`), or with ``generate`` a
     continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
-    temperature, top_k, top_p, seed; :func:`lexjax.generation.complete`)."""
+    temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`)."""
     _check_workdir_flag(workdir)
     if bca not in BCA_MODES:
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
@@ -186,24 +186,17 @@ def run_eval(
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
-    config, params, step = checkpoint.load_params(workdir)
-    tokenizer = checkpoint.load_tokenizer(workdir, step)
+    run = api.load(workdir)
     if generate:
-        text = generation.complete(config, params, prompt, tokenizer=tokenizer, **sampling)
-        sys.stdout.write(prompt + text + "\n")
+        sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
         return 0
-    evaluation.evaluate_run(
-        config,
-        params,
-        step,
-        workdir,
-        lengths=requested,
+    run.evaluate(
+        requested,
         max_length=max_length,
         modes=BCA_MODES[bca],
         eval_files=eval_files,
         max_docs=max_docs,
         resolution=resolution,
         figure=figure,
-        tokenizer=tokenizer,
     )
     return 0

@@ -635,14 +635,14 @@ def evaluate_run(
     figure: bool = False,
     say: Callable[[str], None] = _stderr,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
-) -> list[str]:
+) -> tuple[list[PerplexityResult], list[str]]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
     attention resolution and Figure 1. Prints the tables on stdout and writes
     ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
     name derived from the settings (:func:`settings_name`), which later runs with
     other settings leave in place (likewise ``resolution``); ``expectation.png``.
-    Returns the paths written."""
+    Returns the perplexity results and the paths written."""
     model = Decoder(config.model)
     train_len, position = config.train_len, config.model.position
     lengths = sorted(set(lengths or default_lengths(train_len)))
@@ -731,4 +731,4 @@ def evaluate_run(
             max_distance=max(8 * int(m.scale_base), 2 * train_len),
         )
     print(f"\nwrote {', '.join(written)}")
-    return written
+    return results, written

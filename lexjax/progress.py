@@ -1,7 +1,8 @@
 """The one progress display of every program: a bar on a terminal, plain lines elsewhere.
 
-On a terminal a single line is redrawn in place (with a rate and an ETA).
-When the stream is not a terminal (Colab's ``!python``, nohup, CI logs) it
+On a terminal, and in a Jupyter or Colab cell (ipykernel's output streams
+honour a carriage return too), a single line is redrawn in place (with a rate
+and an ETA). When the stream is neither (Colab's ``!python``, nohup, CI logs) it
 prints plain ``label done/total ...`` lines, at most one per
 ``min_interval_s`` seconds and always the last one, so a long evaluation is
 never silent and a log holds no escape codes.
@@ -14,6 +15,10 @@ import time
 from typing import TextIO
 
 __all__ = ["Progress"]
+
+
+def _redraws_lines(stream: TextIO) -> bool:
+    return stream.isatty() or type(stream).__module__.startswith("ipykernel.")
 
 
 class Progress:
@@ -42,7 +47,7 @@ class Progress:
         self.total, self.label, self.start = max(int(total), 1), label, start
         self.stream = stream or sys.stderr
         self.enabled = enabled
-        self.tty = enabled and self.stream.isatty()
+        self.tty = enabled and _redraws_lines(self.stream)
         self.min_interval_s = min_interval_s
         self.t0 = time.perf_counter()
         self._last_line = -float("inf")

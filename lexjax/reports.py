@@ -98,13 +98,17 @@ def write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def _pyplot():
-    import matplotlib
+def _figure(*grid, **kwargs):
+    """``(figure, axes)`` of ``Figure.subplots(*grid, **kwargs)``, ``figsize`` for the figure.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    A bare ``matplotlib.figure.Figure`` renders to files without pyplot, so writing a
+    report neither selects a backend nor touches pyplot's state (a notebook's inline
+    plots keep working after an evaluation).
+    """
+    from matplotlib.figure import Figure
 
-    return plt
+    fig = Figure(figsize=kwargs.pop("figsize"))
+    return fig, fig.subplots(*grid, **kwargs)
 
 
 def plot_perplexity(
@@ -115,8 +119,7 @@ def plot_perplexity(
     ``curves``: ``[(variant label, mode, [(length, perplexity), ...])]``; a
     colour per variant, solid with BCA, dashed without; the training length marked.
     """
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = _figure(figsize=(7.5, 4.8))
     colours = {}
     values = [v for _, _, points in curves for _, v in points]
     for label, mode, points in curves:
@@ -136,7 +139,6 @@ def plot_perplexity(
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def resolution_table(results: Sequence, position: str) -> str:
@@ -177,9 +179,8 @@ def plot_expectation(
     path: str, *, head_dim: int, scale_base: float, theta: float, max_distance: int
 ) -> None:
     """Paper Figure 1: expected score against distance for RoPE and XPOS (eq. 8)."""
-    plt = _pyplot()
     distance = np.arange(max_distance + 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _figure(figsize=(6, 4))
     ax.plot(
         distance,
         res_lib.xpos_expectation(
@@ -199,7 +200,6 @@ def plot_expectation(
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- the experiment
@@ -483,13 +483,10 @@ def _plot_variants(c, path) -> None:
 
 def plot_figure1(c, path) -> None:
     """Paper Figure 1: expected score g[n] (eq. 8) of RoPE and XPOS, one panel per scale_base."""
-    plt = _pyplot()
     bases = sorted({r["scale_base"] for r in c["runs"] if r["position"] == "xpos"})
     m = c["model"]
     distance = np.arange(c["lengths"][-1] + 1)
-    fig, axes = plt.subplots(
-        1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8), squeeze=False
-    )
+    fig, axes = _figure(1, max(len(bases), 1), figsize=(5 * max(len(bases), 1), 3.8), squeeze=False)
     for ax, b in zip(axes[0], bases or [512.0]):
         ax.plot(
             distance,
@@ -509,15 +506,13 @@ def plot_figure1(c, path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_scores(c, path) -> None:
     """Measured expected scores s[n] (eq. 11, mean over layers) at 2× train_len: the curves
     whose attention resolution Table 3 gives; one panel per mode, the first seed of each variant."""
-    plt = _pyplot()
     length = str(2 * c["train_len"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = _figure(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, mode in zip(axes, ("bca", "full")):
         for i, (label, _, _, group) in enumerate(_variants(c["runs"])):
             scores = group[0]["resolution"].get(mode, {}).get(length, {}).get("mean_scores")
@@ -531,7 +526,6 @@ def plot_scores(c, path) -> None:
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _settings(c) -> str:

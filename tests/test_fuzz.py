@@ -156,9 +156,9 @@ def program(monkeypatch):
     once (``invoke.own_flags[name]``: the flags it defines); they are removed afterwards
     (train.py and eval.py share flag names)."""
     monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # once per process
-    monkeypatch.setattr(cli.training, "train", _check_mesh)
+    monkeypatch.setattr(cli.api, "train", _check_mesh)
     monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
-    monkeypatch.setattr(cli.checkpoint, "load_params", _raise_reached)
+    monkeypatch.setattr(cli.api, "load", _raise_reached)
     before = set(FLAGS)
     loaded = {}
 

@@ -1,0 +1,186 @@
+"""The verbs of the public API: make a config, train it into a workdir, load the run,
+evaluate and generate from it.
+
+``train.py`` and ``eval.py`` call these same functions (through ``cli.py``),
+so a notebook gets the checkpoints, ``metrics.jsonl``, progress display, tables
+and files of the programs::
+
+    config = lexjax.make_config({"train_len": 64, "num_train_steps": 200})
+    lexjax.train(config, "runs/nb")
+    run = lexjax.load("runs/nb")
+    results = run.evaluate([64, 256, 1024])
+    print(run.generate("def ", max_new_tokens=1000))
+
+Errors a user can cause raise :class:`lexjax.errors.LexjaxError` subclasses
+with a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lexjax import checkpoint, evaluation, generation, training
+from lexjax.config import Config, from_configdict
+from lexjax.data import Tokenizer
+from lexjax.model import Decoder
+
+__all__ = ["make_config", "train", "load", "Run"]
+
+train = training.train
+
+
+def make_config(overrides: Mapping[str, Any] | None = None) -> Config:
+    """A validated :class:`lexjax.config.Config`: every field's default
+    (``lexjax/config.py`` lists them) updated with ``overrides``, a nested
+    mapping such as ``{"train_len": 64, "model": {"num_layers": 2}}`` or an
+    ``ml_collections.ConfigDict`` (the ``get_config()`` of ``configs/*.py``).
+
+    Raises :class:`lexjax.errors.ConfigError` naming an unknown field (with the
+    closest known one) or a value out of range.
+    """
+    return from_configdict(overrides or {})
+
+
+class _DropOrbaxNotices(logging.Filter):
+    """Drops orbax's below-ERROR records (a read-only directory "is read only")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax_notices():
+    # orbax logs through absl, whose Python logger is "absl"; lexjax's own
+    # warnings (a damaged step skipped) come from the "lexjax" loggers and still show.
+    quiet, logger = _DropOrbaxNotices(), logging.getLogger("absl")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    """A trained run loaded by :func:`load`: the parameters of its newest good
+    checkpoint (``step``), the config stored with them and its tokenizer.
+
+    ``params`` is the Flax parameter pytree of ``Decoder(config.model)``
+    (:attr:`model`), float arrays in ``config.model.param_dtype`` on one device.
+    """
+
+    workdir: str
+    config: Config
+    params: Any
+    step: int
+    tokenizer: Tokenizer  # the one it was trained with: encode, decode, bos, eos, num_bytes
+
+    @property
+    def model(self) -> Decoder:
+        """The Flax module: ``run.model.apply({"params": run.params}, tokens_BxT)``."""
+        return Decoder(self.config.model)
+
+    def metrics(self) -> list[dict[str, float]]:
+        """The records of ``WORKDIR/metrics.jsonl`` in the order training wrote them
+        (``{"step", "loss", "learning_rate", ...}`` or ``{"step", "val_loss"}``).
+        A resumed run repeats the steps after its last checkpoint; the later
+        record of a step is the one its checkpoint continues from."""
+        path = os.path.join(self.workdir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def evaluate(
+        self,
+        lengths: Sequence[int] | None = None,
+        *,
+        max_length: int | None = None,
+        modes: Sequence[str] = evaluation.MODES,
+        eval_files: str | None = None,
+        max_docs: int = 20,
+        resolution: bool = False,
+        figure: bool = False,
+    ) -> list[evaluation.PerplexityResult]:
+        """Perplexity by length exactly as ``eval.py`` computes it.
+
+        Args:
+          lengths: evaluated lengths in tokens (default 1, 2, 4, 8, 16 × train_len).
+          max_length: the token budget scored at every length (default 16 ×
+            train_len, or the largest length if larger); lengths must divide it.
+          modes: ``"bca"`` (blockwise causal attention) and/or ``"full"`` (plain
+            causal attention over the whole length).
+          eval_files: a glob of text files instead of the run's held-out split.
+          max_docs: at most this many documents of at least ``max_length + 1`` tokens.
+          resolution, figure: also measure attention resolution / draw Figure 1.
+
+        Prints the table, shows progress on stderr and writes
+        ``WORKDIR/eval/perplexity.{json,png}`` (see
+        :func:`lexjax.evaluation.evaluate_run`). Returns one
+        :class:`lexjax.evaluation.PerplexityResult` per (mode, length) that could
+        be evaluated; the others are listed in the table with the reason.
+        """
+        results, _ = evaluation.evaluate_run(
+            self.config,
+            self.params,
+            self.step,
+            self.workdir,
+            lengths=None if lengths is None else [int(n) for n in lengths],
+            max_length=max_length,
+            modes=tuple(modes),
+            eval_files=eval_files,
+            max_docs=max_docs,
+            resolution=resolution,
+            figure=figure,
+            tokenizer=self.tokenizer,
+        )
+        return results
+
+    def generate(
+        self,
+        prompt: str = "",
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> str:
+        """The text the model writes after ``prompt``, up to its first end-of-document.
+
+        The prompt is a document's beginning (the tokenizer's BOS is put before it
+        here). Decoding keeps a key/value cache of one training length, so any
+        ``max_new_tokens`` runs in constant memory per token. ``temperature`` 0
+        is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit.
+        """
+        return generation.complete(
+            self.config,
+            self.params,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            tokenizer=self.tokenizer,
+        )
+
+
+def load(workdir: str | os.PathLike[str]) -> Run:
+    """Loads the newest good checkpoint of a training workdir (params only,
+    checksums verified; a damaged step falls back to the one before).
+
+    Raises :class:`lexjax.errors.CheckpointError` when there is none. Needs no
+    lease: it reads while training runs, and only complete steps.
+    """
+    workdir = os.fspath(workdir)
+    with _quiet_orbax_notices():
+        config, params, step = checkpoint.load_params(workdir)
+        tokenizer = checkpoint.load_tokenizer(workdir, step)
+    return Run(workdir, config, params, step, tokenizer)

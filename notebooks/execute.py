@@ -1,0 +1,78 @@
+"""Executes notebooks/quickstart.ipynb headless, as CI does (tests/test_notebook.py).
+
+    python notebooks/execute.py --smoke --json=docs/notebook_smoke.json
+    python notebooks/execute.py --out=runs/quickstart.ipynb      # full size, with outputs
+
+The kernel starts in ``--cwd`` (default a new temporary directory, so the notebook's
+runs/ land there) and imports this checkout's lexjax. A failing cell raises
+``nbclient.exceptions.CellExecutionError`` with the cell's traceback (exit status 1).
+``--json`` records the wall time of the whole execution, kernel start included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NOTEBOOK = os.path.join(HERE, "quickstart.ipynb")
+
+
+def execute(
+    *, smoke: bool, cwd: str, timeout_s: int = 600, env: dict[str, str] | None = None
+) -> tuple[nbformat.NotebookNode, float]:
+    """Runs every cell of the quickstart in a fresh kernel; returns the executed
+    notebook and the wall time in seconds. ``env`` (default ``os.environ``) is the
+    kernel's environment, with ``LEXJAX_SMOKE`` and this checkout on PYTHONPATH added."""
+    env = dict(os.environ if env is None else env)
+    env["LEXJAX_SMOKE"] = "1" if smoke else "0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": cwd}}
+    )
+    start = time.perf_counter()
+    client.execute(env=env)
+    return notebook, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="LEXJAX_SMOKE=1: seconds per stage")
+    parser.add_argument("--cwd", help="the kernel's working directory (default: a new temp dir)")
+    parser.add_argument("--out", help="write the executed notebook (with outputs) here")
+    parser.add_argument("--json", help="write the wall time and the machine here")
+    parser.add_argument("--timeout_s", type=int, default=600, help="limit per cell")
+    args = parser.parse_args()
+    cwd = args.cwd or tempfile.mkdtemp(prefix="lexjax-notebook-")
+    notebook, seconds = execute(smoke=args.smoke, cwd=cwd, timeout_s=args.timeout_s)
+    print(f"executed {NOTEBOOK} in {seconds:.1f} s (smoke={args.smoke}, cwd={cwd})")
+    if args.out:
+        nbformat.write(notebook, args.out)
+    if args.json:
+        record = {
+            "notebook": "notebooks/quickstart.ipynb",
+            "smoke": args.smoke,
+            "seconds": round(seconds, 1),
+            "cells": len(notebook.cells),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "command": " ".join(["python", "notebooks/execute.py", *sys.argv[1:]]),
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The public API in one process: train → load → evaluate → generate on a tiny config,
+checked against forward passes computed here, and `import lexjax` stays light."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lexjax
+from lexjax import cli
+from lexjax.errors import CheckpointError, ConfigError
+from tests.processes import write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "model": {"num_layers": 1, "d_model": 32, "num_heads": 2, "mlp_dim": 64},
+    "train_len": 16,
+    "batch_size": 8,
+    "num_train_steps": 6,
+    "checkpoint_every": 3,
+    "eval_every": 3,
+    "eval_batches": 1,
+    "log_every": 1,
+    "warmup_steps": 2,
+    "data": {"name": "textfiles"},
+}
+
+
+def test_import_lexjax_loads_no_jax():
+    heavy = ["jax", "flax", "orbax", "grain", "tensorflow_datasets", "matplotlib", "numpy"]
+    code = f"import sys, lexjax; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_resolve_and_nothing_else_does():
+    for name in lexjax.__all__:
+        assert getattr(lexjax, name) is not None, name
+    assert lexjax.xpos is lexjax.positions.xpos and lexjax.masks.blockwise_causal
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lexjax.nope  # noqa: B018
+
+
+def test_make_config_names_an_unknown_field():
+    with pytest.raises(ConfigError, match="train_lne; did you mean train_len"):
+        lexjax.make_config({"train_lne": 64})
+
+
+def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        lexjax.load(tmp_path)
+
+
+def _direct_nll(run, rows_BxN):
+    """Mean NLL of ``rows[:, 1:]`` given ``rows[:, :-1]``: one plain causal forward pass."""
+    logits, _ = run.model.apply({"params": run.params}, jnp.asarray(rows_BxN[:, :-1]))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, jnp.asarray(rows_BxN[:, 1:, None]), axis=-1)
+    return -float(jnp.mean(picked))
+
+
+def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # process-wide hooks
+    files = write_corpus(tmp_path / "corpus")
+    config = lexjax.make_config(
+        {**TINY, "data": {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")}}
+    )
+    workdir = str(tmp_path / "run")
+
+    summary = lexjax.train(config, workdir)
+    assert summary["step"] == 6 and summary["start_step"] == 0
+    out = capfd.readouterr().out
+    assert "step 6/6 loss" in out  # the progress display of train.py
+
+    run = lexjax.load(workdir)
+    err = capfd.readouterr().err
+    assert "read only" not in err and "read_only" not in err, err  # orbax's notices
+    assert run.step == 6 and run.config == config and run.workdir == workdir
+    shapes = jax.tree.map(jnp.shape, run.params)
+    assert shapes["embed"]["embedding"] == (config.model.vocab_size, 32)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        assert run.metrics() == [json.loads(line) for line in f]
+    assert [r["step"] for r in run.metrics() if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+    text = "λ-calculus\n"
+    ids = run.tokenizer.encode(text)
+    assert ids.dtype == np.int32 and len(ids) == len(text.encode()) and ids.max() < 256
+    assert run.tokenizer.decode([run.tokenizer.bos, *ids, run.tokenizer.eos]) == text
+
+    # Perplexity: at the training length blockwise attention sees the whole
+    # segment, so both modes must equal one plain causal forward per segment.
+    docs = tmp_path / "eval"
+    docs.mkdir()
+    for i in range(2):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
+    results = run.evaluate([16, 32], max_length=64, eval_files=str(docs / "*.txt"), max_docs=2)
+    assert {(r.mode, r.length) for r in results} == {
+        (m, n) for m in ("bca", "full") for n in (16, 32)
+    }
+    encoded = [
+        np.concatenate([[run.tokenizer.bos], run.tokenizer.encode(p.read_text())])
+        for p in sorted(docs.glob("*.txt"))
+    ]
+    rows = np.stack([d[s : s + 17] for d in encoded for s in range(0, 64, 16)]).astype(np.int32)
+    expected = _direct_nll(run, rows)
+    for r in results:
+        assert r.tokens == 2 * 64
+        if r.length == 16:
+            np.testing.assert_allclose(r.nll, expected, rtol=1e-5)
+            np.testing.assert_allclose(r.perplexity, np.exp(expected), rtol=1e-5)
+    assert os.path.exists(os.path.join(workdir, "eval", "perplexity.json"))
+
+    # Generation starts from BOS by itself: greedy tokens within one training
+    # length equal greedy decoding by full forward passes over [BOS, prompt, ...].
+    prompt = "def "
+    sample = run.generate(prompt, max_new_tokens=40, temperature=0)
+    forward = jax.jit(lambda tokens_1xT: run.model.apply({"params": run.params}, tokens_1xT)[0])
+    tokens = np.zeros((1, config.train_len), np.int32)  # causal: the zeros after n change nothing
+    tokens[0, :5] = [run.tokenizer.bos, *run.tokenizer.encode(prompt)]
+    for n in range(5, config.train_len):
+        tokens[0, n] = int(jnp.argmax(forward(tokens)[0, n - 1]))
+    greedy = tokens[0, 5:]
+    if run.tokenizer.eos in greedy:
+        greedy = greedy[: list(greedy).index(run.tokenizer.eos)]
+        assert sample == run.tokenizer.decode(greedy)
+    else:
+        assert sample.startswith(run.tokenizer.decode(greedy))
+
+    # eval.py runs the same verbs: its continuation is the API's.
+    capfd.readouterr()
+    code = cli.main(
+        cli.run_eval, workdir, generate=True, prompt=prompt, max_new_tokens=40, temperature=0.0
+    )
+    assert code == 0 and capfd.readouterr().out == prompt + sample + "\n"

@@ -1,0 +1,41 @@
+"""The README's Python blocks run as shown, and the API docs build (pdoc) with no warning."""
+
+import os
+import re
+import warnings
+
+import pdoc
+import pytest
+
+import lexjax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python_blocks():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+
+
+def test_the_readme_has_python_blocks():
+    assert _python_blocks()
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # its runs/ land here
+    exec(compile(_python_blocks()[index], f"README.md python block {index}", "exec"), {})
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_api_docs_render_the_public_api_only(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a module that fails to import is a warning in pdoc
+        pdoc.pdoc("lexjax", output_directory=tmp_path)
+    pages = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.html"))
+    assert pages == ["index.html", "lexjax.html", "lexjax/masks.html", "lexjax/resolution.html"]
+    page = (tmp_path / "lexjax.html").read_text(encoding="utf-8")
+    for name in lexjax.__all__:
+        assert f'id="{name}"' in page or f"lexjax/{name}.html" in page, name
+    # The docstrings are rendered, not only the signatures.
+    assert "XPOS (paper eq. 5-6)" in page and "Perplexity by length exactly as" in page

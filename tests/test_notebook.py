@@ -1,0 +1,44 @@
+"""notebooks/quickstart: the jupytext pair agrees and is stored without outputs, and the
+notebook runs top to bottom headless at smoke size (LEXJAX_SMOKE=1), as CI runs it."""
+
+import importlib.util
+import os
+
+import jupytext
+import nbformat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+
+
+def _executor():
+    spec = importlib.util.spec_from_file_location("execute", os.path.join(NOTEBOOKS, "execute.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pair_agrees_and_outputs_are_stripped():
+    stored = nbformat.read(os.path.join(NOTEBOOKS, "quickstart.ipynb"), as_version=4)
+    script = jupytext.read(os.path.join(NOTEBOOKS, "quickstart.py"))
+    assert [(c.cell_type, c.source) for c in stored.cells] == [
+        (c.cell_type, c.source) for c in script.cells
+    ], "run: jupytext --sync notebooks/quickstart.py"
+    for cell in stored.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+def test_notebook_runs_at_smoke_size_from_another_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: faster
+    notebook, _ = _executor().execute(
+        smoke=True, cwd=str(tmp_path), env=env
+    )  # raises on a failing cell
+    outputs = {i: cell.outputs for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"}
+    images = [i for i, out in outputs.items() if any("image/png" in o.get("data", {}) for o in out)]
+    assert len(images) == 3, images  # Figure 1, the loss, perplexity by length
+    text = "".join(o.get("text", "") for out in outputs.values() for o in out)
+    assert "same scores at positions + 100: True" in text
+    assert "step 10/10 loss" in text and "xpos with BCA" in text
+    assert "characters after the prompt" in text
+    assert os.path.isdir(tmp_path / "runs" / "quickstart-smoke" / "checkpoints")
