@@ -39,6 +39,13 @@ FIELDS = {
     "data.name": (["textfiles --config.data.files=/tmp/*.txt"], ["textfiles", ""]),
     "data.text_feature": (["content"], [""]),
     "data.worker_count": (["2"], ["-1"]),
+    "data.tokenizer": (["sentencepiece"], ["words", ""]),
+    "data.vocab_size": (
+        ["4096 --config.data.tokenizer=sentencepiece"],
+        ["100 --config.data.tokenizer=sentencepiece", "x"],
+    ),
+    "data.validation_files": (["/tmp/v/*.txt"], []),
+    "data.test_files": (["/tmp/t/*.txt"], []),
     "eval_batches": (["1"], ["0"]),
     "eval_every": (["50"], ["0"]),
     "keep_checkpoints": (["1"], ["0", "-2"]),
