@@ -15,7 +15,7 @@ import jax
 from absl import flags as absl_flags
 from absl import logging as absl_logging
 
-from lexjax import checkpoint, distributed, evaluation, generation, training
+from lexjax import distributed, evaluation, generation, training
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
@@ -186,21 +186,26 @@ def run_eval(
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
-    config, params, step = checkpoint.load_params(workdir)
-    if generate:
-        sys.stdout.write(prompt + generation.complete(config, params, prompt, **sampling) + "\n")
-        return 0
-    evaluation.evaluate_run(
-        config,
-        params,
-        step,
-        workdir,
-        lengths=requested,
-        max_length=max_length,
-        modes=BCA_MODES[bca],
-        eval_files=eval_files,
-        max_docs=max_docs,
-        resolution=resolution,
-        figure=figure,
-    )
+    config, params, step, mesh = evaluation.load_on_mesh(workdir)
+    # Like train.py's; on stderr with --generate, whose stdout is the text alone.
+    print(f"mesh {dict(mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True)
+    with jax.set_mesh(mesh):
+        if generate:
+            text = generation.complete(config, params, prompt, **sampling)
+            sys.stdout.write(prompt + text + "\n")
+            return 0
+        evaluation.evaluate_run(
+            config,
+            params,
+            step,
+            workdir,
+            lengths=requested,
+            max_length=max_length,
+            modes=BCA_MODES[bca],
+            eval_files=eval_files,
+            max_docs=max_docs,
+            resolution=resolution,
+            figure=figure,
+            mesh=mesh,
+        )
     return 0

@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lexjax import checkpoint, reports
 from lexjax import data as data_lib
 from lexjax import positions as pos_lib
-from lexjax import reports
 from lexjax import resolution as res_lib
+from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
 from lexjax.config import Config, ConfigError, ModelConfig
 from lexjax.data.builders import glob_files
@@ -69,6 +70,7 @@ __all__ = [
     "cell_problem",
     "resolution_protocol",
     "evaluate_run",
+    "load_on_mesh",
 ]
 
 MODES = ("bca", "full")
@@ -288,6 +290,7 @@ def perplexity(
     progress: bool = False,
     strict: bool = True,
     say: Callable[[str], None] = _stderr,
+    batch_sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
@@ -302,6 +305,10 @@ def perplexity(
       strict: a cell :func:`cell_problem` refuses (a length that does not
         divide the budget; one the mode cannot evaluate) raises; otherwise it
         is skipped, saying so with ``say``, and missing from the results.
+      batch_sharding: where segments go (``sharding.batch_sharding`` of the
+        evaluation mesh; call under ``jax.set_mesh``): batches are rounded up
+        to a multiple of its batch shards with zero rows, which are dropped.
+        None: the default device.
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
@@ -332,9 +339,15 @@ def perplexity(
     for mode, length in cells:
         rows = segments(documents, length, max_length)
         batch = max(1, min(len(rows), tokens_per_batch // length))
+        if batch_sharding is not None:
+            batch = -(-batch // shard_lib.batch_shards(batch_sharding)) * (
+                shard_lib.batch_shards(batch_sharding)
+            )
         start = time.perf_counter()
         nll_sum, count = 0.0, 0
         for part, real in _batches(rows, batch):
+            if batch_sharding is not None:
+                part = jax.device_put(part, batch_sharding)
             if mode == "bca":
                 logprobs = block_scan_logprobs(model, params, part, block)
             else:
@@ -596,6 +609,7 @@ def evaluate_run(
     resolution: bool = False,
     figure: bool = False,
     say: Callable[[str], None] = _stderr,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> list[str]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
@@ -603,8 +617,11 @@ def evaluate_run(
     ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
     name derived from the settings (:func:`settings_name`), which later runs with
     other settings leave in place (likewise ``resolution``); ``expectation.png``.
-    Returns the paths written."""
+    ``mesh``: the evaluation mesh (``sharding.eval_mesh``; ``params`` sharded on
+    it): documents are split over its batch axes (data × fsdp). Returns the
+    paths written."""
     model = Decoder(config.model)
+    rules = shard_lib.rules(config)
     train_len, position = config.train_len, config.model.position
     lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
@@ -629,6 +646,7 @@ def evaluate_run(
         strict=False,
         say=say,
         progress=True,
+        batch_sharding=None if mesh is None else shard_lib.batch_sharding(mesh, rules),
     )
     settings = dict(
         step=step,
@@ -690,3 +708,18 @@ def evaluate_run(
         )
     print(f"\nwrote {', '.join(written)}")
     return written
+
+
+def load_on_mesh(workdir: str, devices=None):
+    """``(config, params, step, mesh)`` of the newest good checkpoint in ``workdir``:
+    the mesh is the run's (``sharding.eval_mesh``: its preset and mesh config
+    re-fitted to ``devices``, default all) and every parameter is read directly
+    into its sharding there, never gathered onto one device."""
+    meshes = []
+
+    def shardings(config: Config):
+        meshes.append(shard_lib.eval_mesh(config, devices))
+        return shard_lib.model_param_shardings(config, meshes[-1])
+
+    config, params, step = checkpoint.load_params(workdir, sharding=shardings)
+    return config, params, step, meshes[-1]
