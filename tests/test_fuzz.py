@@ -162,7 +162,7 @@ def program(monkeypatch):
     monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # once per process
     monkeypatch.setattr(cli.training, "train", _check_mesh)
     monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
-    monkeypatch.setattr(cli.checkpoint, "load_params", _raise_reached)
+    monkeypatch.setattr(cli.evaluation, "load_on_mesh", _raise_reached)
     before = set(FLAGS)
     loaded = {}
 
