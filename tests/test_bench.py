@@ -29,7 +29,10 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     proc = _run(["bench/run.py", "--quick", "--only", "mfu", "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"machine", "mfu"} <= set(results)
+    assert {"machine", "mfu", "shared_cores"} <= set(results)
+    check = results["machine"]["load_check"]
+    assert check["shared"] in (True, False) and check["other_cores_busy"] >= 0
+    assert results["mfu"]["shared_cores"] in (True, False)
     entry = results["mfu"]
     for key in ("value", "unit", "target", "met"):
         assert key in entry
