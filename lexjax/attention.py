@@ -43,7 +43,6 @@ __all__ = [
     "attend",
     "attention",
     "multihead_attention",
-    "fused_multihead_attention",
     "splash_attention",
 ]
 
@@ -227,37 +226,6 @@ def multihead_attention(
         theta=theta,
     )
     return attention(q, k, v, ctx)
-
-
-def fused_multihead_attention(
-    q,
-    k,
-    v,
-    q_positions,
-    k_positions,
-    *,
-    position: PositionKind,
-    mask=None,
-    scale_base: float = 512.0,
-    theta: float = 10000.0,
-):
-    """Same result as :func:`multihead_attention` through ``jax.nn.dot_product_attention``.
-
-    Positions are encoded exactly as there (XPOS/RoPE on q and k, ALiBi as a
-    bias); the fused kernel never materialises the ``[B, H, Tq, Tk]`` scores,
-    so no logits are returned.
-    """
-    ctx = _context_of(
-        q,
-        k,
-        q_positions,
-        k_positions,
-        position=position,
-        mask=mask,
-        scale_base=scale_base,
-        theta=theta,
-    )
-    return attention(q, k, v, ctx, impl="fused")[0]
 
 
 def _fused(q, k, v, bias, mask):
