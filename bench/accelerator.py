@@ -1,21 +1,28 @@
-"""``accelerator``: the paper-size model on a GPU or TPU, in under five minutes, one JSON line.
+"""``accelerator``: the paper-size model on a GPU or TPU, every option in one run, JSON lines.
 
-    bash bench/accelerator.sh [--per_device_batch 16] [--steps 30] [--json OUT]
+    bash bench/accelerator.sh [--per_device_batch 16] [--steps 10] [--out DIR]
     python bench/accelerator.py --small      # tiny shapes: checks the script on a CPU
 
 Trains configs/paper.py's model (24 layers, d_model 1024, 16 heads, MLP 4096,
-bfloat16 compute, remat + scanned layers, train_len 1024) on synthetic batches
-for a few dozen steps over every local device, and reports tokens/s/device and
-MFU against the chip's datasheet bf16 peak (:data:`lexjax.metrics.PEAK_FLOPS`;
-989 TFLOP/s for H100/H200; none on a CPU) and against a measured bf16 matmul. Then the
-block-scan evaluation (:func:`lexjax.evaluation.block_scan_logprobs`) at 16k
-and 64k tokens. Progress goes to stderr; the last stdout line is the JSON
-``{"accelerator": {"value", "unit", "target", "met", ...}}``.
+bfloat16 compute, scanned layers, train_len 1024, vocabulary 320) on
+synthetic batches over every local device, for each attention implementation
+(explicit, fused = cuDNN on NVIDIA GPUs; splash on TPUs) and each
+``model.remat_policy`` (none, full, dots_except_mlp): tokens/s/device, MFU
+against the chip's datasheet bf16 peak (:data:`lexjax.metrics.PEAK_FLOPS`)
+and against a measured bf16 matmul, and the device's peak memory where it
+reports one. Then XPOS's overhead (the first configuration again with
+``position=none``) and the block-scan evaluation
+(:func:`lexjax.evaluation.block_scan_logprobs`) at 16k, 64k and 256k tokens.
+
+One JSON object per measurement, on stdout and in
+``OUT/<device>-<date>.jsonl`` (default docs/accelerator/); progress on
+stderr. The most informative measurements run first; once ``--budget``
+seconds would be exceeded the rest are recorded as skipped, and a
+configuration that fails (out of memory) is recorded with its error.
 
 Needs only jax, flax, optax (no ml_collections, grain, TFDS): the config
 comes from configs/paper.py when ml_collections imports, else from the
-literal ``bench.common.PAPER`` that mirrors it. Parts that would overrun the
-time budget are skipped and say so.
+literal ``bench.common.PAPER`` that mirrors it.
 """
 
 from __future__ import annotations
@@ -57,33 +64,33 @@ def parse(argv=None) -> argparse.Namespace:
         default=16,
         help="sequences per device per step (16 fits an H200 with remat)",
     )
-    p.add_argument("--steps", type=int, default=30, help="timed train steps")
-    p.add_argument("--eval_lengths", default="16384,65536", help="block-scan lengths (tokens)")
+    p.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
+    p.add_argument(
+        "--eval_lengths", default="16384,65536,262144", help="block-scan lengths (tokens)"
+    )
     p.add_argument("--eval_batch", type=int, default=4, help="sequences per block-scan call")
     p.add_argument(
         "--budget",
         type=float,
-        default=270.0,
+        default=500.0,
         help="seconds; later parts are skipped once this would be exceeded",
     )
+    p.add_argument("--remat_policies", default="full,dots_except_mlp,none")
     p.add_argument(
-        "--remat",
-        choices=("config", "on", "off"),
-        default="config",
-        help="override the config's per-layer rematerialisation",
-    )
-    p.add_argument(
-        "--attention_impl",
-        choices=("config", "explicit", "fused"),
-        default="config",
-        help="override model.attention_impl",
+        "--attention_impls",
+        default=None,
+        help="default: fused,explicit (splash,fused,explicit on TPUs)",
     )
     p.add_argument(
         "--small",
         action="store_true",
         help="tiny shapes (2 layers, d_model 128, train_len 128): a CPU check",
     )
-    p.add_argument("--json", help="also write the JSON here")
+    p.add_argument(
+        "--out",
+        default=str(common.ROOT / "docs" / "accelerator"),
+        help="directory of the JSON-lines file ('' for none)",
+    )
     return p.parse_args(argv)
 
 
@@ -94,6 +101,12 @@ def matmul_peak(n: int) -> float:
     mm(a).block_until_ready()
     best = min(common.timed(lambda: mm(a).block_until_ready()) for _ in range(5))
     return 2.0 * n**3 / best
+
+
+def _peak_memory_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
 
 
 def train(config, steps: int) -> dict:
@@ -153,6 +166,7 @@ def train(config, steps: int) -> dict:
         "flops_per_token": flops,
         "num_params": setup.num_params,
         "final_loss": float(step_metrics["loss"]),
+        "peak_memory_gib": _peak_memory_gib(),
         "params": state.params,
     }
 
@@ -195,71 +209,107 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     deadline = start + args.budget
     base, source = paper_dict()
-    model = dict(SMALL_MODEL) if args.small else {}
-    if args.remat != "config":
-        model["remat"] = args.remat == "on"
-    if args.attention_impl != "config":
-        model["attention_impl"] = args.attention_impl
-    top = {"train_len": 128} if args.small else {}
+    backend, device = jax.default_backend(), jax.devices()[0]
+    impls = args.attention_impls or (
+        "splash,fused,explicit" if backend == "tpu" else "fused,explicit"
+    )
+    policies = args.remat_policies.split(",")
     steps = 3 if args.small else args.steps
     lengths = [1024, 4096] if args.small else [int(n) for n in args.eval_lengths.split(",")]
     per_device = 2 if args.small else args.per_device_batch
-    config = common.make_config(
-        base, model=model, batch_size=per_device * jax.device_count(), **top
-    )
-    device = jax.devices()[0]
-    log(
-        f"{jax.device_count()} × {device.device_kind} ({jax.default_backend()}), jax "
-        f"{jax.__version__}; config from {source}"
-    )
-    measured_peak = matmul_peak(1024 if args.small else 8192)
-    trained = train(config, steps)
-    params = trained.pop("params")
-    mfu_percent = None if trained["mfu"] is None else 100 * trained["mfu"]
-    log(
-        f"train: {trained['tokens_per_sec_per_device']:,.0f} tokens/s/device, "
-        + ("no MFU" if mfu_percent is None else f"MFU {mfu_percent:.1f}%")
-        + f" ({trained['peak_source']})"
-    )
-    evals = evaluate(config, params, lengths, 1 if args.small else args.eval_batch, deadline)
-    m = config.model
-    entry = common.result(
-        trained["tokens_per_sec_per_device"],
-        "tokens/s/device (train)",
-        "report (MFU vs datasheet bf16 peak)",
-        None,
-        mfu_percent=mfu_percent,
-        mfu_vs_measured_matmul_percent=100
-        * trained["tokens_per_sec_per_device"]
-        * trained["flops_per_token"]
-        / measured_peak,
-        measured_bf16_matmul_flops=measured_peak,
-        train=trained,
-        eval_block_scan=evals,
+    top = {"train_len": 128} if args.small else {}
+    common_fields = dict(
         device=device.device_kind,
         device_count=jax.device_count(),
-        backend=jax.default_backend(),
+        backend=backend,
         jax=jax.__version__,
         config_source=source,
         small=args.small,
         per_device_batch=per_device,
-        train_len=config.train_len,
-        model=dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    out_path = None
+    if args.out:
+        slug = device.device_kind.lower().replace(" ", "_")
+        out_path = pathlib.Path(args.out) / f"{slug}-{common_fields['date'][:10]}.jsonl"
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(kind: str, **fields) -> dict:
+        line = json.dumps({"kind": kind, **fields, **common_fields})
+        print(line, flush=True)
+        if out_path is not None:
+            with open(out_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        return fields
+
+    def config_of(**model):
+        model = {**(SMALL_MODEL if args.small else {}), **model}
+        return common.make_config(
+            base, model=model, batch_size=per_device * jax.device_count(), **top
+        )
+
+    log(f"{jax.device_count()} × {device.device_kind} ({backend}), jax {jax.__version__}")
+    measured_peak = matmul_peak(1024 if args.small else 8192)
+    emit("matmul_peak", bf16_flops=measured_peak)
+    last_seconds, first = 0.0, None
+
+    def measure(kind: str, **model):
+        nonlocal last_seconds
+        config = config_of(**model)
+        m = config.model
+        described = dict(
+            attention_impl=m.attention_impl,
+            remat_policy=m.remat_policy,
+            position=m.position,
+            vocab_size=m.vocab_size,
+            train_len=config.train_len,
             layers=m.num_layers,
             d_model=m.d_model,
-            heads=m.num_heads,
-            mlp=m.mlp_dim,
             dtype=m.dtype,
-            remat=m.remat,
-            scan_layers=m.scan_layers,
-            attention_impl=m.attention_impl,
-        ),
-        wall_seconds=time.perf_counter() - start,
+        )
+        if time.perf_counter() + last_seconds > deadline:
+            emit(kind, skipped="time budget", **described)
+            return None
+        began = time.perf_counter()
+        try:
+            trained = train(config, steps)
+        except Exception as e:  # an option that does not fit (out of memory) is a result
+            emit(kind, error=str(e).splitlines()[0][:300], **described)
+            return None
+        finally:
+            last_seconds = time.perf_counter() - began
+        params = trained.pop("params")
+        flops = trained["tokens_per_sec_per_device"] * trained["flops_per_token"]
+        trained["mfu_vs_measured_matmul"] = flops / measured_peak
+        log(
+            f"{kind} {described}: {trained['tokens_per_sec_per_device']:,.0f} tokens/s/device, "
+            f"MFU {trained['mfu'] if trained['mfu'] is None else round(100 * trained['mfu'], 1)}%"
+        )
+        emit(kind, **described, **trained)
+        return config, params, trained
+
+    results = []
+    for impl in impls.split(","):
+        for policy in policies:
+            results.append(measure("train", attention_impl=impl, remat_policy=policy))
+            if first is None and results[-1] is not None:
+                first = results[-1]
+                # XPOS's cost, and the block scan, right after the first configuration.
+                none = measure(
+                    "train_position_none", attention_impl=impl, remat_policy=policy, position="none"
+                )
+                if none is not None:
+                    overhead = (
+                        none[2]["tokens_per_sec_per_device"] / first[2]["tokens_per_sec_per_device"]
+                    )
+                    emit("xpos_overhead", percent=100 * (overhead - 1), attention_impl=impl)
+                evals = evaluate(
+                    first[0], first[1], lengths, 1 if args.small else args.eval_batch, deadline
+                )
+                emit("block_scan", attention_impl=impl, lengths=evals)
+    log(
+        f"done in {time.perf_counter() - start:.0f} s" + (f"; wrote {out_path}" if out_path else "")
     )
-    line = json.dumps({"accelerator": entry})
-    if args.json:
-        pathlib.Path(args.json).write_text(line + "\n")
-    print(line, flush=True)
     return 0
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The paper-size model on this host's GPU/TPU: a few dozen train steps and the
-# block-scan eval at 16k and 64k tokens; under 5 minutes; one JSON line on stdout.
+# The paper-size model on this host's GPU/TPU: every attention implementation ×
+# remat policy, XPOS overhead, block scan at 16k/64k/256k tokens; under 10
+# minutes; JSON lines on stdout and in docs/accelerator/<device>-<date>.jsonl.
 #
-#   bash bench/accelerator.sh                 # defaults: 16 sequences/device, 30 steps
-#   bash bench/accelerator.sh --per_device_batch 32 --json /tmp/accelerator.json
+#   bash bench/accelerator.sh       # 16 sequences/device, 10 steps per configuration
+#   bash bench/accelerator.sh --per_device_batch 32 --out /tmp/accel
 #   PYTHON=.venv/bin/python bash bench/accelerator.sh --small   # CPU check, tiny shapes
 #
 # Needs jax (with the accelerator's plugin), flax and optax; see bench/accelerator.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec timeout 295 "${PYTHON:-python3}" bench/accelerator.py "$@"
+exec timeout 570 "${PYTHON:-python3}" bench/accelerator.py "$@"

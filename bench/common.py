@@ -196,3 +196,65 @@ def machine() -> dict:
         "device": jax.devices()[0].device_kind,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+# Cores that other processes may keep busy before a run counts as taken on shared cores.
+SHARED_THRESHOLD_CORES = 0.2
+
+
+def _proc_stat_fields(pid) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_snapshot() -> dict | None:
+    """Jiffies: every core's busy time, and that of this process with its
+    descendants (children that exited and were waited for included); None
+    where /proc is missing."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = values[3] + values[4]  # idle + iowait
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _proc_stat_fields(entry)) is not None:
+            parents[int(entry)] = (int(fields[1]), fields)
+    own, frontier = 0, [os.getpid()]
+    seen = set()
+    while frontier:
+        pid = frontier.pop()
+        if pid in seen or pid not in parents:
+            continue
+        seen.add(pid)
+        fields = parents[pid][1]
+        own += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+        frontier += [child for child, (ppid, _) in parents.items() if ppid == pid]
+    return {"total": sum(values), "busy": sum(values) - idle, "own": own, "time": time.time()}
+
+
+def other_cores_busy(before: dict | None, after: dict | None) -> float | None:
+    """Mean number of cores other processes kept busy between two snapshots."""
+    if before is None or after is None or after["total"] <= before["total"]:
+        return None
+    others = (after["busy"] - before["busy"]) - (after["own"] - before["own"])
+    return max(0.0, others) / (after["total"] - before["total"]) * (os.cpu_count() or 1)
+
+
+def load_check(seconds: float = 3.0) -> dict:
+    """Samples what other processes use for ``seconds`` (this process and its
+    children do not count); ``shared`` when that exceeds SHARED_THRESHOLD_CORES."""
+    before = cpu_snapshot()
+    time.sleep(seconds)
+    busy = other_cores_busy(before, cpu_snapshot())
+    return {
+        "other_cores_busy": busy,
+        "seconds": seconds,
+        "shared": None if busy is None else busy > SHARED_THRESHOLD_CORES,
+        "threshold_cores": SHARED_THRESHOLD_CORES,
+        "load_average_1m": os.getloadavg()[0],
+    }

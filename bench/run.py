@@ -4,12 +4,21 @@
                         [--reference_python PY] [--threads 2]
 
 Benchmarks (stable names, also the JSON keys): ``train_vs_reference``,
-``xpos_overhead``, ``eval_scaling``, ``mfu``. Each JSON entry has its headline
+``xpos_overhead``, ``eval_scaling``, ``mfu``, ``remat``. Each JSON entry has its headline
 figure under ``value`` with ``unit``, ``target``, ``met`` and the raw
 measurements; ``machine`` records where and when. Every comparison is
 measured in one run, alternating its sides, as a median with min–max over
 rounds. ``--quick`` runs fewer rounds and shorter lengths (a smoke test, not
 a measurement). The accelerator benchmark is ``bench/accelerator.sh``.
+
+Before it starts, the run samples for a few seconds how many cores *other*
+processes keep busy (its own process and children do not count), and again
+over each benchmark; ``machine.load_check`` and each entry's
+``other_cores_busy`` record it, and ``shared_cores`` (top level and per
+entry) is true when other work used more than
+``common.SHARED_THRESHOLD_CORES`` cores: a ratio taken under load is not a
+speed (sides of a comparison slow down unequally), so such a run is flagged
+and its figures do not go into the docs unflagged.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common
 
-BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu")
+BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu", "remat")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -79,18 +88,29 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    check = common.load_check()
+    if check["shared"]:
+        print(
+            f"warning: other processes keep {check['other_cores_busy']:.2f} cores busy; "
+            "this run will be flagged shared_cores",
+            file=sys.stderr,
+            flush=True,
+        )
     results: dict = {
         "machine": dict(
             common.machine(),
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             quick=args.quick,
             command=" ".join(["python"] + sys.argv),
-        )
+            load_check=check,
+        ),
+        "shared_cores": bool(check["shared"]),
     }
     failed = False
     for name in args.names:
         module = importlib.import_module(f"bench.{name}")
         start = time.perf_counter()
+        snapshot = common.cpu_snapshot()
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
             results[name] = module.run(args)
@@ -102,9 +122,15 @@ def main(argv=None) -> int:
             results[name] = {"error": str(e)}
             failed = True
         results[name]["wall_seconds"] = time.perf_counter() - start
+        busy = common.other_cores_busy(snapshot, common.cpu_snapshot())
+        shared = busy is not None and busy > common.SHARED_THRESHOLD_CORES
+        results[name].update(other_cores_busy=busy, shared_cores=shared)
+        results["shared_cores"] |= shared
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
+    if results["shared_cores"]:
+        print("SHARED CORES: other processes ran during this run; its ratios are not speeds")
     return 1 if failed else 0
 
 

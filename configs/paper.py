@@ -30,7 +30,7 @@ OVERRIDES = {
         num_heads=16,
         mlp_dim=4096,
         dtype="bfloat16",
-        remat=True,
+        remat_policy="full",
         scan_layers=True,
         attention_impl="fused",
     ),

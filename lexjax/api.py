@@ -25,6 +25,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from lexjax import checkpoint, evaluation, generation, training
 from lexjax.config import Config, from_configdict
 from lexjax.data import Tokenizer
@@ -72,7 +74,7 @@ class Run:
     checkpoint (``step``), the config stored with them and its tokenizer.
 
     ``params`` is the Flax parameter pytree of ``Decoder(config.model)``
-    (:attr:`model`), float arrays in ``config.model.param_dtype`` on one device.
+    (:attr:`model`), float arrays in ``config.model.param_dtype`` sharded on :attr:`mesh`.
     """
 
     workdir: str
@@ -80,6 +82,7 @@ class Run:
     params: Any
     step: int
     tokenizer: Tokenizer  # the one it was trained with: encode, decode, bos, eos, num_bytes
+    mesh: jax.sharding.Mesh  # the run's mesh re-fitted to the devices here; params live on it
 
     @property
     def model(self) -> Decoder:
@@ -126,20 +129,22 @@ class Run:
         :class:`lexjax.evaluation.PerplexityResult` per (mode, length) that could
         be evaluated; the others are listed in the table with the reason.
         """
-        results, _ = evaluation.evaluate_run(
-            self.config,
-            self.params,
-            self.step,
-            self.workdir,
-            lengths=None if lengths is None else [int(n) for n in lengths],
-            max_length=max_length,
-            modes=tuple(modes),
-            eval_files=eval_files,
-            max_docs=max_docs,
-            resolution=resolution,
-            figure=figure,
-            tokenizer=self.tokenizer,
-        )
+        with jax.set_mesh(self.mesh):
+            results, _ = evaluation.evaluate_run(
+                self.config,
+                self.params,
+                self.step,
+                self.workdir,
+                lengths=None if lengths is None else [int(n) for n in lengths],
+                max_length=max_length,
+                modes=tuple(modes),
+                eval_files=eval_files,
+                max_docs=max_docs,
+                resolution=resolution,
+                figure=figure,
+                tokenizer=self.tokenizer,
+                mesh=self.mesh,
+            )
         return results
 
     def generate(
@@ -159,17 +164,18 @@ class Run:
         ``max_new_tokens`` runs in constant memory per token. ``temperature`` 0
         is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit.
         """
-        return generation.complete(
-            self.config,
-            self.params,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            tokenizer=self.tokenizer,
-        )
+        with jax.set_mesh(self.mesh):
+            return generation.complete(
+                self.config,
+                self.params,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                tokenizer=self.tokenizer,
+            )
 
 
 def load(workdir: str | os.PathLike[str]) -> Run:
@@ -181,6 +187,6 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     """
     workdir = os.fspath(workdir)
     with _quiet_orbax_notices():
-        config, params, step = checkpoint.load_params(workdir)
+        config, params, step, mesh = evaluation.load_on_mesh(workdir)
         tokenizer = checkpoint.load_tokenizer(workdir, step)
-    return Run(workdir, config, params, step, tokenizer)
+    return Run(workdir, config, params, step, tokenizer, mesh)

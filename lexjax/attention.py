@@ -4,6 +4,14 @@ Everything here is a pure function of arrays. Shapes: queries ``[B, Tq, H, Dh]``
 keys and values ``[B, Tk, H, Dh]``, positions ``[B, T]`` (or ``[T]``) integers,
 masks boolean, broadcastable to ``[B, H, Tq, Tk]``.
 
+What depends only on positions and masks — the XPOS/RoPE cos/sin/decay
+tables, ALiBi's bias, the mask — is a :class:`Context`, built once per
+forward (or block step) by :func:`context` and shared by every layer.
+:func:`attention` then runs one of three implementations on it: ``explicit``
+(scores materialised; the reference, and the only one that returns them),
+``fused`` (``jax.nn.dot_product_attention``; cuDNN on NVIDIA GPUs) and
+``splash`` (Pallas splash attention on TPUs).
+
 A block step over cached keys is the same computation as a training forward:
 the caller concatenates the cached keys/values (stored *before* position
 encoding) in front of the current ones and passes the matching key
@@ -13,23 +21,106 @@ blockwise pattern from window-relative positions.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from lexjax import positions as pos_lib
+from lexjax.errors import ConfigError
 
 __all__ = [
+    "Context",
+    "context",
+    "encode",
     "encode_qk",
     "logit_bias",
     "attention_logits",
     "attend",
+    "attention",
     "multihead_attention",
-    "fused_multihead_attention",
+    "splash_attention",
 ]
 
 PositionKind = Literal["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
+
+
+@struct.dataclass
+class Context:
+    """What every layer's attention shares in one forward (a pytree; see :func:`context`).
+
+    ``q_rotary``/``k_rotary``: XPOS/RoPE ``(cos, sin)`` float32 ``[B, T|S, 1, Dh]``
+    or None; ``bias``: ALiBi float32 ``[B|1, H, T, S]`` or None; ``mask``: bool
+    broadcastable to ``[B, H, T, S]`` or None. ``q_segment_ids``/``kv_segment_ids``
+    (int32 ``[B, T]``/``[B, S]``, or None) and ``block`` (static) describe the
+    same mask for :func:`splash_attention`: bottom-right causal, limited to the
+    blockwise window of ``block`` when set, between equal segment ids.
+    """
+
+    q_rotary: tuple | None = None
+    k_rotary: tuple | None = None
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    block: int | None = struct.field(pytree_node=False, default=None)
+
+
+def context(
+    q_positions,
+    k_positions,
+    *,
+    num_heads: int,
+    head_dim: int,
+    position: PositionKind,
+    mask=None,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+    segment_ids=None,
+    block: int | None = None,
+) -> Context:
+    """Builds the shared :class:`Context` of one forward (pure).
+
+    For XPOS both position sets are shifted by the same integer so they are
+    centred around zero: scores depend only on ``m − n``, so the shift is exact
+    and keeps every scale far inside XPOS's safe range
+    (:func:`lexjax.positions.max_safe_position`). ``segment_ids``: ``(q, kv)``
+    int32 for the splash kernel's mask (see :class:`Context`), or None.
+    """
+    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    q_rotary = k_rotary = bias = None
+    if position == "xpos":
+        shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
+        tables = functools.partial(
+            pos_lib.xpos_tables, head_dim=head_dim, scale_base=scale_base, theta=theta
+        )
+        q_rotary = tables(q_positions - shift)
+        k_rotary = tables(k_positions - shift, downscale=True)
+    elif position == "rope":
+        q_rotary = pos_lib.rotary_tables(q_positions, head_dim, theta=theta)
+        k_rotary = pos_lib.rotary_tables(k_positions, head_dim, theta=theta)
+    elif position == "alibi":
+        bias = logit_bias(q_positions, k_positions, num_heads, position=position)
+    q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
+    return Context(q_rotary, k_rotary, bias, mask, q_segments, kv_segments, block)
+
+
+def encode(q, k, ctx: Context):
+    """Applies the context's rotary tables (if any) to queries and keys."""
+    if ctx.q_rotary is not None:
+        q = pos_lib.apply_rotary(q, *ctx.q_rotary)
+        k = pos_lib.apply_rotary(k, *ctx.k_rotary)
+    return q, k
+
+
+def _context_of(q, k, q_positions, k_positions, **kwargs) -> Context:
+    q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
+    k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
+    return context(q_positions, k_positions, num_heads=q.shape[2], head_dim=q.shape[3], **kwargs)
 
 
 def encode_qk(
@@ -42,21 +133,12 @@ def encode_qk(
     scale_base: float = 512.0,
     theta: float = 10000.0,
 ):
-    """Applies the rotary encodings (XPOS or RoPE) to queries and keys.
-
-    For XPOS both position sets are shifted by the same integer so they are
-    centred around zero: scores depend only on ``m − n``, so the shift is exact
-    and keeps every scale far inside XPOS's safe range
-    (:func:`lexjax.positions.max_safe_position`). Other kinds pass q, k through.
-    """
-    if position == "xpos":
-        shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
-        q = pos_lib.xpos(q, q_positions - shift, scale_base=scale_base, theta=theta)
-        k = pos_lib.xpos(k, k_positions - shift, scale_base=scale_base, theta=theta, downscale=True)
-    elif position == "rope":
-        q = pos_lib.rope(q, q_positions, theta=theta)
-        k = pos_lib.rope(k, k_positions, theta=theta)
-    return q, k
+    """Applies the rotary encodings (XPOS or RoPE) to queries and keys, positions
+    centred for XPOS as in :func:`context`. Other kinds pass q, k through."""
+    ctx = _context_of(
+        q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
+    )
+    return encode(q, k, ctx)
 
 
 def logit_bias(q_positions, k_positions, num_heads: int, *, position: PositionKind):
@@ -91,6 +173,30 @@ def attend(logits, v, mask=None):
     )
 
 
+def attention(q, k, v, ctx: Context, *, impl: str = "explicit"):
+    """Attention of un-encoded ``q``, ``k``, ``v`` under ``ctx``. Returns ``(out, logits)``.
+
+    ``impl``: ``explicit`` returns the pre-softmax scores ``[B, H, Tq, Tk]`` of
+    paper eq. 11 as ``logits`` (XLA drops them when unused); ``fused`` and
+    ``splash`` never materialise them and return None. All three give the same
+    ``out`` for every query that sees at least one key (tested). Splash needs
+    query and key lengths that are multiples of 128 (its tiles); other shapes
+    (one-token decoding steps) take the fused path.
+    """
+    q, k = encode(q, k, ctx)
+    if impl == "explicit":
+        logits = attention_logits(q, k, bias=ctx.bias)
+        return attend(logits, v, ctx.mask), logits
+    if impl == "fused":
+        return _fused(q, k, v, ctx.bias, ctx.mask), None
+    if impl == "splash":
+        if q.shape[1] % 128 or k.shape[1] % 128:
+            # The kernel tiles by 128 tokens; single-token decoding steps do not.
+            return _fused(q, k, v, ctx.bias, ctx.mask), None
+        return splash_attention(q, k, v, ctx), None
+    raise ValueError(f"attention impl {impl!r}: use explicit, fused or splash")
+
+
 def multihead_attention(
     q,
     k,
@@ -103,46 +209,26 @@ def multihead_attention(
     scale_base: float = 512.0,
     theta: float = 10000.0,
 ):
-    """Encodes positions, scores, masks and attends. Returns (out, logits).
+    """Encodes positions, scores, masks and attends explicitly. Returns (out, logits).
 
     ``mask`` is combined by the caller (causal/blockwise by position, segment
     ids, cache validity). ``logits`` are the pre-softmax scores e_{ij} of paper
     eq. 11, for resolution measurements; XLA drops them when unused.
     """
-    q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
-    k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
-    q, k = encode_qk(
-        q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
+    ctx = _context_of(
+        q,
+        k,
+        q_positions,
+        k_positions,
+        position=position,
+        mask=mask,
+        scale_base=scale_base,
+        theta=theta,
     )
-    bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
-    logits = attention_logits(q, k, bias=bias)
-    return attend(logits, v, mask), logits
+    return attention(q, k, v, ctx)
 
 
-def fused_multihead_attention(
-    q,
-    k,
-    v,
-    q_positions,
-    k_positions,
-    *,
-    position: PositionKind,
-    mask=None,
-    scale_base: float = 512.0,
-    theta: float = 10000.0,
-):
-    """Same result as :func:`multihead_attention` through ``jax.nn.dot_product_attention``.
-
-    Positions are encoded exactly as there (XPOS/RoPE on q and k, ALiBi as a
-    bias); the fused kernel never materialises the ``[B, H, Tq, Tk]`` scores,
-    so no logits are returned.
-    """
-    q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
-    k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
-    q, k = encode_qk(
-        q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
-    )
-    bias = logit_bias(q_positions, k_positions, q.shape[2], position=position)
+def _fused(q, k, v, bias, mask):
     if bias is not None:
         bias = bias.astype(q.dtype)
     # JAX's automatic choice keeps XLA's unfused path even where cuDNN's
@@ -151,3 +237,83 @@ def fused_multihead_attention(
     return jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=mask, implementation="cudnn" if cudnn else None
     )
+
+
+# --------------------------------------------------------------------------- splash (TPU)
+
+
+def _splash_mask(q_len: int, k_len: int, block: int | None) -> np.ndarray:
+    """bool ``[T, S]``: bottom-right causal (the queries are the last T keys), and
+    with ``block`` (T = S only) the blockwise window of masks.blockwise_causal."""
+    i = np.arange(q_len)[:, None]
+    j = np.arange(k_len)[None, :]
+    mask = j <= i + (k_len - q_len)
+    if block is not None:
+        mask &= j >= (i // block - 1) * block
+    return mask
+
+
+@functools.cache
+def _splash_kernel(q_len: int, k_len: int, heads: int, block: int | None, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.NumpyMask(_splash_mask(q_len, k_len, block))
+    bq, bk = math.gcd(q_len, 512), math.gcd(k_len, 512)  # multiples of 128 (attention())
+    sizes = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
+    # Cached across traces: its mask tables must be constants, not the caller's tracers.
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(
+            sm.MultiHeadMask([mask] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+
+
+def splash_attention(q, k, v, ctx: Context, *, interpret: bool | None = None):
+    """Pallas splash attention (TPU) of encoded ``q``, ``k``, ``v``: ``[B, T, H, Dh]`` out.
+
+    The mask is the static pattern of ``ctx`` (bottom-right causal, blockwise
+    with ``ctx.block``) between equal segment ids (``ctx.q_segment_ids``,
+    ``ctx.kv_segment_ids``; all one when None): in training the packed
+    documents (causal within each), in a block step or chunked evaluation the
+    valid cache slots (segment 1) against the rest (0) — the same visible keys
+    as ``ctx.mask`` for every query that sees one. No bias (ALiBi): the config
+    refuses that combination. ``interpret`` (default: off a TPU) runs the
+    kernel in Pallas interpret mode, for tests on CPU; ``lexjax.model``
+    refuses splash off a TPU instead of running it that slowly.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    if ctx.bias is not None:
+        raise ConfigError("splash attention takes no logit bias; use alibi with explicit or fused")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    B, T, H, K = q.shape
+    S = k.shape[1]
+    kernel = _splash_kernel(T, S, H, ctx.block, interpret)
+    q_seg = ctx.q_segment_ids
+    kv_seg = ctx.kv_segment_ids
+    q_seg = jnp.ones((B, T), jnp.int32) if q_seg is None else jnp.broadcast_to(q_seg, (B, T))
+    kv_seg = jnp.ones((B, S), jnp.int32) if kv_seg is None else jnp.broadcast_to(kv_seg, (B, S))
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, T, K]: the kernel's layout
+    one = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks))
+    out_BxHxTxK = jax.vmap(one)(
+        heads_first(q * jnp.asarray(K**-0.5, q.dtype)),
+        heads_first(k),
+        heads_first(v),
+        q_seg.astype(jnp.int32),
+        kv_seg.astype(jnp.int32),
+    )
+    return heads_first(out_BxHxTxK).astype(v.dtype)

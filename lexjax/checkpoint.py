@@ -631,8 +631,10 @@ def load_params(
     and verifies the checksum of every array it reads; a damaged step is
     reported and the next older one tried, as :meth:`Checkpointer.restore` does.
     The tokenizer saved with that step is :func:`load_tokenizer` ``(workdir, step)``.
-    ``sharding``: one ``jax.sharding.Sharding`` for every array or a pytree of
-    them shaped like the params (any mesh); default one device.
+    ``sharding``: one ``jax.sharding.Sharding`` for every array, a pytree of
+    them shaped like the params (any mesh), or a function of the stored config
+    that returns either; default one device. Each array is read directly into
+    its sharding.
     """
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax: absolute
     if not os.path.isdir(directory):
@@ -653,8 +655,9 @@ def load_params(
                     "it was not written by train.py"
                 )
             config = from_configdict(stored)
+            shardings = sharding(config) if callable(sharding) else sharding
             try:
-                params = _restore_params(checkpointer, step, abstract_params(config), sharding)
+                params = _restore_params(checkpointer, step, abstract_params(config), shardings)
             except _Damaged as e:
                 older = f"; falling back to step {steps[-i - 2]}" if i + 1 < len(steps) else ""
                 log.warning("checkpoint step %d in %s is damaged: %s%s", step, directory, e, older)

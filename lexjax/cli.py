@@ -187,6 +187,8 @@ def run_eval(
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     run = api.load(workdir)
+    # Like train.py's; on stderr with --generate, whose stdout is the text alone.
+    print(f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True)
     if generate:
         sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
         return 0

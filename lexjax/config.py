@@ -35,6 +35,7 @@ __all__ = [
     "ABSOLUTE_ENCODINGS",
     "POSITION_KINDS",
     "ATTENTION_IMPLS",
+    "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
     "TOKENIZERS",
     "tokenizer_vocab_size",
@@ -56,8 +57,12 @@ RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
 # "explicit": scores materialised (and available for resolution measurements);
-# "fused": jax.nn.dot_product_attention, cuDNN's fused kernel on NVIDIA GPUs.
-ATTENTION_IMPLS = ("explicit", "fused")
+# "fused": jax.nn.dot_product_attention, cuDNN's fused kernel on NVIDIA GPUs;
+# "splash": Pallas splash attention, TPUs only.
+ATTENTION_IMPLS = ("explicit", "fused", "splash")
+# Per-layer rematerialisation (lexjax.model.remat_policy): none; full (recompute the
+# layer in the backward); dots_except_mlp (keep the attention's matmul outputs).
+REMAT_POLICIES = ("none", "full", "dots_except_mlp")
 # lexjax.data.tokenizer.VOCAB_SIZE: 256 bytes + BOS + EOS. Importing lexjax.data here
 # would load grain and TFDS into every program; tests/test_config.py checks they agree.
 TOKENIZER_VOCAB_SIZE = 258
@@ -91,7 +96,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
     param_dtype: str = "float32"
-    remat: bool = False
+    remat_policy: str = "none"  # one of REMAT_POLICIES
+    remat: bool | None = None  # older configs: True means remat_policy=full, False none
     scan_layers: bool = False
     attention_impl: str = "explicit"  # one of ATTENTION_IMPLS
 
@@ -375,6 +381,26 @@ def _validated(config: Config) -> Config:
     if m.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"model.attention_impl={m.attention_impl!r}: choose one of {', '.join(ATTENTION_IMPLS)}"
+        )
+    if m.attention_impl == "splash" and m.position == "alibi":
+        raise ConfigError(
+            "model.attention_impl=splash takes no logit bias, so no model.position=alibi; "
+            "use fused or explicit attention for ALiBi"
+        )
+    if m.remat_policy not in REMAT_POLICIES:
+        raise ConfigError(
+            f"model.remat_policy={m.remat_policy!r}: choose one of {', '.join(REMAT_POLICIES)}"
+        )
+    if m.remat is not None:
+        implied = "full" if m.remat else "none"
+        if m.remat_policy not in ("none", implied):
+            raise ConfigError(
+                f"model.remat={m.remat} contradicts model.remat_policy={m.remat_policy}; "
+                "set only model.remat_policy"
+            )
+        policy = implied if m.remat else m.remat_policy
+        config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, remat_policy=policy, remat=None)
         )
     for name in ("num_layers", "d_model", "num_heads", "mlp_dim"):
         if getattr(m, name) < 1:

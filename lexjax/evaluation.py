@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lexjax import checkpoint, reports
 from lexjax import data as data_lib
 from lexjax import positions as pos_lib
-from lexjax import reports
 from lexjax import resolution as res_lib
+from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
 from lexjax.config import Config, ConfigError, ModelConfig
 from lexjax.data.builders import glob_files
@@ -69,6 +70,7 @@ __all__ = [
     "cell_problem",
     "resolution_protocol",
     "evaluate_run",
+    "load_on_mesh",
 ]
 
 MODES = ("bca", "full")
@@ -291,6 +293,7 @@ def perplexity(
     strict: bool = True,
     say: Callable[[str], None] = _stderr,
     tokenizer: data_lib.Tokenizer | None = None,
+    batch_sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[PerplexityResult]:
     """Perplexity at each length and mode by the paper's protocol (module docstring).
 
@@ -307,6 +310,10 @@ def perplexity(
       strict: a cell :func:`cell_problem` refuses (a length that does not
         divide the budget; one the mode cannot evaluate) raises; otherwise it
         is skipped, saying so with ``say``, and missing from the results.
+      batch_sharding: where segments go (``sharding.batch_sharding`` of the
+        evaluation mesh; call under ``jax.set_mesh``): batches are rounded up
+        to a multiple of its batch shards with zero rows, which are dropped.
+        None: the default device.
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
@@ -341,9 +348,15 @@ def perplexity(
     for mode, length in cells:
         rows = segments(documents, length, max_length)
         batch = max(1, min(len(rows), tokens_per_batch // length))
+        if batch_sharding is not None:
+            batch = -(-batch // shard_lib.batch_shards(batch_sharding)) * (
+                shard_lib.batch_shards(batch_sharding)
+            )
         start = time.perf_counter()
         nll_sum, count = 0.0, 0
         for part, real in _batches(rows, batch):
+            if batch_sharding is not None:
+                part = jax.device_put(part, batch_sharding)
             if mode == "bca":
                 logprobs = block_scan_logprobs(model, params, part, block)
             else:
@@ -635,6 +648,7 @@ def evaluate_run(
     figure: bool = False,
     say: Callable[[str], None] = _stderr,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[list[PerplexityResult], list[str]]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
@@ -642,8 +656,11 @@ def evaluate_run(
     ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
     name derived from the settings (:func:`settings_name`), which later runs with
     other settings leave in place (likewise ``resolution``); ``expectation.png``.
-    Returns the perplexity results and the paths written."""
+    ``mesh``: the evaluation mesh (``sharding.eval_mesh``; ``params`` sharded on
+    it): documents are split over its batch axes (data × fsdp). Returns the
+    perplexity results and the paths written."""
     model = Decoder(config.model)
+    rules = shard_lib.rules(config)
     train_len, position = config.train_len, config.model.position
     lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
@@ -669,6 +686,7 @@ def evaluate_run(
         say=say,
         progress=True,
         tokenizer=tokenizer,
+        batch_sharding=None if mesh is None else shard_lib.batch_sharding(mesh, rules),
     )
     settings = dict(
         step=step,
@@ -732,3 +750,18 @@ def evaluate_run(
         )
     print(f"\nwrote {', '.join(written)}")
     return results, written
+
+
+def load_on_mesh(workdir: str, devices=None):
+    """``(config, params, step, mesh)`` of the newest good checkpoint in ``workdir``:
+    the mesh is the run's (``sharding.eval_mesh``: its preset and mesh config
+    re-fitted to ``devices``, default all) and every parameter is read directly
+    into its sharding there, never gathered onto one device."""
+    meshes = []
+
+    def shardings(config: Config):
+        meshes.append(shard_lib.eval_mesh(config, devices))
+        return shard_lib.model_param_shardings(config, meshes[-1])
+
+    config, params, step = checkpoint.load_params(workdir, sharding=shardings)
+    return config, params, step, meshes[-1]

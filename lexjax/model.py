@@ -20,13 +20,15 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from lexjax import attention as attn_lib
 from lexjax import masks
 from lexjax import positions as pos_lib
 from lexjax.config import ModelConfig
+from lexjax.errors import ConfigError
 
-__all__ = ["Decoder", "count_params"]
+__all__ = ["Decoder", "count_params", "remat_policy"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -37,18 +39,48 @@ def _init(axes, scale=1.0):
     )
 
 
+# Names of the activations the ``dots_except_mlp`` remat policy keeps (``checkpoint_name``):
+# every matmul output of the attention; the MLP's (``mlp_in``, ``mlp_out``) are recomputed.
+_SAVED_BY_DOTS_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "attention", "out_proj")
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of ``model.remat_policy`` (config.REMAT_POLICIES).
+
+    ``full`` saves nothing inside a layer (its input only: least memory, the
+    forward computed twice); ``dots_except_mlp`` also saves the attention's
+    matmul outputs, so the backward recomputes only LayerNorms, the MLP and
+    elementwise ops (MaxText's ``save_dot_except_mlp``).
+    """
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots_except_mlp":
+        return jax.checkpoint_policies.save_only_these_names(*_SAVED_BY_DOTS_EXCEPT_MLP)
+    raise ValueError(f"no remat policy {name!r}")
+
+
+def _check_splash_backend() -> None:
+    """Splash is a TPU kernel; elsewhere only Pallas interpret mode runs it, far
+    too slowly to train or evaluate with (tests replace this check to use it)."""
+    if jax.default_backend() != "tpu":
+        raise ConfigError(
+            f"model.attention_impl=splash is a TPU kernel and this backend is "
+            f"{jax.default_backend()}; use fused (cuDNN on GPUs) or explicit"
+        )
+
+
 class Attention(nn.Module):
     config: ModelConfig
     return_scores: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, q_pos_BxT, k_pos_BxS, mask, kv_cache=None):
+    def __call__(self, x_BxTxD, ctx: attn_lib.Context, kv_cache=None):
         """Returns ``(out_BxTxD, (k, v) of this call, scores_BxHxTxS or None)``."""
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
         def proj(name):
-            return nn.DenseGeneral(
+            y_BxTxHxK = nn.DenseGeneral(
                 (c.num_heads, c.head_dim),
                 use_bias=False,
                 dtype=dtype,
@@ -56,6 +88,7 @@ class Attention(nn.Module):
                 name=name,
                 kernel_init=_init(("embed", "heads", "kv")),
             )(x_BxTxD)
+            return checkpoint_name(y_BxTxHxK, f"{name}_proj")
 
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = proj("query"), proj("key"), proj("value")
         new_kv = (k_BxTxHxK, v_BxTxHxK)
@@ -63,17 +96,12 @@ class Attention(nn.Module):
             cache_k, cache_v = kv_cache
             k_BxTxHxK = jnp.concatenate([cache_k.astype(dtype), k_BxTxHxK], axis=1)
             v_BxTxHxK = jnp.concatenate([cache_v.astype(dtype), v_BxTxHxK], axis=1)
-        kwargs = dict(position=c.position, mask=mask, scale_base=c.scale_base, theta=c.theta)
-        scores_BxHxTxS = None
-        if c.attention_impl == "fused" and not self.return_scores:
-            out_BxTxHxK = attn_lib.fused_multihead_attention(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
-            )
-        else:  # explicit scores, also whenever the caller wants them (resolution)
-            out_BxTxHxK, scores_BxHxTxS = attn_lib.multihead_attention(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, q_pos_BxT, k_pos_BxS, **kwargs
-            )
-            scores_BxHxTxS = scores_BxHxTxS if self.return_scores else None
+        # Explicit scores whenever the caller wants them (resolution measurements).
+        impl = "explicit" if self.return_scores else c.attention_impl
+        out_BxTxHxK, scores_BxHxTxS = attn_lib.attention(
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, ctx, impl=impl
+        )
+        out_BxTxHxK = checkpoint_name(out_BxTxHxK, "attention")
         out_BxTxD = nn.DenseGeneral(
             c.d_model,
             axis=(-2, -1),
@@ -83,7 +111,8 @@ class Attention(nn.Module):
             name="out",
             kernel_init=_init(("heads", "kv", "embed")),
         )(out_BxTxHxK)
-        return out_BxTxD, new_kv, scores_BxHxTxS
+        out_BxTxD = checkpoint_name(out_BxTxD, "out_proj")
+        return out_BxTxD, new_kv, scores_BxHxTxS if self.return_scores else None
 
 
 class Block(nn.Module):
@@ -96,7 +125,7 @@ class Block(nn.Module):
     return_scores: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, layer_cache, q_pos_BxT, k_pos_BxS, mask):
+    def __call__(self, x_BxTxD, layer_cache, ctx: attn_lib.Context):
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
@@ -110,7 +139,7 @@ class Block(nn.Module):
             )
 
         h, new_kv, scores = Attention(c, self.return_scores, name="attention")(
-            norm("ln_attention")(x_BxTxD), q_pos_BxT, k_pos_BxS, mask, layer_cache
+            norm("ln_attention")(x_BxTxD), ctx, layer_cache
         )
         x_BxTxD = x_BxTxD + h
         h = nn.Dense(
@@ -121,7 +150,7 @@ class Block(nn.Module):
             kernel_init=_init(("embed", "mlp")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
         )(norm("ln_mlp")(x_BxTxD))
-        h = nn.gelu(h)
+        h = nn.gelu(checkpoint_name(h, "mlp_in"))
         h = nn.Dense(
             c.d_model,
             dtype=dtype,
@@ -130,7 +159,7 @@ class Block(nn.Module):
             kernel_init=_init(("mlp", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         )(h)
-        return x_BxTxD + h, (new_kv, scores)
+        return x_BxTxD + checkpoint_name(h, "mlp_out"), (new_kv, scores)
 
 
 class Decoder(nn.Module):
@@ -205,6 +234,9 @@ class Decoder(nn.Module):
         if not self.is_initializing():
             x_BxTxD = self.perturb("embedded", x_BxTxD)
 
+        splash = c.attention_impl == "splash" and not return_scores
+        if splash:
+            _check_splash_backend()
         if cache is None:
             mask = masks.causal(T)
             if block is not None:
@@ -213,27 +245,48 @@ class Decoder(nn.Module):
             if segment_ids_BxT is not None:
                 mask = mask & masks.same_segment(segment_ids_BxT, segment_ids_BxT)[:, None]
             k_pos_BxS = positions_BxT
+            segments = None if segment_ids_BxT is None else (segment_ids_BxT, segment_ids_BxT)
             layer_caches = None
         else:
             k_pos_BxS = jnp.concatenate([cache.positions, positions_BxT], axis=1)
             valid = jnp.concatenate([cache.valid, jnp.ones((B, T), bool)], axis=1)
             mask = (masks.causal_by_position(positions_BxT, k_pos_BxS) & valid[:, None, :])[:, None]
+            # Cached keys come before the current ones and valid ones are never after
+            # a query, so splash's static bottom-right causal mask plus validity as a
+            # segment id selects the same keys (attention.splash_attention).
+            segments = (jnp.ones((B, T), jnp.int32), valid.astype(jnp.int32))
             layer_caches = (cache.k, cache.v)
+            block = None
+        # Tables, bias and mask depend on positions only: built once for all layers.
+        ctx = attn_lib.context(
+            positions_BxT,
+            k_pos_BxS,
+            num_heads=c.num_heads,
+            head_dim=c.head_dim,
+            position=c.position,
+            mask=mask,
+            scale_base=c.scale_base,
+            theta=c.theta,
+            segment_ids=segments if splash else None,
+            block=block if splash else None,
+        )
 
         block_cls = Block
-        if c.remat:
-            block_cls = nn.remat(Block, prevent_cse=not c.scan_layers)
+        if c.remat_policy != "none":
+            block_cls = nn.remat(
+                Block, policy=remat_policy(c.remat_policy), prevent_cse=not c.scan_layers
+            )
         if c.scan_layers:
             stack = nn.scan(
                 block_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast),
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(c, return_scores, name="layers")(
-                x_BxTxD, layer_caches, positions_BxT, k_pos_BxS, mask
+                x_BxTxD, layer_caches, ctx
             )
         else:
             per_layer = []
@@ -242,7 +295,7 @@ class Decoder(nn.Module):
                 if layer_caches is not None:
                     layer_cache = (layer_caches[0][layer], layer_caches[1][layer])
                 x_BxTxD, out = block_cls(c, return_scores, name=f"layer_{layer}")(
-                    x_BxTxD, layer_cache, positions_BxT, k_pos_BxS, mask
+                    x_BxTxD, layer_cache, ctx
                 )
                 per_layer.append(out)
             new_kv, scores_LxBxHxTxS = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

@@ -25,6 +25,9 @@ import numpy as np
 __all__ = [
     "xpos",
     "rope",
+    "rotary_tables",
+    "xpos_tables",
+    "apply_rotary",
     "alibi_slopes",
     "alibi_bias",
     "sinusoidal",
@@ -114,28 +117,72 @@ def _materialize(table):
     return jnp.einsum("...i,ij->...j", table, eye, precision=jax.lax.Precision.HIGHEST)
 
 
-def _rotate(x, positions, theta: float, log_scale_per_position=None):
-    """Rotates interleaved pairs by positions·θ_i and multiplies by an optional scale.
+def rotary_tables(positions, head_dim: int, *, theta: float = 10000.0, log_scale=None):
+    """The tables of a rotation by ``positions·θ_i``, for :func:`apply_rotary`.
 
-    ``log_scale_per_position`` is ``[d/2]`` float32: the pair i is multiplied by
-    ``exp(positions · log_scale[i])``.
+    Args:
+      positions: integers ``[..., seq]``.
+      head_dim: d, even.
+      log_scale: optional float32 ``[d/2]``; pair i is also multiplied by
+        ``exp(positions · log_scale[i])`` (XPOS's ζ_i^(±p/b)).
+
+    Returns:
+      ``(cos, sin)``, float32 ``[..., seq, 1, d]`` (broadcast over heads), in
+      the interleaved layout: ``cos = (c_0, c_0, c_1, c_1, …)`` and ``sin =
+      (−s_0, s_0, −s_1, s_1, …)``. They depend only on the positions, so a
+      forward computes them once and every layer reuses them.
     """
-    head_dim = x.shape[-1]
     _check_head_dim(head_dim)
-    positions = _check_positions(x, positions)
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(
+            f"positions must be integers, got dtype {positions.dtype}; "
+            "pass token indices, e.g. jnp.arange(seq)"
+        )
     half = head_dim // 2
     inv_freq = jnp.asarray(theta ** (-2.0 * np.arange(half) / head_dim), jnp.float32)
     pos = positions.astype(jnp.float32)[..., None, None]  # [..., seq, 1, 1]
     angle = pos * inv_freq  # [..., seq, 1, d/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
-    if log_scale_per_position is not None:
-        scale = jnp.exp(pos * log_scale_per_position)
+    if log_scale is not None:
+        scale = jnp.exp(pos * log_scale)
         cos, sin = cos * scale, sin * scale
+    # Before the repeat: the interleaving is a cheap copy XLA may fuse anywhere.
     cos, sin = _materialize(cos), _materialize(sin)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
+    cos = jnp.repeat(cos, 2, axis=-1)
+    sin = jnp.stack([-sin, sin], axis=-1).reshape(cos.shape)
+    return cos, sin
+
+
+def apply_rotary(x, cos, sin):
+    """Rotates the interleaved pairs ``(x_2i, x_2i+1)`` of ``x`` by the tables of
+    :func:`rotary_tables`: ``x·cos + swap(x)·sin`` with ``swap(a, b) = (b, a)``,
+    i.e. ``(a·c − b·s, b·c + a·s)`` per pair. Computed in float32; returns
+    ``x``'s shape ``[..., seq, heads, d]`` and dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    swapped = jnp.flip(x32.reshape(*x.shape[:-1], -1, 2), axis=-1).reshape(x.shape)
+    return (x32 * cos + swapped * sin).astype(x.dtype)
+
+
+def xpos_tables(
+    positions,
+    head_dim: int,
+    *,
+    scale_base: float = 512.0,
+    theta: float = 10000.0,
+    gamma: float = 0.4,
+    downscale: bool = False,
+):
+    """:func:`rotary_tables` of XPOS (eq. 5-6): scale ``ζ_i^(p/b)``, or ``ζ_i^(−p/b)``
+    with ``downscale`` (keys)."""
+    _check_head_dim(head_dim)
+    if not scale_base > 0:
+        raise ValueError(f"scale_base must be positive, got {scale_base}")
+    log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
+    return rotary_tables(
+        positions, head_dim, theta=theta, log_scale=-log_zeta if downscale else log_zeta
+    )
 
 
 def xpos(
@@ -168,14 +215,11 @@ def xpos(
     model uses window-relative positions under blockwise attention and centred
     positions otherwise.
     """
-    head_dim = x.shape[-1]
-    _check_head_dim(head_dim)
-    if not scale_base > 0:
-        raise ValueError(f"scale_base must be positive, got {scale_base}")
-    log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
-    if downscale:
-        log_zeta = -log_zeta
-    return _rotate(x, positions, theta, log_zeta[None, :])
+    positions = _check_positions(x, positions)
+    tables = xpos_tables(
+        positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale
+    )
+    return apply_rotary(x, *tables)
 
 
 def rope(x, positions, *, theta: float = 10000.0):
@@ -184,7 +228,9 @@ def rope(x, positions, *, theta: float = 10000.0):
     Same shapes, pair layout and numerics as :func:`xpos`; no decay, so any
     integer position that float32 represents exactly is safe.
     """
-    return _rotate(x, positions, theta)
+    _check_head_dim(x.shape[-1])
+    positions = _check_positions(x, positions)
+    return apply_rotary(x, *rotary_tables(positions, x.shape[-1], theta=theta))
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

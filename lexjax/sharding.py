@@ -9,11 +9,13 @@ parallel, FSDP and tensor parallel without touching model code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,6 +29,10 @@ __all__ = [
     "mesh_shape",
     "check_mesh",
     "make_mesh",
+    "fit_mesh",
+    "eval_mesh",
+    "model_param_shardings",
+    "batch_shards",
     "param_shardings",
     "batch_sharding",
     "replicated",
@@ -84,11 +90,16 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def check_mesh(config: Config, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
-    """Resolves the mesh shape for ``num_devices``; checks the batch and model divide it."""
+def check_mesh(
+    config: Config, num_devices: int, num_processes: int = 1, *, check_batch: bool = True
+) -> tuple[int, int, int]:
+    """Resolves the mesh shape for ``num_devices``; checks the model (and, with
+    ``check_batch``, the training batch) divide it."""
     shape = mesh_shape(config.mesh, num_devices)
     batch_shards = shape[0] * shape[1]
     per_step = config.batch_size // config.optim.grad_accum_steps
+    if not check_batch:
+        per_step = batch_shards * num_processes
     if per_step % batch_shards:
         raise ConfigError(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
@@ -117,17 +128,58 @@ def check_mesh(config: Config, num_devices: int, num_processes: int = 1) -> tupl
     return shape
 
 
-def make_mesh(config: Config, devices=None) -> Mesh:
+def make_mesh(config: Config, devices=None, *, check_batch: bool = True) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all) with Auto axes.
 
     Auto axes let XLA propagate shardings from the annotated parameters and
     inputs; ``-1`` in ``config.mesh`` fills with the remaining devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = check_mesh(config, len(devices), jax.process_count())
+    shape = check_mesh(config, len(devices), jax.process_count(), check_batch=check_batch)
     if len(devices) == len(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def fit_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
+    """A run's mesh re-fitted to ``num_devices`` (evaluating where it did not train).
+
+    Each fixed axis keeps the largest size dividing both its own and the
+    devices left (tensor first, then fsdp, data); the ``-1`` axis (data if
+    none) takes the rest. A mesh that fits is returned as it resolves.
+    """
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    fill = next((axis for axis in MESH_AXES if sizes[axis] == -1), "data")
+    left = num_devices
+    for axis in ("tensor", "fsdp", "data"):
+        if axis != fill:
+            sizes[axis] = math.gcd(max(sizes[axis], 1), left)
+            left //= sizes[axis]
+    sizes[fill] = left
+    return MeshConfig(**sizes)
+
+
+def eval_mesh(config: Config, devices=None) -> Mesh:
+    """The mesh evaluation and generation run on: ``config.mesh`` re-fitted to
+    ``devices`` (default: all) by :func:`fit_mesh`, with no training-batch check."""
+    devices = list(jax.devices() if devices is None else devices)
+    fitted = dataclasses.replace(config, mesh=fit_mesh(config.mesh, len(devices)))
+    return make_mesh(fitted, devices, check_batch=False)
+
+
+def model_param_shardings(config: Config, mesh: Mesh):
+    """NamedShardings of the model's (unboxed) parameters under ``config``'s rules."""
+    from lexjax.model import Decoder  # the model is above this module
+
+    init = lambda: Decoder(config.model).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    return param_shardings(jax.eval_shape(init)["params"], mesh, rules(config))
+
+
+def batch_shards(sharding: NamedSharding) -> int:
+    """How many parts a ``[batch, ...]`` array is split into by ``sharding``."""
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = (axes,) if isinstance(axes, str) else (axes or ())
+    return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
 def param_shardings(boxed_tree, mesh: Mesh, rules):

@@ -191,6 +191,8 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
         return setup.init_state(), 0
     stored_model = (checkpointer.restore_config() or {}).get("model")
     ours = dataclasses.asdict(config.model)
+    for how_it_runs in ("remat", "remat_policy", "attention_impl"):  # same model either way
+        ours.pop(how_it_runs)
     if stored_model is not None and {k: stored_model.get(k) for k in ours} != ours:
         diff = sorted(k for k in ours if stored_model.get(k) != ours[k])
         raise CheckpointError(

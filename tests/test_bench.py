@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,7 +29,10 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     proc = _run(["bench/run.py", "--quick", "--only", "mfu", "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"machine", "mfu"} <= set(results)
+    assert {"machine", "mfu", "shared_cores"} <= set(results)
+    check = results["machine"]["load_check"]
+    assert check["shared"] in (True, False) and check["other_cores_busy"] >= 0
+    assert results["mfu"]["shared_cores"] in (True, False)
     entry = results["mfu"]
     for key in ("value", "unit", "target", "met"):
         assert key in entry
@@ -55,9 +59,38 @@ def test_paper_literal_mirrors_configs_paper():
         assert common.PAPER[key] == paper[key]
 
 
-def test_accelerator_small_prints_one_json_line(tmp_path):
-    proc = _run(["bench/accelerator.py", "--small"], tmp_path)
+def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
+    args = ["--small", "--attention_impls", "fused", "--remat_policies", "full,dots_except_mlp"]
+    proc = _run(["bench/accelerator.py", *args, "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    entry = json.loads(proc.stdout.strip().splitlines()[-1])["accelerator"]
-    assert entry["value"] > 0 and entry["small"]
-    assert set(entry["eval_block_scan"]) == {"1024", "4096"}
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    (written,) = tmp_path.glob("*.jsonl")
+    assert [json.loads(line) for line in written.read_text().splitlines()] == lines
+    kinds = [line["kind"] for line in lines]
+    assert kinds == [
+        "matmul_peak",
+        "train",
+        "train_position_none",
+        "xpos_overhead",
+        "block_scan",
+        "train",
+    ]
+    trains = [line for line in lines if line["kind"] == "train"]
+    assert [t["remat_policy"] for t in trains] == ["full", "dots_except_mlp"]
+    assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == 320 for t in trains)
+    assert set(lines[4]["lengths"]) == {"1024", "4096"}
+
+
+def test_load_check_does_not_count_this_process():
+    sys.path.insert(0, str(ROOT))
+    from bench import common
+
+    before = common.cpu_snapshot()
+    end = time.perf_counter() + 1.0
+    while time.perf_counter() < end:  # one core busy, in this process
+        pass
+    after = common.cpu_snapshot()
+    assert after["own"] > before["own"]  # counted as this process's, not as other load
+    assert common.other_cores_busy(before, after) <= os.cpu_count()
+    check = common.load_check(0.5)
+    assert set(check) >= {"other_cores_busy", "shared", "threshold_cores"}

@@ -176,9 +176,24 @@ def test_config_stored_by_an_older_lexjax_loads_with_a_note(capsys):
     # Fields added since take their defaults; the stored ones keep their values.
     assert now["data"] | stored["data"] == now["data"]
     assert now["data"]["tokenizer"] == "bytes" and now["model"]["vocab_size"] == 320
+    # model.remat (a bool then) is now model.remat_policy: False → none, True → full.
+    assert stored["model"].pop("remat") is False
+    assert (now["model"].pop("remat"), now["model"].pop("remat_policy")) == (None, "none")
     assert {k: v for k, v in stored.items() if k not in ("poison_step", "data")} == {
         k: v for k, v in now.items() if k not in ("peak_flops", "data")
     }
+    stored["model"]["remat"] = True
+    assert cfg.from_configdict(stored).model.remat_policy == "full"
+
+
+def test_remat_bool_maps_to_a_policy_and_a_contradiction_is_one_line():
+    assert cfg.from_configdict({"model": {"remat": True}}).model.remat_policy == "full"
+    assert cfg.from_configdict({"model": {"remat": False}}).model.remat_policy == "none"
+    both = {"remat": True, "remat_policy": "dots_except_mlp"}
+    with pytest.raises(cfg.ConfigError, match="contradicts model.remat_policy=dots_except_mlp"):
+        cfg.from_configdict({"model": both})
+    with pytest.raises(cfg.ConfigError, match="choose one of none, full, dots_except_mlp"):
+        cfg.from_configdict({"model": {"remat_policy": "dots"}})
 
 
 def test_mesh_shape_fills_one_axis_and_checks_the_product():

@@ -56,6 +56,7 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     first = [f"--workdir={workdir}", f"--eval_files={texts}/*.txt", "--max_length=128"]
     done = _run("eval.py", *first, "--lengths=32,48,64,128", "--resolution", "--figure")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[0] == "mesh {'data': 1, 'fsdp': 1, 'tensor': 1}"
     assert "| xpos with BCA |" in done.stdout and "| xpos without BCA |" in done.stdout
     # 48 does not divide the budget: a missing cell with its reason, not fewer tokens.
     assert "— bca 48: length 48 does not divide the budget of 128 tokens" in done.stdout

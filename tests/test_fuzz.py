@@ -54,7 +54,10 @@ FIELDS = {
     "mesh.data": (["2 --config.mesh.fsdp=4"], ["0", "-2", "3"]),
     "mesh.fsdp": (["-1 --config.mesh.data=1"], ["0", "3", "-1"]),  # -1 twice
     "mesh.tensor": (["2"], ["0", "3"]),
-    "model.attention_impl": (["fused"], ["flash"]),
+    "model.attention_impl": (
+        ["fused", "splash"],
+        ["flash", "splash --config.model.position=alibi"],
+    ),
     "model.d_model": (["128"], ["0", "-8", "250"]),  # 250: heads do not divide it
     "model.dtype": (["bfloat16"], ["float64", "fp32"]),
     "model.max_len": (["512"], ["128", "-1"]),  # below train_len
@@ -63,7 +66,8 @@ FIELDS = {
     "model.num_layers": (["2"], ["0", "-1"]),
     "model.param_dtype": (["bfloat16"], ["int8"]),
     "model.position": (["rope", "alibi", "learned", "none"], ["relative", "XPOS"]),
-    "model.remat": (["True"], []),
+    "model.remat": (["True"], ["True --config.model.remat_policy=dots_except_mlp"]),
+    "model.remat_policy": (["full", "dots_except_mlp"], ["dots", "all"]),
     "model.scale_base": (["256"], ["0", "-512"]),
     "model.scan_layers": (["True"], []),
     "model.theta": (["500000"], ["0", "-1"]),

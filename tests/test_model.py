@@ -140,3 +140,33 @@ def test_return_scores_gives_each_layers_scores_whatever_the_attention_impl(impl
     m = config.model
     assert scores.shape == (m.num_layers, 2, m.num_heads, 16, 16)
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_remat_policies_keep_the_gradients_and_save_what_they_name(scan_layers, capsys):
+    """Same gradients under every policy; dots_except_mlp keeps the attention's
+    matmul outputs for the backward and recomputes the MLP's, full keeps neither."""
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 258, (2, 16)), jnp.int32)
+    config = small_config(**{"model.scan_layers": scan_layers})
+    _, params = _init(config)
+
+    def loss_of(policy):
+        model = Decoder(
+            small_config(**{"model.scan_layers": scan_layers, "model.remat_policy": policy}).model
+        )
+        return lambda p: jnp.sum(model.apply({"params": p}, tokens)[0] ** 2)
+
+    want = jax.grad(loss_of("none"))(params)
+    saved = {}
+    for policy in ("full", "dots_except_mlp"):
+        got = jax.grad(loss_of(policy))(params)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), got, want)
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(loss_of(policy), params)
+        saved[policy] = capsys.readouterr().out
+    if scan_layers:
+        return  # a layer scan stacks its residuals under no name
+    for name in ("query_proj", "key_proj", "value_proj", "attention", "out_proj"):
+        assert f"named '{name}'" in saved["dots_except_mlp"]
+        assert f"named '{name}'" not in saved["full"]
+    assert "named 'mlp" not in saved["dots_except_mlp"]
