@@ -46,3 +46,26 @@ def packed_batch(rng: np.random.Generator, batch: int, length: int, vocab: int =
             rows["segment_ids"][r, a:b] = seg
             rows["positions"][r, a:b] = np.arange(b - a)
     return rows
+
+
+# A 2-layer model at train_len 16 (block w = 8) for the evaluation and generation tests.
+TRAIN_LEN = 16
+SMALL_MODEL = cfg.ModelConfig(
+    position="xpos",
+    num_layers=2,
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    vocab_size=40,
+    scale_base=16.0,
+    max_len=TRAIN_LEN,
+)
+
+
+def leaves(tree: dict, prefix=""):
+    """``(dotted name, value)`` of every leaf of a nested dict (a config as a dict)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value

@@ -10,6 +10,7 @@ import pytest
 from configs import extrapolation, paper, tiny
 from lexjax import config as cfg
 from lexjax import sharding
+from tests.helpers import leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORED_V1 = os.path.join(
@@ -24,14 +25,6 @@ def _python(*args, timeout=120):
     )
 
 
-def _leaves(tree: dict, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield prefix + key, value
-
-
 def test_tiny_is_the_defaults_and_presets_validate():
     assert cfg.from_configdict(tiny.get_config()) == cfg.from_configdict({})
     assert cfg.from_configdict({}).learning_rate == 2e-3  # what configs/tiny.py always trained with
@@ -43,8 +36,8 @@ def test_tiny_is_the_defaults_and_presets_validate():
 
 
 def test_paper_states_only_what_differs():
-    defaults = dict(_leaves(cfg.to_dict(cfg.Config())))
-    for name, value in _leaves(paper.OVERRIDES):
+    defaults = dict(leaves(cfg.to_dict(cfg.Config())))
+    for name, value in leaves(paper.OVERRIDES):
         assert defaults[name] != value, f"configs/paper.py restates the default {name}={value!r}"
 
 
@@ -52,7 +45,7 @@ def test_every_field_is_overridable_from_the_command_line():
     """Each leaf of the ConfigDict gets a non-default value on the command line, also the
     None-default ones, with a config file (paper.py) that mentions only some of them."""
     flags, expected = [], {}
-    for name, value in _leaves(cfg.default_configdict().to_dict()):
+    for name, value in leaves(cfg.default_configdict().to_dict()):
         if name == "sharding_rules":  # a table, set in config files
             continue
         hint = cfg._base_type(_hint(name))
@@ -66,7 +59,7 @@ def test_every_field_is_overridable_from_the_command_line():
     )
     result = _python("-c", program, "--config=configs/paper.py", *flags)
     assert result.returncode == 0, result.stderr
-    parsed = dict(_leaves(json.loads(result.stdout)))
+    parsed = dict(leaves(json.loads(result.stdout)))
     assert {name: parsed[name] for name in expected} == expected
 
 

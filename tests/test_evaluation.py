@@ -10,21 +10,11 @@ import numpy as np
 import pytest
 
 from lexjax import evaluation
-from lexjax.config import ModelConfig
 from lexjax.model import Decoder
+from tests.helpers import SMALL_MODEL, TRAIN_LEN
 
-TRAIN_LEN = 16
 W = TRAIN_LEN // 2
-BASE = ModelConfig(
-    position="xpos",
-    num_layers=2,
-    d_model=32,
-    num_heads=2,
-    mlp_dim=64,
-    vocab_size=40,
-    scale_base=16.0,
-    max_len=TRAIN_LEN,
-)
+BASE = SMALL_MODEL
 
 
 def _model(position):

@@ -24,6 +24,7 @@ from absl import flags
 
 from lexjax import cli, distributed, sharding
 from lexjax import config as cfg
+from tests.helpers import leaves
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS
@@ -244,8 +245,8 @@ def test_every_train_flag_and_config_field(program, capsys):
     program("train", ["--workdir=/tmp/lexjax-fuzz"], capsys)  # defines train.py's flags
     own = program.own_flags["train"]
     assert own == set(TRAIN_FLAGS)  # a new flag needs its cases here
-    leaves = {name for name, _ in _leaves(cfg.default_configdict().to_dict())}
-    assert leaves == set(FIELDS)  # a new field needs its cases here
+    fields = {name for name, _ in leaves(cfg.default_configdict().to_dict())}
+    assert fields == set(FIELDS)  # a new field needs its cases here
 
     cases = list(_flag_cases(TRAIN_FLAGS, _flag_type))
     for name, (valid, bad) in FIELDS.items():
@@ -277,14 +278,6 @@ def test_every_eval_flag(program, capsys):
         code, err = program("eval", ["--workdir=/tmp/lexjax-fuzz", *argv], capsys)
         _check(failures, argv, code, err, valid=valid, name=name, accepted="reached")
     assert not failures, "\n".join(failures)
-
-
-def _leaves(tree: dict, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield prefix + key, value
 
 
 @pytest.mark.parametrize(
