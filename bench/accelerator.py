@@ -4,7 +4,7 @@
     python bench/accelerator.py --small      # tiny shapes: checks the script on a CPU
 
 Trains configs/paper.py's model (24 layers, d_model 1024, 16 heads, MLP 4096,
-bfloat16 compute, scanned layers, train_len 1024, vocabulary 320) on
+bfloat16 compute, scanned layers, train_len 1024, its 32768-id vocabulary) on
 synthetic batches over every local device, for each attention implementation
 (explicit, fused = cuDNN on NVIDIA GPUs; splash on TPUs) and each
 ``model.remat_policy`` (none, full, dots_except_mlp): tokens/s/device, MFU

@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+from configs import paper
+from lexjax.config import from_configdict
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -77,7 +80,8 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
     ]
     trains = [line for line in lines if line["kind"] == "train"]
     assert [t["remat_policy"] for t in trains] == ["full", "dots_except_mlp"]
-    assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == 320 for t in trains)
+    vocab = from_configdict(paper.get_config()).model.vocab_size  # reported with every figure
+    assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == vocab for t in trains)
     assert set(lines[4]["lengths"]) == {"1024", "4096"}
 
 
