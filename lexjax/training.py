@@ -151,10 +151,12 @@ def _remove_if_no_files(workdir: str) -> None:
 
 def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
     if jax.process_count() > 1:
-        # Process 0 builds a dataset (and its tokenizer) first, so processes sharing a
-        # data_dir never write it at the same time; the others then load it.
+        # Process 0 builds the dataset (and its tokenizer) first, so processes sharing
+        # a data_dir never write it at the same time; the others then load it. The
+        # byte tokenizer needs no build, so the source is opened explicitly.
         if jax.process_index() == 0:
             _tokenizer(config)
+            _source(config, "train")
         distributed.any_process(False)
     tokenizer = _tokenizer(config)
     setup = TrainSetup(config)

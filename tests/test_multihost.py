@@ -37,7 +37,10 @@ def ctx(tmp_path_factory):
     return P.context(tmp_path_factory, "multihost", 4)
 
 
-def start_pair(ctx, workdir, **overrides):
+def start_pair(ctx, workdir, heartbeat_s=60, **overrides):
+    """Two train.py processes joined on 127.0.0.1. The heartbeat timeout is generous
+    (a loaded machine can starve a process's heartbeat thread for seconds) except in
+    the test of a killed peer, which measures it."""
     base, files, data_dir, environ = ctx
     port = P.free_port()
     return [
@@ -52,7 +55,7 @@ def start_pair(ctx, workdir, **overrides):
                     "-coordinator_address": f"127.0.0.1:{port}",
                     "-num_processes": 2,
                     "-process_id": i,
-                    "-heartbeat_timeout_s": HEARTBEAT_S,
+                    "-heartbeat_timeout_s": heartbeat_s,
                     "-initialization_timeout_s": 60,
                 },
             ),
@@ -168,7 +171,9 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_0(ctx):
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_killed_peer_stops_the_survivor_in_bounded_time(ctx, victim):
     workdir = ctx[0] / f"kill-{victim}"
-    procs = start_pair(ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000)
+    procs = start_pair(
+        ctx, workdir, heartbeat_s=HEARTBEAT_S, num_train_steps=100_000, checkpoint_every=100_000
+    )
     P.wait_until(lambda: P.last_step(workdir) >= 3, procs[0])
     procs[victim].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
