@@ -116,18 +116,31 @@ def plot_perplexity(
 ) -> None:
     """Perplexity against length (log x; log y too when it spans more than 4×).
 
-    ``curves``: ``[(variant label, mode, [(length, perplexity), ...])]``; a
-    colour per variant, solid with BCA, dashed without; the training length marked.
+    ``curves``: ``[(variant label, mode, [(length, perplexity[, std]), ...])]``; a
+    colour per variant, solid with BCA, dashed without, error bars where a std is
+    given (one std over seeds); the training length marked.
     """
     fig, ax = _figure(figsize=(7.5, 4.8))
     colours = {}
-    values = [v for _, _, points in curves for _, v in points]
+    values = [p[1] for _, _, points in curves for p in points]
     for label, mode, points in curves:
         if points:
             colour = colours.setdefault(label, f"C{len(colours)}")
             style = "-" if mode == "bca" else "--"
             name = f"{label} {MODE_NAMES[mode]}"
-            ax.plot(*zip(*points), style, marker="o", markersize=3, color=colour, label=name)
+            x, y, *err = zip(*points)
+            yerr = err[0] if err and any(e for e in err[0]) else None
+            ax.errorbar(
+                x,
+                y,
+                yerr=yerr,
+                fmt=style,
+                marker="o",
+                markersize=3,
+                color=colour,
+                label=name,
+                capsize=2,
+            )
     ax.axvline(train_len, color="gray", linestyle=":", label=f"train_len {train_len}")
     ax.set_xscale("log", base=2)
     if values and max(values) / min(values) > 4:
@@ -328,7 +341,39 @@ def collect(out, specs, config, plan, timing) -> dict:
         "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],
         "runs": runs,
         "expected_resolution": expected,
+        "variants": _variant_stats(runs, plan["lengths"]),
     }
+
+
+def _variant_stats(runs, lengths) -> list[dict]:
+    """Per variant: its seeds and each cell's mean, std (ddof 1) and seed count; and for
+    RoPE and each XPOS variant, the XPOS − RoPE comparison of :func:`compare`."""
+    groups = _variants(runs)
+    rope = next((g for _, p, _, g in groups if p == "rope"), None)
+    stats = []
+    for label, position, scale_base, group in groups:
+        modes = sorted({m for r in group for m in r["perplexity"]})
+        cells = {
+            m: {
+                str(n): dict(zip(("mean", "std", "seeds"), _stats(group, m, n)))
+                for n in lengths
+                if _stats(group, m, n)[2]
+            }
+            for m in modes
+        }
+        entry = {
+            "label": label,
+            "position": position,
+            "scale_base": scale_base,
+            "seeds": sorted(r["seed"] for r in group),
+            "perplexity": cells,
+        }
+        if position == "xpos" and rope:
+            entry["minus_rope"] = {
+                m: {str(n): compare(group, rope, m, n) for n in lengths} for m in modes
+            }
+        stats.append(entry)
+    return stats
 
 
 def _variants(runs):
@@ -340,10 +385,43 @@ def _variants(runs):
     return [(variant_label(*k), k[0], k[1], groups[k]) for k in keys]
 
 
-def _mean(runs, mode, length):
-    values = [r["perplexity"][mode].get(str(length)) for r in runs]
+def _stats(runs, mode, length):
+    """``(mean, std, n)`` of a cell over the seeds in ``runs`` that have it; std is the
+    sample standard deviation (ddof 1), None with one seed; ``(None, None, 0)`` if none."""
+    values = [r["perplexity"].get(mode, {}).get(str(length)) for r in runs]
     values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None
+    if not values:
+        return None, None, 0
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else None
+    return float(np.mean(values)), std, len(values)
+
+
+def _mean(runs, mode, length):
+    return _stats(runs, mode, length)[0]
+
+
+def _fmt_stats(runs, mode, length, digits=3):
+    """``mean ± std`` over seeds (the mean alone for one seed)."""
+    mean, std, _ = _stats(runs, mode, length)
+    if mean is None:
+        return "–"
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def compare(a, b, mode, length) -> dict | None:
+    """Difference of the seed means of two variants' cells, ``a − b``, with twice its
+    standard error sqrt(s_a²/n_a + s_b²/n_b). The verdict calls a difference within
+    two standard errors "within seed noise"; with a single seed on either side there
+    is no estimate of the noise, and the verdict says so."""
+    (ma, sa, na), (mb, sb, nb) = _stats(a, mode, length), _stats(b, mode, length)
+    if ma is None or mb is None:
+        return None
+    diff = ma - mb
+    if sa is None or sb is None:
+        return {"diff": diff, "two_se": None, "seeds": [na, nb], "verdict": "one seed"}
+    two_se = 2 * float(np.sqrt(sa**2 / na + sb**2 / nb))
+    verdict = "within seed noise" if abs(diff) <= two_se else ("lower" if diff < 0 else "higher")
+    return {"diff": diff, "two_se": two_se, "seeds": [na, nb], "verdict": verdict}
 
 
 def _row(label, cells):
@@ -369,7 +447,7 @@ def table2(c) -> str:
         mode = "bca" if position == "xpos" else "full"
         name = f"LEX ({label} + BCA)" if position == "xpos" else label
         lines.append(
-            _row(name + _seeds_note(group), [_fmt(_mean(group, mode, n)) for n in c["lengths"]])
+            _row(name + _seeds_note(group), [_fmt_stats(group, mode, n) for n in c["lengths"]])
         )
     return "\n".join(lines)
 
@@ -382,7 +460,7 @@ def table5(c) -> str:
             lines.append(
                 _row(
                     f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}",
-                    [_fmt(_mean(group, mode, n)) for n in c["lengths"]],
+                    [_fmt_stats(group, mode, n) for n in c["lengths"]],
                 )
             )
     return "\n".join(lines)
@@ -430,6 +508,23 @@ def seeds_table(c) -> str:
     rope = by.get(("rope", None))
     xpos = [k for k in by if k[0] == "xpos"]
     if rope and xpos:
+        lines += [
+            "",
+            f"XPOS b={xpos[0][1]:g} − RoPE, difference of the seed means ± twice its standard "
+            "error; within that, the difference is seed noise:",
+            "",
+            _header("mode", c["lengths"]),
+        ]
+        for mode in MODE_NAMES:
+            cells = []
+            for n in c["lengths"]:
+                d = compare(by[xpos[0]], rope, mode, n)
+                cells.append(
+                    "–"
+                    if d is None or d["two_se"] is None
+                    else f"{d['diff']:+.3f} ± {d['two_se']:.3f} ({d['verdict']})"
+                )
+            lines.append(_row(MODE_NAMES[mode], cells))
         lines += ["", _header(f"XPOS b={xpos[0][1]:g} − RoPE, seed", c["lengths"])]
         x = {r["seed"]: r for r in by[xpos[0]]}
         for mode in MODE_NAMES:
@@ -470,8 +565,8 @@ def _plot_variants(c, path) -> None:
     curves = []
     for label, _, _, group in _variants(c["runs"]):
         for mode in MODE_NAMES:
-            points = [(n, _mean(group, mode, n)) for n in c["lengths"]]
-            curves.append((label, mode, [(n, v) for n, v in points if v is not None]))
+            points = [(n, *_stats(group, mode, n)[:2]) for n in c["lengths"]]
+            curves.append((label, mode, [(n, v, e or 0.0) for n, v, e in points if v is not None]))
     plot_perplexity(
         curves,
         path,

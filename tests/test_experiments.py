@@ -134,3 +134,42 @@ def test_bad_runs_are_one_line_errors(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: runs: 'rope/b=3': /b= applies to xpos only"]
+
+
+def test_runs_expand_seeds_and_refuse_repeats():
+    from lexjax.experiments.extrapolation import ExperimentError, parse_runs
+
+    specs = parse_runs("rope/seeds=3,xpos/seed=5/seeds=2,alibi", scale_base=64.0, seed=0)
+    assert [s.name for s in specs] == [
+        "rope_s0",
+        "rope_s1",
+        "rope_s2",
+        "xpos_b64_s5",
+        "xpos_b64_s6",
+        "alibi_s0",
+    ]
+    with pytest.raises(ExperimentError, match="repeats run rope_s1"):
+        parse_runs("rope/seeds=2,rope/seed=1", scale_base=64.0, seed=0)
+    with pytest.raises(ExperimentError, match="at least 1"):
+        parse_runs("rope/seeds=0", scale_base=64.0, seed=0)
+
+
+def test_seed_statistics_and_the_noise_verdict_by_hand():
+    from lexjax import reports
+
+    def runs(*values):
+        return [{"perplexity": {"bca": {"8": v}}} for v in values]
+
+    xpos, rope = runs(7.0, 7.2, 7.4), runs(8.0, 8.1, 8.3)
+    # mean 7.2, sample std 0.2; mean 8.1333…, sample std sqrt(0.02333…)
+    assert reports._fmt_stats(xpos, "bca", 8) == "7.200 ± 0.200"
+    d = reports.compare(xpos, rope, "bca", 8)
+    assert d["diff"] == pytest.approx(7.2 - 24.4 / 3)
+    # RoPE: squared deviations sum to 0.14/3, so its variance is 0.07/3; SE² = var/3 each.
+    assert d["two_se"] == pytest.approx(2 * np.sqrt(0.04 / 3 + 0.07 / 9))
+    assert d["verdict"] == "lower"  # 0.933 apart, 2 SE ≈ 0.3
+    close = reports.compare(runs(8.0, 8.2, 8.4), rope, "bca", 8)
+    assert close["verdict"] == "within seed noise"
+    assert reports.compare(runs(7.0), rope, "bca", 8)["verdict"] == "one seed"
+    assert reports.compare(xpos, rope, "bca", 16) is None
+    assert reports._fmt_stats(runs(7.0), "bca", 8) == "7.000"

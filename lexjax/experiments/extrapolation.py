@@ -77,25 +77,31 @@ class RunSpec:
 
 
 def parse_runs(text: str, *, scale_base: float, seed: int) -> list[RunSpec]:
-    """``"rope,xpos/b=512,xpos/seed=1"`` → run specs (see configs/extrapolation.py)."""
+    """``"rope/seeds=3,xpos/b=512,xpos/seed=1"`` → run specs (see configs/extrapolation.py);
+    ``/seeds=N`` stands for N runs with seeds S … S+N−1 (S: ``/seed=``, default ``seed``)."""
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         position, *options = item.split("/")
-        values = {"b": scale_base, "seed": seed}
+        values = {"b": scale_base, "seed": seed, "seeds": 1}
         for option in options:
             key, _, value = option.partition("=")
             if key not in values or not value:
-                raise ExperimentError(f"runs: {item!r}: options are /b=NUMBER and /seed=INTEGER")
+                raise ExperimentError(
+                    f"runs: {item!r}: options are /b=NUMBER, /seed=INTEGER and /seeds=COUNT"
+                )
             try:
                 values[key] = float(value) if key == "b" else int(value)
             except ValueError:
                 raise ExperimentError(f"runs: {item!r}: {value!r} is not a number") from None
         if position != "xpos" and values["b"] != scale_base:
             raise ExperimentError(f"runs: {item!r}: /b= applies to xpos only")
-        spec = RunSpec(position, values["b"], values["seed"])
-        if spec in specs:
-            raise ExperimentError(f"runs: {item!r} is listed twice")
-        specs.append(spec)
+        if values["seeds"] < 1:
+            raise ExperimentError(f"runs: {item!r}: /seeds= must be at least 1")
+        for offset in range(values["seeds"]):
+            spec = RunSpec(position, values["b"], values["seed"] + offset)
+            if spec in specs:
+                raise ExperimentError(f"runs: {item!r} repeats run {spec.name}")
+            specs.append(spec)
     if not specs:
         raise ExperimentError("runs is empty; list positions such as 'rope,xpos'")
     return specs
