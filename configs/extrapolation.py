@@ -10,6 +10,8 @@ Presets (the part after ``:``):
 
 - ``small``: a 3.2 M-parameter byte-level model at train_len 128 on the Python standard
   library, sized so all seven runs train and evaluate within an hour on 2 CPU cores.
+- ``tokens``: ``small`` at SentencePiece token level (2048 ids learned from the train
+  split), RoPE and XPOS, 0.25× … 8×.
 - ``paper``: configs/paper.py (24 layers, d_model 1024, train_len 1024, bfloat16) with
   b = 512 (torchscale's default; the paper states no scale base), evaluated at 256 … 16,384
   tokens.
@@ -60,6 +62,14 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         # 2048 tokens of the same documents (the dense mode costs O(length) per token).
         c.eval_docs = 24
         c.resolution_docs = 8
+    elif preset == "tokens":
+        # The small study at SentencePiece token level: the same model and budget in
+        # steps, its 2048-id vocabulary learned from the train split when the corpus is
+        # built; lengths are in tokens (about 3 bytes each on this corpus).
+        c = get_config("small")
+        c.train.data.update(dict(tokenizer="sentencepiece", vocab_size=2048))
+        c.runs = "rope,xpos"
+        c.multipliers = "0.25,0.5,1,2,4,8"
     elif preset == "paper":
         c.train = paper.get_config()
         c.runs = "sinusoidal,alibi,rope,xpos"
