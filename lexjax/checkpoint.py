@@ -6,13 +6,15 @@ holds four items::
   DIR/<step>/
     _CHECKPOINT_METADATA, commit_success.txt   orbax bookkeeping
     state/       StandardSave of the state pytree (OCDBT + zarr)
-    data_iter/   process_<i>-of-<n>.json, one per process (grain's layout;
-                 restoring it needs the same number of processes)
+    data_iter/   process_<i>-of-<n>.json, one per process (grain's layout).
+                 lexjax's training stream is one global stream, so every
+                 process saves the same state ("shared" in integrity) and
+                 it restores on any number of processes
     config/      metadata: the config dict as JSON
     tokenizer/   metadata: the tokenizer as JSON (a SentencePiece model in
                  base64), so evaluation and generation use the training one
     integrity/   metadata: JSON with a sha256 of every state leaf and of
-                 every process's iterator state
+                 every process's iterator state, and whether those agree
   DIR/superseded/<step>-<time>/   steps moved aside by `save` (never deleted)
 
 Complete: orbax finalized the step (it writes into
@@ -287,9 +289,11 @@ class Checkpointer:
                 digests = multihost_utils.process_allgather(digest[None], tiled=True)
             else:
                 digests = digest[None]
+            hexdigests = [bytes(d).hex() for d in np.asarray(digests)]
             integrity["data_iter"] = {
                 "process_count": jax.process_count(),
-                "sha256": [bytes(d).hex() for d in np.asarray(digests)],
+                "sha256": hexdigests,
+                "shared": len(set(hexdigests)) == 1,
             }
             items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
         if config is not None:
@@ -487,7 +491,10 @@ class Checkpointer:
         `step=None` the newest good step is used: damaged steps are reported and
         skipped (`on_corrupt='fallback'`) or raise (`'error'`). A given `step`
         that is damaged always raises. If `data_iter` is given, its position is
-        set to the saved one. Returns (state, config or None, step).
+        set to the saved one: on any number of processes if every process
+        saved the same state, else on as many as saved it; otherwise it stays
+        at the start of its stream, with a one-line note. Returns (state,
+        config or None, step).
         """
         steps = self.all_steps()
         if not steps:
@@ -580,6 +587,16 @@ class Checkpointer:
         )
 
     def _restore_iterator(self, step: int, integrity: dict[str, Any], data_iter: Any) -> None:
+        """Sets ``data_iter`` to the saved position, or leaves it at the start of
+        its stream with a one-line note when the saved one cannot apply here.
+
+        A shared state (every process saved the same: a position in one global
+        stream) restores on any number of processes. Per-process states restore
+        only on as many processes; those of checkpoints written before the
+        global stream (no "shared" key, more than one process) are positions in
+        per-process document shards, which the global stream cannot continue.
+        A one-process state was always the global stream's.
+        """
         record = integrity.get("data_iter")
         if record is None:
             log.warning(
@@ -589,16 +606,29 @@ class Checkpointer:
             )
             return
         count, index = jax.process_count(), jax.process_index()
-        if record["process_count"] != count:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} holds data iterator state for"
-                f" {record['process_count']} processes, this run has {count}; restore"
-                " without data_iter or run with the same number of processes"
+        saved_count = record["process_count"]
+        shared = record.get("shared", saved_count == 1)
+        if not shared and (saved_count != count or "shared" not in record):
+            why = (
+                f"this run has {count}"
+                if "shared" in record
+                else "saved before the data stream was the same for any process count"
             )
-        path = self._step_dir(step) / _DATA_ITER / f"process_{index}-of-{count}.json"
+            if index == 0:
+                log.warning(
+                    "note: checkpoint step %d in %s holds per-process data positions of %d "
+                    "processes (%s); the data stream restarts from its beginning",
+                    step,
+                    self.directory,
+                    saved_count,
+                    why,
+                )
+            return
+        source = 0 if shared else index
+        path = self._step_dir(step) / _DATA_ITER / f"process_{source}-of-{saved_count}.json"
         try:
             state = _canonical_iterator_state(path.read_text().encode())
-            ok = _sha256(state) == record["sha256"][index]
+            ok = _sha256(state) == record["sha256"][source]
             error = None if ok else "checksum mismatch"
         except Exception as e:
             error = f"unreadable ({one_line(e, innermost=True)})"

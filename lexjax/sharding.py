@@ -33,6 +33,7 @@ __all__ = [
     "eval_mesh",
     "model_param_shardings",
     "batch_shards",
+    "process_rows",
     "param_shardings",
     "batch_sharding",
     "replicated",
@@ -180,6 +181,26 @@ def batch_shards(sharding: NamedSharding) -> int:
     axes = sharding.spec[0] if len(sharding.spec) else None
     axes = (axes,) if isinstance(axes, str) else (axes or ())
     return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
+    """Which rows of a global ``[batch_size, ...]`` batch placed by ``sharding``
+    this process feeds: ``(index, count)`` meaning rows [index·b, (index+1)·b),
+    b = batch_size / count (what ``jax.make_array_from_process_local_data``
+    expects from it: the block its devices hold). ``(0, 1)`` when every process
+    holds the whole batch. The data pipeline's ``shard_index, shard_count``."""
+    rows = [
+        index[0].indices(batch_size)[:2]
+        for index in sharding.addressable_devices_indices_map((batch_size, 1)).values()
+    ]
+    start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
+    size = stop - start
+    if batch_size % size or start % size:
+        raise ConfigError(
+            f"this process's devices hold rows {start}..{stop - 1} of the batch of {batch_size}, "
+            "not an aligned block; change the mesh or batch_size"
+        )
+    return start // size, batch_size // size
 
 
 def param_shardings(boxed_tree, mesh: Mesh, rules):

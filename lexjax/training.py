@@ -26,6 +26,7 @@ from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
 from lexjax import distributed, metrics
 from lexjax import lease as lease_lib
+from lexjax import sharding as shard_lib
 from lexjax.config import Config, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.progress import Progress
@@ -72,16 +73,18 @@ def _tokenizer(config: Config) -> data_lib.Tokenizer:
     return tokenizer
 
 
-def _iterator(config: Config, source, tokenizer, seed: int, worker_count: int = 0):
-    """This process's share of each global batch."""
+def _iterator(config: Config, source, tokenizer, setup: TrainSetup, seed: int, worker_count=0):
+    """This process's rows of each global batch; the stream (and the iterator's
+    state) is the same for any number of processes."""
+    shard_index, shard_count = shard_lib.process_rows(setup.batch_sharding, config.batch_size)
     return data_lib.make_train_iterator(
         source,
         tokenizer=tokenizer,
         seq_len=config.train_len,
-        batch_size=config.batch_size // jax.process_count(),
+        batch_size=config.batch_size,
         seed=seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
+        shard_index=shard_index,
+        shard_count=shard_count,
         worker_count=worker_count,
     )
 
@@ -161,12 +164,12 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
     tokenizer = _tokenizer(config)
     setup = TrainSetup(config)
     data_iter = _iterator(
-        config, _source(config, "train"), tokenizer, config.seed, config.data.worker_count
+        config, _source(config, "train"), tokenizer, setup, config.seed, config.data.worker_count
     )
     # Read now, not at the first evaluation: a corpus without a validation split
     # must fail before training, not after eval_every steps of it. The same fixed
     # batches are used at every evaluation.
-    val_iter = _iterator(config, _source(config, "validation"), tokenizer, seed=0)
+    val_iter = _iterator(config, _source(config, "validation"), tokenizer, setup, seed=0)
     val_batches = [next(val_iter) for _ in range(config.eval_batches)]
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(os.path.abspath(workdir), "checkpoints"),

@@ -81,9 +81,9 @@ def context(tmp_path_factory, name: str, devices: int):
     return base, files, str(base / "tfds"), environ
 
 
-def start(args, environ, **kwargs) -> subprocess.Popen:
+def start(args, environ, program="train.py", **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
+        [sys.executable, str(ROOT / program), *args],
         cwd=ROOT,
         env=environ,
         stdout=subprocess.PIPE,

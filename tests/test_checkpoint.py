@@ -1,5 +1,7 @@
 """Checkpoints round-trip, move between meshes, and refuse damaged steps."""
 
+import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -187,6 +189,97 @@ def test_resumed_iterator_continues_identically(tmp_path):
     ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
     assert [next(resumed).tolist() for _ in range(5)] == expected
     ckpt.close()
+
+
+def _iterator_records(tmp_path):
+    """A step saved at iterator position 3 (one process), and the batches after it."""
+    mesh = mesh_of(8)
+    state = make_state(mesh, rows=8)
+    it = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    for _ in range(3):
+        next(it)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(3, state, data_iter=it)
+    ckpt.close()
+    return tmp_path / "ckpt" / "3", abstract(state, mesh), [next(it).tolist() for _ in range(2)]
+
+
+def _as_if_saved_by(step_dir, process_count, shared):
+    """Rewrites step_dir's iterator record as a writer with ``process_count`` processes
+    would have left it: every process's file, its digest, and ``shared`` (None: the key
+    absent, as lexjax wrote it before the stream was one for any process count)."""
+    path = step_dir / "integrity" / "metadata"
+    integrity = json.loads(path.read_text())
+    record = integrity["data_iter"]
+    own = step_dir / "data_iter" / "process_0-of-1.json"
+    for i in range(process_count):
+        text = own.read_text()
+        if not shared and i:  # another process's position in its own shard
+            text = text.replace('"next_index": 3', f'"next_index": {3 + i}')
+        (step_dir / "data_iter" / f"process_{i}-of-{process_count}.json").write_text(text)
+        digest = hashlib.sha256(json.dumps(json.loads(text), sort_keys=True).encode())
+        record["sha256"][i:] = [digest.hexdigest()]
+    record["process_count"] = process_count
+    if shared is None:
+        del record["shared"]
+    else:
+        record["shared"] = shared
+    path.write_text(json.dumps(integrity))
+
+
+@pytest.mark.parametrize(
+    "process_count, shared, note",
+    [
+        (1, None, None),  # one process, older lexjax: its stream is today's
+        (2, True, None),  # the global stream saved by two processes
+        (2, None, "saved before the data stream was the same for any process count"),
+        (2, False, "this run has 1"),  # per-process positions of another process count
+    ],
+    ids=["old-one-process", "shared-two", "old-two-processes", "per-process-two"],
+)
+def test_iterator_state_of_other_process_counts_and_older_lexjax(
+    tmp_path, caplog, process_count, shared, note
+):
+    """A position restores wherever it means the same; otherwise the stream restarts
+    from its beginning with a one-line note (and the train state still restores)."""
+    step_dir, target, expected = _iterator_records(tmp_path)
+    _as_if_saved_by(step_dir, process_count, shared)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        _, _, step = ckpt.restore(abstract_state=target, data_iter=resumed)
+    ckpt.close()
+    assert step == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if note is None:
+        assert warnings == []
+        assert [next(resumed).tolist() for _ in range(2)] == expected
+    else:
+        assert len(warnings) == 1 and "\n" not in warnings[0]
+        assert f"holds per-process data positions of 2 processes ({note})" in warnings[0]
+        assert warnings[0].endswith("the data stream restarts from its beginning")
+        assert next(resumed).tolist() == [0, 1, 2, 3]
+
+
+def test_the_committed_older_checkpoint_restores_its_data_position():
+    """tests/fixtures/run_v1 was written by one process before the "shared" key: its
+    saved position is handed to the iterator as it is."""
+    from lexjax import config as cfg
+    from lexjax.steps import TrainSetup
+
+    directory = pathlib.Path(__file__).parent / "fixtures" / "run_v1" / "checkpoints"
+    saved = json.loads((directory / "6" / "data_iter" / "process_0-of-1.json").read_text())
+    ckpt = Checkpointer(directory.resolve(), read_only=True)
+    setup = TrainSetup(cfg.from_configdict(ckpt.restore_config()), jax.devices()[:4])
+
+    class Position:
+        def set_state(self, state):
+            self.state = json.loads(state)
+
+    position = Position()
+    _, _, step = ckpt.restore(abstract_state=setup.abstract_state, data_iter=position)
+    ckpt.close()
+    assert step == 6 and position.state == saved
 
 
 def truncate(step_dir, value):

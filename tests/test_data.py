@@ -332,33 +332,63 @@ def test_long_document_continues_as_new_segments():
         assert not batch["segment_ids"][0, length:].any()
 
 
-def _document_ids(iterator):
-    ids = set()
-    for batch in iterator:
-        for inputs, _, positions in _segments(batch):
-            if positions[0] == 0 and inputs[0] == data.BOS:
-                ids.add(data.decode(inputs).split(">")[0])
-    return ids
-
-
-def test_shards_are_disjoint_and_cover_the_source():
-    documents = _documents(40)
-    shards = [
-        _document_ids(
-            data.make_train_iterator(
-                documents,
-                seq_len=SEQ_LEN,
-                batch_size=1,
-                seed=3,
-                shard_index=i,
-                shard_count=2,
-                num_epochs=1,
-            )
+def _shards(count, worker_count=0):
+    """Shards 0..count-1 of one global stream of 4-row batches, as processes build them."""
+    return [
+        data.make_train_iterator(
+            _documents(40),
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            seed=3,
+            shard_index=i,
+            shard_count=count,
+            worker_count=worker_count,
         )
-        for i in range(2)
+        for i in range(count)
     ]
-    assert shards[0] and shards[1] and not shards[0] & shards[1]
-    assert shards[0] | shards[1] == {f"<{i}" for i in range(40)}
+
+
+def _assert_rows_of(shards, global_batches):
+    """Shard i of n yields rows [i*b, (i+1)*b), b = 4/n, of each global batch."""
+    rows = 4 // len(shards)
+    for i, it in enumerate(shards):
+        expected = [{k: v[i * rows : (i + 1) * rows] for k, v in b.items()} for b in global_batches]
+        _assert_batches_equal(_take(it, len(global_batches)), expected)
+
+
+def _state(iterator) -> str:
+    return json.dumps(iterator.get_state(), sort_keys=True)
+
+
+def test_shards_split_one_global_stream():
+    """1, 2 and 4 shards (processes) yield the rows of the same global batches, each
+    shard its own block; their states are equal, so a position saved by a shard of 2
+    restores every shard of 4, and of 1 (elastic resume)."""
+    (one,), two, four = _shards(1), _shards(2), _shards(4)
+    global_batches = _take(one, 5)
+    _assert_rows_of(two, global_batches)
+    _assert_rows_of(four, global_batches)
+    assert len({_state(it) for it in (one, *two, *four)}) == 1
+    saved = json.loads(json.dumps(two[1].get_state()))  # checkpoints store it as JSON
+    after = _take(one, 3)
+    for resumed in (_shards(4), _shards(1)):
+        for it in resumed:
+            it.set_state(saved)
+        _assert_rows_of(resumed, after)
+
+
+@pytest.mark.slow
+def test_shards_split_one_global_stream_with_worker_processes():
+    """The same with 2 grain workers per shard: the stream depends on worker_count,
+    not on the shard count."""
+    shards = [*_shards(1, worker_count=2), *_shards(2, worker_count=2)]
+    try:
+        global_batches = _take(shards[0], 3)
+        _assert_rows_of(shards[1:], global_batches)
+        assert len({_state(it) for it in shards}) == 1
+    finally:
+        for it in shards:
+            it.close()
 
 
 @pytest.mark.parametrize("taken", [0, 1, 3, 7])
@@ -392,10 +422,12 @@ def test_bad_pipeline_arguments():
         data.make_train_iterator(
             _documents(), seq_len=8, batch_size=2, seed=0, shard_index=2, shard_count=2
         )
-    with pytest.raises(DataError, match="no documents"):
+    with pytest.raises(DataError, match="cannot be split evenly over 2 shards"):
         data.make_train_iterator(
-            ["one"], seq_len=8, batch_size=2, seed=0, shard_index=1, shard_count=2
+            _documents(), seq_len=8, batch_size=3, seed=0, shard_index=1, shard_count=2
         )
+    with pytest.raises(DataError, match="no documents"):
+        data.make_train_iterator([], seq_len=8, batch_size=2, seed=0)
 
 
 def test_pipeline_reads_a_prepared_dataset(corpus):

@@ -1,18 +1,23 @@
 """Two train.py processes joined by jax.distributed on 127.0.0.1 (4 CPU devices each,
-gloo collectives) train like one process on 8 devices, write a checkpoint that one
-process restores, and a survivor stops on its own when its peer is killed.
+gloo collectives) train like one process on 8 devices, resume elastically (2 → 1 → 2
+processes) on the same token stream, and a survivor stops on its own when its peer
+is killed.
 
 The mesh is (data=2, fsdp=4) with the FSDP sharding preset: each process holds one
-data row of the mesh and reads its own half of the corpus (documents i ≡ process
-id mod 2), so the one-process reference feeds the same global batch — process 0's
-rows, then process 1's — to the same 8-device mesh.
+data row of the mesh and feeds its rows of every global batch (process i: rows
+4i..4i+3). Every process builds the same global stream, so the one-process reference
+reads it whole and feeds the same batches to the same 8-device mesh. The runs that
+are resumed use a constant learning rate after the warmup, so runs of 3, 6 and 9
+steps follow one schedule.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 import re
+import shutil
 import signal
 import time
 
@@ -23,12 +28,13 @@ import pytest
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import data as data_lib
-from lexjax.errors import CheckpointError
 from lexjax.steps import TrainSetup
 from tests import processes as P
 
 STEPS = 3
 MESH = {"mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1, "sharding": "fsdp"}
+CONSTANT_LR = {"optim.schedule": "constant"}
+RECORDER = "tests/recording_train.py"
 HEARTBEAT_S = 5
 
 
@@ -37,15 +43,18 @@ def ctx(tmp_path_factory):
     return P.context(tmp_path_factory, "multihost", 4)
 
 
-def start_pair(ctx, workdir, heartbeat_s=60, **overrides):
+def start_pair(ctx, workdir, heartbeat_s=60, record=None, **overrides):
     """Two train.py processes joined on 127.0.0.1. The heartbeat timeout is generous
     (a loaded machine can starve a process's heartbeat thread for seconds) except in
-    the test of a killed peer, which measures it."""
+    the test of a killed peer, which measures it. With ``record`` (a path prefix) they
+    run under tests/recording_train.py, recording the batches of their steps."""
     base, files, data_dir, environ = ctx
     port = P.free_port()
+    prefix = [str(record)] if record else []
     return [
         P.start(
-            P.train_args(
+            prefix
+            + P.train_args(
                 workdir,
                 files,
                 data_dir,
@@ -60,6 +69,7 @@ def start_pair(ctx, workdir, heartbeat_s=60, **overrides):
                 },
             ),
             environ,
+            program=RECORDER if record else "train.py",
         )
         for i in range(2)
     ]
@@ -67,57 +77,59 @@ def start_pair(ctx, workdir, heartbeat_s=60, **overrides):
 
 @pytest.fixture(scope="module")
 def two_process_run(ctx):
-    workdir = ctx[0] / "two"
-    procs = start_pair(ctx, workdir, num_train_steps=STEPS, checkpoint_every=STEPS)
+    workdir, tokens = ctx[0] / "two", ctx[0] / "tokens-two"
+    procs = start_pair(
+        ctx, workdir, record=tokens, num_train_steps=STEPS, checkpoint_every=STEPS, **CONSTANT_LR
+    )
     outputs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
-    return workdir, outputs
+    return workdir, outputs, tokens
 
 
 def test_only_process_0_prints_and_logs(two_process_run):
     """(gloo itself prints its connection lines on every process)"""
-    workdir, ((out0, _), (out1, _)) = two_process_run
+    workdir, ((out0, _), (out1, _)), _ = two_process_run
     assert f"trained {STEPS} steps" in out0 and "mesh {'data': 2, 'fsdp': 4" in out0
     assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
     assert [s for s, _ in P.losses(workdir)] == list(range(1, STEPS + 1))  # one writer
 
 
-def _reference(config):
-    """STEPS steps in this one process on 8 devices, fed both processes' rows."""
+def _reference(config, steps):
+    """``steps`` steps in this one process on 8 devices, fed the whole global stream:
+    (setup, losses, final params, the batches)."""
     setup = TrainSetup(config)
     source = data_lib.load_source(
         "textfiles", "train", data_dir=config.data.data_dir, files=config.data.files
     )
-    shards = [
-        data_lib.make_train_iterator(
-            source,
-            seq_len=config.train_len,
-            batch_size=config.batch_size // 2,
-            seed=config.seed,
-            shard_index=i,
-            shard_count=2,
-        )
-        for i in range(2)
-    ]
+    stream = data_lib.make_train_iterator(
+        source, seq_len=config.train_len, batch_size=config.batch_size, seed=config.seed
+    )
+    batches = [next(stream) for _ in range(steps)]
     state, losses = setup.init_state(), []
     with jax.set_mesh(setup.mesh):
-        for _ in range(STEPS):
-            rows = [next(it) for it in shards]
-            batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        for batch in batches:
             state, metrics = setup.train_step(state, setup.global_batch(batch))
             losses.append(float(metrics["loss"]))
-    return setup, losses, jax.device_get(state.params)
+    return setup, losses, jax.device_get(state.params), batches
+
+
+def _stored_config(workdir):
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
+    try:
+        return cfg.from_configdict(ckpt.restore_config())
+    finally:
+        ckpt.close()
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_process_run):
     """Losses and parameters agree up to float32 summation order (rtol 1e-5):
     gloo's cross-process all-reduce adds in another order than one process does."""
-    workdir, _ = two_process_run
-    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
-    config = cfg.from_configdict(ckpt.restore_config())
+    workdir, _, _ = two_process_run
+    config = _stored_config(workdir)
     assert (config.mesh.data, config.mesh.fsdp) == (2, 4)
-    setup, ref_losses, ref_params = _reference(config)
+    setup, ref_losses, ref_params, _ = _reference(config, STEPS)
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
     state, _, step = ckpt.restore(abstract_state=setup.abstract_state)
     ckpt.close()
     assert step == STEPS
@@ -129,22 +141,76 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_proces
     )
 
 
-def test_one_process_run_refuses_to_resume_two_processes_data(ctx, two_process_run):
-    """Resuming needs each process's data position: a one-process train.py says so."""
-    workdir, _ = two_process_run
+def _recorded(prefix, processes: int) -> list[dict[str, np.ndarray]]:
+    """The global batches a run's steps consumed: its processes' rows in process order."""
+    rows = [
+        [json.loads(line) for line in pathlib.Path(f"{prefix}.p{i}.jsonl").read_text().splitlines()]
+        for i in range(processes)
+    ]
+    assert len({len(r) for r in rows}) == 1, [len(r) for r in rows]
+    return [
+        {k: np.concatenate([np.asarray(r[s][k], np.int32) for r in rows]) for k in rows[0][s]}
+        for s in range(len(rows[0]))
+    ]
+
+
+def test_elastic_resume_2_to_1_to_2_processes_continues_the_token_stream(ctx, two_process_run):
+    """The two-process run's 3 steps, then 3 more in one process (8 devices, same mesh),
+    then 3 more in two processes again: the tokens every step consumed equal those of an
+    uninterrupted one-process run exactly (no document repeated or skipped, same rows in
+    the same places), and the losses agree up to float32 summation order."""
+    first, _, tokens_first = two_process_run
     base, files, data_dir, environ = ctx
-    result = P.run(
-        P.train_args(workdir, files, data_dir, **MESH, num_train_steps=STEPS + 1),
+    workdir = base / "elastic"
+    shutil.copytree(first, workdir)
+    tokens_one, tokens_two = base / "tokens-elastic-one", base / "tokens-elastic-two"
+    one = P.run(
+        [
+            str(tokens_one),
+            *P.train_args(
+                workdir,
+                files,
+                data_dir,
+                **MESH,
+                **CONSTANT_LR,
+                num_train_steps=2 * STEPS,
+                checkpoint_every=STEPS,
+            ),
+        ],
         {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        program=RECORDER,
     )
-    assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "holds data iterator state for 2 processes, this run has 1" in result.stderr
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert f"at step {STEPS}" in one.stdout and "restarts" not in one.stderr
+    procs = start_pair(
+        ctx,
+        workdir,
+        record=tokens_two,
+        num_train_steps=3 * STEPS,
+        checkpoint_every=STEPS,
+        **CONSTANT_LR,
+    )
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        assert "restarts" not in err
+    assert f"resumed from {workdir / 'checkpoints'} at step {2 * STEPS}" in outputs[0][0]
+
+    consumed = _recorded(tokens_first, 2) + _recorded(tokens_one, 1) + _recorded(tokens_two, 2)
+    _, ref_losses, _, ref_batches = _reference(_stored_config(workdir), 3 * STEPS)
+    assert len(consumed) == len(ref_batches) == 3 * STEPS
+    for got, want in zip(consumed, ref_batches):
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    logged = P.losses(workdir)
+    assert [s for s, _ in logged] == list(range(1, 3 * STEPS + 1))
+    np.testing.assert_allclose([loss for _, loss in logged], ref_losses, rtol=1e-5)
 
 
 def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_0(ctx):
     """Only the worker gets SIGTERM; the processes agree at the next log step, save that
-    step together (each its own data position) and exit 0; process 0 says why."""
+    step together (each the same data position) and exit 0; process 0 says why."""
     workdir = ctx[0] / "sigterm-one"
     procs = start_pair(ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000)
     P.wait_until(lambda: P.last_step(workdir) >= 3, procs[0])
@@ -162,6 +228,8 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_0(ctx):
     step_dir = workdir / "checkpoints" / str(stopped)
     integrity = json.loads((step_dir / "integrity" / "metadata").read_text())
     assert integrity["data_iter"]["process_count"] == 2
+    assert integrity["data_iter"]["shared"]  # one global stream: the same position on both
+    assert len(set(integrity["data_iter"]["sha256"])) == 1
     for i, digest in enumerate(integrity["data_iter"]["sha256"]):  # each process's position
         position = json.loads((step_dir / "data_iter" / f"process_{i}-of-2.json").read_text())
         canonical = json.dumps(position, sort_keys=True).encode()

@@ -4,8 +4,8 @@ Packing convention (the model and its tests rely on it). Each document is
 d = [BOS, tokens..., EOS] (bytes unless a `tokenizer` is given); its training
 pair is inputs = d[:-1], targets = d[1:]. The pair is cut into chunks of at
 most `seq_len` tokens, and chunks are packed first-fit into rows of exactly
-`seq_len`. A batch is a dict of int32 numpy arrays, each [batch_size, seq_len]
-(batch_size per process):
+`seq_len`. A batch is a dict of int32 numpy arrays, each [rows, seq_len]
+(rows: this process's share of the global batch_size):
 
 - `inputs`, `targets`: token ids; 0 at padding;
 - `segment_ids`: 1, 2, 3, ... for the chunks of a row, 0 at padding;
@@ -14,6 +14,23 @@ most `seq_len` tokens, and chunks are packed first-fit into rows of exactly
 Within a segment targets[t] == inputs[t + 1]. A long document continues in
 another row as a new segment whose positions start at 0 again, so attention
 never crosses a row boundary and the model never sees positions >= seq_len.
+
+One global stream for any number of processes. Every process builds the same
+pipeline over the whole source: shuffle, tokenize, chunk, pack into global
+batches of `batch_size` rows, and keeps its own rows of each (shard i of n:
+rows [i*b, (i+1)*b), b = batch_size / n; training gives each process the
+rows its devices hold, `lexjax.sharding.process_rows`). The global batches,
+their order and the iterator's state are therefore the same for any process
+count, equal on every process, and a state saved by n processes restores on
+m: an elastic resume neither repeats nor skips a document. (They do depend
+on `worker_count`: resume with the same one.) The price is that every
+process reads, tokenizes and packs every document, n times the host work of
+a pipeline that shards documents by process; per process it is the work of
+a one-process run, and `worker_count` moves it to worker processes.
+
+This replaced per-process document shards (process i read documents
+i, i + n, ... and packed its own rows), so multi-process runs see another
+data order than before; one-process runs see the same batches as before.
 """
 
 from collections.abc import Iterator, Sequence
@@ -64,6 +81,16 @@ class _ChunkPairs(grain.experimental.FlatMapTransform):
         ]
 
 
+class _Rows(grain.transforms.Map):
+    """Keeps rows [start, stop) of a global batch."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+
+    def map(self, batch):
+        return {key: value[self.start : self.stop] for key, value in batch.items()}
+
+
 class _RenamePacked(grain.transforms.Map):
     """Keeps one copy of grain's per-feature segment ids/positions (they agree)."""
 
@@ -88,44 +115,50 @@ def make_train_iterator(
     worker_count: int = 0,
     tokenizer: tokenizer_lib.Tokenizer = tokenizer_lib.BYTES,
 ) -> grain.DatasetIterator:
-    """Returns a checkpointable iterator of packed batches (see module docstring).
+    """Returns a checkpointable iterator of this shard's rows of the global
+    stream of packed batches (see module docstring).
 
     Args:
       source: random-access documents (`len` and `[i]`), each raw text (str or
         bytes, e.g. `load_source(...)`) or ids from `encode_document`.
       seq_len: row length.
-      batch_size: rows per batch on this process.
+      batch_size: rows per *global* batch (all shards together); the packing
+        and so the stream depend on it, not on `shard_count`.
       seed: seeds the document shuffle (different each epoch) and the order in
         which packed rows leave a packing window; 0 <= seed < 2**32.
-      shard_index, shard_count: this process reads only documents
-        shard_index, shard_index + shard_count, ... (use jax.process_index()
-        and jax.process_count()).
-      num_epochs: passes over the shard; None repeats forever. A last
-        incomplete batch is dropped.
+      shard_index, shard_count: this iterator yields rows
+        [shard_index * b, (shard_index + 1) * b), b = batch_size / shard_count,
+        of every global batch (one shard per process: which rows a process
+        feeds is `lexjax.sharding.process_rows`). Every shard reads every
+        document.
+      num_epochs: passes over the source; None repeats forever. A last
+        incomplete global batch is dropped.
       worker_count: grain worker processes for background prefetch; 0 runs
         in-process. Batches are deterministic for a given worker_count but
         differ between counts (packing is stateful and runs per worker).
       tokenizer: encodes raw-text documents (default bytes).
 
     `it.get_state()` / `it.set_state(state)` resume exactly: a restored
-    iterator yields the batches an uninterrupted one would.
+    iterator yields the batches an uninterrupted one would. The state is the
+    global stream's position, the same for every shard and shard count (for
+    a given worker_count), so it restores onto any shard of any count.
     """
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len and batch_size must be >= 1, got {seq_len=} {batch_size=}")
     if not 0 <= shard_index < shard_count:
         raise DataError(f"need 0 <= shard_index < shard_count, got {shard_index=} {shard_count=}")
+    if batch_size % shard_count:
+        raise DataError(
+            f"batch_size={batch_size} rows cannot be split evenly over {shard_count} shards"
+        )
     if not 0 <= seed < 2**32:
         raise DataError(f"seed must be in [0, 2**32), got {seed}")
     if num_epochs is not None and num_epochs < 1:
         raise DataError(f"num_epochs must be >= 1 or None, got {num_epochs}")
-    ds = grain.MapDataset.source(source)[shard_index::shard_count]
-    if len(ds) == 0:
-        raise DataError(
-            f"shard {shard_index} of {shard_count} has no documents ({len(source)} in the "
-            "source); use fewer shards or a larger split"
-        )
-    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(_Tokenize(tokenizer))
-    ds = ds.to_iter_dataset(_READ_OPTIONS)
+    if len(source) == 0:
+        raise DataError("the source has no documents; use a larger split")
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
+    ds = ds.map(_Tokenize(tokenizer)).to_iter_dataset(_READ_OPTIONS)
     ds = grain.experimental.FlatMapIterDataset(ds, _ChunkPairs(seq_len))
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
@@ -135,6 +168,9 @@ def make_train_iterator(
         shuffle_bins=True,
     )
     ds = ds.map(_RenamePacked()).batch(batch_size, drop_remainder=True)
+    if shard_count > 1:
+        rows = batch_size // shard_count
+        ds = ds.map(_Rows(shard_index * rows, (shard_index + 1) * rows))
     if worker_count > 0:
         # grain reads its absl flags when starting workers; a notebook or a
         # program without absl.app.run has not parsed them, so use defaults.
