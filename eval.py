@@ -2,6 +2,7 @@
 
     python eval.py --workdir=runs/tiny                       # perplexity at 1×…16× train_len
     python eval.py --workdir=runs/tiny --lengths=256,1024 --bca=on --resolution --figure
+    python eval.py --workdir=runs/tiny --modes=bca,full,sinks --sinks=4
     python eval.py --workdir=runs/tiny --eval_files='/data/books/*.txt' --max_docs=50
     python eval.py --workdir=runs/tiny --generate --prompt='def ' --max_new_tokens=2000
 
@@ -30,7 +31,7 @@ import sys
 
 from absl import app, flags, logging
 
-from lexjax import cli
+from lexjax import cli, evaluation
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKDIR = flags.DEFINE_string(
@@ -54,7 +55,19 @@ _BCA = flags.DEFINE_enum(
     "bca",
     "both",
     ["both", "on", "off"],
-    "Blockwise causal attention: both modes, only with, only without.",
+    "Blockwise causal attention: both modes, only with, only without (--modes overrides).",
+)
+_MODES = flags.DEFINE_list(
+    "modes",
+    None,
+    "Evaluation modes, some of bca (blockwise causal attention), full (plain causal "
+    "attention) and sinks (StreamingLLM: --sinks attention sinks + a sliding window of "
+    "train_len − sinks tokens); default: as --bca says.",
+)
+_SINKS = flags.DEFINE_integer(
+    "sinks",
+    evaluation.DEFAULT_SINKS,
+    "Attention sinks of mode sinks: the first tokens every query keeps (0 … train_len/2).",
 )
 _EVAL_FILES = flags.DEFINE_string(
     "eval_files", None, "Glob of text files to evaluate on instead of the run's held-out split."
@@ -86,6 +99,8 @@ def main(argv):
         lengths=_LENGTHS.value,
         max_length=_MAX_LENGTH.value,
         bca=_BCA.value,
+        modes=_MODES.value,
+        sinks=_SINKS.value,
         eval_files=_EVAL_FILES.value,
         max_docs=_MAX_DOCS.value,
         resolution=_RESOLUTION.value,

@@ -105,7 +105,8 @@ class Run:
         lengths: Sequence[int] | None = None,
         *,
         max_length: int | None = None,
-        modes: Sequence[str] = evaluation.MODES,
+        modes: Sequence[str] = evaluation.DEFAULT_MODES,
+        sinks: int = evaluation.DEFAULT_SINKS,
         eval_files: str | None = None,
         max_docs: int = 20,
         resolution: bool = False,
@@ -117,8 +118,11 @@ class Run:
           lengths: evaluated lengths in tokens (default 1, 2, 4, 8, 16 × train_len).
           max_length: the token budget scored at every length (default 16 ×
             train_len, or the largest length if larger); lengths must divide it.
-          modes: ``"bca"`` (blockwise causal attention) and/or ``"full"`` (plain
-            causal attention over the whole length).
+          modes: some of ``"bca"`` (blockwise causal attention), ``"full"`` (plain
+            causal attention over the whole length) and ``"sinks"`` (StreamingLLM:
+            ``sinks`` attention sinks and a sliding window of ``train_len − sinks``
+            tokens); default bca and full.
+          sinks: the sink count of mode ``"sinks"`` (0 … train_len/2).
           eval_files: a glob of text files instead of the run's held-out split.
           max_docs: at most this many documents of at least ``max_length + 1`` tokens.
           resolution, figure: also measure attention resolution / draw Figure 1.
@@ -138,6 +142,7 @@ class Run:
                 lengths=None if lengths is None else [int(n) for n in lengths],
                 max_length=max_length,
                 modes=tuple(modes),
+                sinks=sinks,
                 eval_files=eval_files,
                 max_docs=max_docs,
                 resolution=resolution,

@@ -59,6 +59,8 @@ class Context:
     (int32 ``[B, T]``/``[B, S]``, or None) and ``block`` (static) describe the
     same mask for :func:`splash_attention`: bottom-right causal, limited to the
     blockwise window of ``block`` when set, between equal segment ids.
+    ``sinks``: the context of a second key group (StreamingLLM's attention sinks)
+    with its own query and key positions and mask, or None (see :func:`attention`).
     """
 
     q_rotary: tuple | None = None
@@ -68,6 +70,7 @@ class Context:
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     block: int | None = struct.field(pytree_node=False, default=None)
+    sinks: Context | None = None
 
 
 def context(
@@ -173,7 +176,7 @@ def attend(logits, v, mask=None):
     )
 
 
-def attention(q, k, v, ctx: Context, *, impl: str = "explicit"):
+def attention(q, k, v, ctx: Context, *, impl: str = "explicit", sinks=None):
     """Attention of un-encoded ``q``, ``k``, ``v`` under ``ctx``. Returns ``(out, logits)``.
 
     ``impl``: ``explicit`` returns the pre-softmax scores ``[B, H, Tq, Tk]`` of
@@ -182,7 +185,15 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit"):
     ``out`` for every query that sees at least one key (tested). Splash needs
     query and key lengths that are multiples of 128 (its tiles); other shapes
     (one-token decoding steps) take the fused path.
+
+    ``sinks``: ``(k_s, v_s)`` ``[B, S, H, Dh]``, un-encoded keys and values of a
+    second group scored under ``ctx.sinks`` — the same queries encoded at that
+    context's own positions — in one softmax with the others; the sinks come
+    first in ``logits`` (``[B, H, Tq, S + Tk]``). Always explicit: a fused
+    kernel encodes each query once.
     """
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, ctx, *sinks)
     q, k = encode(q, k, ctx)
     if impl == "explicit":
         logits = attention_logits(q, k, bias=ctx.bias)
@@ -195,6 +206,27 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit"):
             return _fused(q, k, v, ctx.bias, ctx.mask), None
         return splash_attention(q, k, v, ctx), None
     raise ValueError(f"attention impl {impl!r}: use explicit, fused or splash")
+
+
+def _attention_with_sinks(q, k, v, ctx: Context, sink_k, sink_v):
+    q_sinks, sink_k = encode(q, sink_k, ctx.sinks)
+    q, k = encode(q, k, ctx)
+    logits = jnp.concatenate(
+        [
+            attention_logits(q_sinks, sink_k, bias=ctx.sinks.bias),
+            attention_logits(q, k, bias=ctx.bias),
+        ],
+        axis=-1,
+    )
+    shape = logits.shape[:-1]
+    mask = jnp.concatenate(
+        [
+            jnp.broadcast_to(ctx.sinks.mask, (*shape, sink_k.shape[1])),
+            jnp.broadcast_to(ctx.mask, (*shape, k.shape[1])),
+        ],
+        axis=-1,
+    )
+    return attend(logits, jnp.concatenate([sink_v.astype(v.dtype), v], axis=1), mask), logits
 
 
 def multihead_attention(

@@ -21,6 +21,22 @@ step that computed it. The whole scan therefore equals the explicit mask over
 the sequence with positions ``0 … N−1`` for relative encodings and
 ``i mod w + w·[i ≥ w]`` for absolute ones (tested).
 
+**Sinks + sliding window** (StreamingLLM, Xiao et al. 2023; :func:`scan_sinks`).
+With ``S`` sinks (0 ≤ S ≤ w) and ``W = train_len − S``, token t attends to the
+sinks ``0 … S−1`` and to the W most recent tokens ``t−W+1 … t`` (for
+``t < train_len`` that is every token ``0 … t``). Positions are those of
+StreamingLLM's cache — sinks at ``0 … S−1``, window keys after them, the query
+last — so the query stands at ``min(t, train_len−1)``, a window key j at the
+true distance ``t − j`` and a sink s at distance ``min(t, train_len−1) − s``:
+no distance reaches train_len. Each token's keys and values are computed once,
+in its own step, with its own context. The scan runs w queries per step: the
+window group (keys ``[two previous blocks, current block]`` at window positions
+``0 … 3w−1``, queries at ``2w … 3w−1``, sliding-window mask of W) and the sink
+group (sinks at ``0 … S−1``, queries at ``min(t, train_len−1)`` — one position,
+``train_len − 1``, for every query from block 2 on) share one softmax. Block 0
+stores its first S keys/values as the sinks and marks them invalid in the
+window, so no key is seen twice.
+
 This module sits above :mod:`lexjax.model` (it calls the :class:`Decoder` with
 a :class:`KVCache`) and below :mod:`lexjax.evaluation` and
 :mod:`lexjax.generation`; all window arithmetic lives here.
@@ -38,7 +54,17 @@ from flax import struct
 from lexjax.config import ModelConfig
 from lexjax.model import _DTYPES, Decoder
 
-__all__ = ["KVCache", "window_positions", "window_mask", "block_step", "scan_blocks", "pad_to"]
+__all__ = [
+    "KVCache",
+    "window_positions",
+    "window_mask",
+    "block_step",
+    "scan_blocks",
+    "pad_to",
+    "sink_window",
+    "sink_step",
+    "scan_sinks",
+]
 
 
 @struct.dataclass
@@ -181,3 +207,113 @@ def scan_blocks(
 
     xs = (to_blocks(tokens_BxN), to_blocks(extra_BxN), jnp.arange(n, dtype=jnp.int32))
     return jax.lax.scan(step, KVCache.empty(model.config, B, block), xs)
+
+
+# --------------------------------------------------------------------------- sinks + window
+
+
+def sink_window(block: int, sinks: int) -> int:
+    """W = train_len − sinks = 2w − sinks: the recent tokens each query sees
+    (itself included). Raises ValueError unless ``0 ≤ sinks ≤ w`` (the sinks
+    come from the first block)."""
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or not 0 <= sinks <= block:
+        raise ValueError(f"sinks must be an integer in [0, {block}] (train_len/2), got {sinks!r}")
+    return 2 * block - sinks
+
+
+def sink_step(
+    model: Decoder,
+    params,
+    carry: tuple[KVCache | None, KVCache],
+    tokens_BxW,
+    index,
+    *,
+    sinks: int,
+    return_scores: bool = False,
+):
+    """One step of the sink + sliding-window scan (module docstring): block ``index``.
+
+    Args:
+      carry: ``(sink cache of S slots at positions 0 … S−1, or None when S = 0;
+        window cache of 2w slots holding blocks index−2 and index−1 at window
+        positions 0 … 2w−1)``; invalid slots before they are filled.
+      tokens_BxW: the block's tokens.
+      index: int32 scalar (may be traced), the block's index in the sequence.
+
+    Returns:
+      ``(logits_BxWxV, the next step's carry, scores)``; scores are ``[L, B, H,
+      W, S + 3W]`` (keys ``[sinks, window cache, block]``) when ``return_scores``,
+      else None.
+    """
+    sink_cache, window = carry
+    B, W = tokens_BxW.shape
+    offsets = jnp.arange(W, dtype=jnp.int32)
+    positions_BxW = jnp.broadcast_to(2 * W + offsets, (B, W))
+    sink_positions_BxW = jnp.broadcast_to(jnp.minimum(index * W + offsets, 2 * W - 1), (B, W))
+    out = model.apply(
+        {"params": params},
+        tokens_BxW,
+        positions_BxW,
+        cache=window,
+        window=sink_window(W, sinks),
+        sinks=sink_cache,
+        sink_positions_BxT=sink_positions_BxW if sink_cache is not None else None,
+        return_scores=return_scores,
+    )
+    logits, (k, v) = out[:2]
+    # Block 0's first S tokens become the sinks: out of the window, so seen once.
+    kept_BxW = jnp.broadcast_to((offsets >= sinks) | (index > 0), (B, W))
+    window = KVCache(
+        jnp.concatenate([window.k[:, :, W:], k.astype(window.k.dtype)], axis=2),
+        jnp.concatenate([window.v[:, :, W:], v.astype(window.v.dtype)], axis=2),
+        window.positions,
+        jnp.concatenate([window.valid[:, W:], kept_BxW], axis=1),
+    )
+    if sink_cache is not None:
+        first = sink_cache.write(0, (k[:, :, :sinks], v[:, :, :sinks]), sink_cache.positions)
+        sink_cache = jax.tree.map(lambda a, b: jnp.where(index == 0, a, b), first, sink_cache)
+    return logits, (sink_cache, window), out[2] if return_scores else None
+
+
+def scan_sinks(
+    model: Decoder,
+    params,
+    tokens_BxN,
+    block: int,
+    sinks: int,
+    emit: Callable | None = None,
+    *,
+    extra_BxN=None,
+    return_scores: bool = False,
+):
+    """The sink + sliding-window scan: :func:`sink_step` over every block of
+    ``tokens_BxN`` (N a multiple of w); ``emit`` and the result as in
+    :func:`scan_blocks`, the carry being ``(sink cache, window cache)``.
+
+    Per block the attention scores w queries against S + 3w keys (BCA: 2w);
+    memory is O(B·w) besides the inputs and outputs, whatever the length.
+    """
+    sink_window(block, sinks)
+    B, N = tokens_BxN.shape
+    n = N // block
+    to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
+
+    def step(carry, xs):
+        tokens_BxW, extra_BxW, index = xs
+        logits, carry, scores = sink_step(
+            model, params, carry, tokens_BxW, index, sinks=sinks, return_scores=return_scores
+        )
+        return carry, None if emit is None else emit(logits, extra_BxW, scores)
+
+    window = KVCache.empty(model.config, B, 2 * block)
+    window = window.replace(
+        positions=jnp.broadcast_to(jnp.arange(2 * block, dtype=jnp.int32), (B, 2 * block))
+    )
+    sink_cache = None
+    if sinks:
+        sink_cache = KVCache.empty(model.config, B, sinks)
+        sink_cache = sink_cache.replace(
+            positions=jnp.broadcast_to(jnp.arange(sinks, dtype=jnp.int32), (B, sinks))
+        )
+    xs = (to_blocks(tokens_BxN), to_blocks(extra_BxN), jnp.arange(n, dtype=jnp.int32))
+    return jax.lax.scan(step, (sink_cache, window), xs)

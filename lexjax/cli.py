@@ -19,7 +19,7 @@ from lexjax import api, distributed, evaluation, generation
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
-__all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths"]
+__all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
 
 
 def main(program, *args, **kwargs) -> int:
@@ -135,7 +135,20 @@ def _check_workdir_flag(workdir: str) -> None:
 
 # --------------------------------------------------------------------------- eval.py
 
-BCA_MODES = {"both": evaluation.MODES, "on": ("bca",), "off": ("full",)}
+BCA_MODES = {"both": ("bca", "full"), "on": ("bca",), "off": ("full",)}
+
+
+def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
+    """``--modes`` (some of ``evaluation.MODES``; None: not given), else ``--bca`` → modes."""
+    if bca not in BCA_MODES:
+        raise ConfigError(f"--bca={bca!r}: use both, on or off")
+    if values is None:
+        return BCA_MODES[bca]
+    if bca != "both":
+        raise ConfigError(f"--modes and --bca={bca} both choose modes; give --modes alone")
+    if not values or set(values) - set(evaluation.MODES):
+        raise ConfigError(f"--modes={','.join(values)}: use some of {', '.join(evaluation.MODES)}")
+    return tuple(dict.fromkeys(values))
 
 
 def parse_lengths(values) -> list[int] | None:
@@ -149,9 +162,8 @@ def parse_lengths(values) -> list[int] | None:
         try:
             lengths.append(int(value))
         except ValueError:
-            raise ConfigError(
-                f"--lengths={','.join(values)}: {value!r} is not an integer"
-            ) from None
+            message = f"--lengths={','.join(values)}: {value!r} is not an integer"
+            raise ConfigError(message) from None
         if lengths[-1] <= 0:
             raise ConfigError(f"--lengths: every length must be positive, got {lengths[-1]}")
     return sorted(set(lengths))
@@ -163,6 +175,8 @@ def run_eval(
     lengths=None,
     max_length: int | None = None,
     bca: str = "both",
+    modes=None,
+    sinks: int = evaluation.DEFAULT_SINKS,
     eval_files: str | None = None,
     max_docs: int = 20,
     resolution: bool = False,
@@ -176,8 +190,9 @@ def run_eval(
     continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
     temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`)."""
     _check_workdir_flag(workdir)
-    if bca not in BCA_MODES:
-        raise ConfigError(f"--bca={bca!r}: use both, on or off")
+    modes = parse_modes(modes, bca)
+    if sinks < 0:
+        raise ConfigError(f"--sinks={sinks} must be 0 or more (StreamingLLM uses 4)")
     if max_docs < 1:
         raise ConfigError(f"--max_docs={max_docs} must be positive")
     if max_length is not None and max_length < 1:
@@ -195,7 +210,8 @@ def run_eval(
     run.evaluate(
         requested,
         max_length=max_length,
-        modes=BCA_MODES[bca],
+        modes=modes,
+        sinks=sinks,
         eval_files=eval_files,
         max_docs=max_docs,
         resolution=resolution,

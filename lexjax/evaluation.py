@@ -1,4 +1,5 @@
-"""Evaluation at any length: perplexity and attention resolution, with and without BCA.
+"""Evaluation at any length: perplexity and attention resolution, with and without BCA,
+and with attention sinks + a sliding window.
 
 Letters in names: B batch, N tokens, W block (w = train_len/2), L layers,
 H heads, K head_dim, V vocabulary, C query chunk.
@@ -10,6 +11,18 @@ module docstring gives the window and its positions.
 positions ``0 … N−1``, evaluated C queries at a time against a key/value cache
 of all N positions, so the largest score matrix is ``C × (N + C)``, not
 ``N × N``.
+
+**Sinks + sliding window** (``"sinks"``; StreamingLLM, Xiao et al. 2023):
+token t attends to the first S tokens of the segment (the sinks, default
+:data:`DEFAULT_SINKS`) and to its ``W = train_len − S`` most recent tokens
+(itself included), at the positions of StreamingLLM's cache: sinks at
+``0 … S−1``, window keys after them, the query last, so a window key is at its
+true distance and a sink at ``min(t, train_len−1) − s``. It runs block by
+block like BCA (:func:`lexjax.blockwise.scan_sinks`), each token's keys and
+values computed once in its own step. Up to train_len tokens nothing is
+evicted and it equals ``"full"``. Absolute encodings (sinusoidal, learned)
+have no such cell: StreamingLLM re-positions cached keys, and an absolute
+position is added to a token's input once, before any key exists.
 
 Perplexity follows the paper's protocol with a fixed **token budget**
 ``max_length`` (the paper's 4k): documents of at least ``max_length + 1``
@@ -45,8 +58,8 @@ from lexjax import data as data_lib
 from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
-from lexjax.blockwise import KVCache, pad_to, scan_blocks, window_mask
-from lexjax.config import Config, ConfigError, ModelConfig
+from lexjax.blockwise import KVCache, pad_to, scan_blocks, scan_sinks, sink_window, window_mask
+from lexjax.config import ABSOLUTE_ENCODINGS, Config, ConfigError, ModelConfig
 from lexjax.data.builders import glob_files
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
@@ -54,7 +67,12 @@ from lexjax.progress import Progress
 
 __all__ = [
     "MODES",
+    "DEFAULT_MODES",
+    "DEFAULT_SINKS",
     "block_scan_logprobs",
+    "sinks_logprobs",
+    "check_sinks",
+    "RESOLUTION_MODES",
     "full_logprobs",
     "check_full_length",
     "segments",
@@ -73,7 +91,13 @@ __all__ = [
     "load_on_mesh",
 ]
 
-MODES = ("bca", "full")
+# Every evaluation mode; DEFAULT_MODES: those evaluated unless others are asked for.
+MODES = ("bca", "full", "sinks")
+DEFAULT_MODES = ("bca", "full")
+# The modes attention resolution is measured in (measure_resolution).
+RESOLUTION_MODES = ("bca", "full")
+# StreamingLLM's attention sinks: the first tokens every query keeps (its paper uses 4).
+DEFAULT_SINKS = 4
 
 
 def _stderr(message: str) -> None:
@@ -136,6 +160,59 @@ def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
     n = inputs.shape[1]
     logprobs = _compiled_scan(model, block)(params, pad_to(inputs, block), pad_to(targets, block))
     return logprobs[:, :n]
+
+
+# --------------------------------------------------------------------------- sinks + window
+
+
+@functools.cache
+def _compiled_sinks(model: Decoder, block: int, sinks: int):
+    """``(params, inputs [B, n·w], targets) → logprobs``: the sink + window scan, jitted."""
+
+    def run(params, inputs_BxN, targets_BxN):
+        emit = lambda logits, targets_BxW, _: _target_logprobs(logits, targets_BxW)
+        _, logprobs_nxBxW = scan_sinks(
+            model, params, inputs_BxN, block, sinks, emit, extra_BxN=targets_BxN
+        )
+        return logprobs_nxBxW.swapaxes(0, 1).reshape(inputs_BxN.shape)
+
+    return jax.jit(run)
+
+
+def _check_sink_count(block: int, sinks: int) -> None:
+    try:
+        sink_window(block, sinks)
+    except ValueError as e:
+        raise EvaluationError(str(e)) from None
+
+
+def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
+    """Raises :class:`EvaluationError` when the sink + window mode cannot run:
+    a sink count outside ``0 … train_len/2``, or an absolute position encoding."""
+    _check_sink_count(block, sinks)
+    if config.position in ABSOLUTE_ENCODINGS:
+        raise EvaluationError(
+            f"sinks + window needs a relative encoding or none, not {config.position}: "
+            "StreamingLLM re-positions cached keys inside its cache, and an absolute "
+            "position is added to a token's input once (evaluate bca or full)"
+        )
+
+
+def sinks_logprobs(model: Decoder, params, tokens_BxL, block: int, sinks: int = DEFAULT_SINKS):
+    """Next-token log-probabilities with ``sinks`` attention sinks and a sliding
+    window of ``2·block − sinks`` tokens (module docstring), by the block scan.
+
+    Same contract as :func:`block_scan_logprobs`: entry t of the float32
+    ``[B, L−1]`` result is ``log p(tokens[t+1] | sinks, tokens[t−W+1 … t])``;
+    memory O(B·w) whatever L. Raises :class:`EvaluationError` where
+    :func:`check_sinks` does.
+    """
+    _check_block(block)
+    check_sinks(model.config, block, sinks)
+    inputs, targets = _inputs_targets(tokens_BxL)
+    n = inputs.shape[1]
+    run = _compiled_sinks(model, block, sinks)
+    return run(params, pad_to(inputs, block), pad_to(targets, block))[:, :n]
 
 
 # --------------------------------------------------------------------------- without BCA
@@ -242,7 +319,7 @@ def segments(documents: Sequence[np.ndarray], length: int, max_length: int) -> n
 
 @dataclasses.dataclass(frozen=True)
 class PerplexityResult:
-    mode: str  # "bca" | "full"
+    mode: str  # one of MODES
     length: int
     perplexity: float
     nll: float  # mean negative log-likelihood per token (nats)
@@ -276,6 +353,11 @@ def cell_problem(config: ModelConfig, mode: str, length: int, max_length: int) -
             check_full_length(config, length)
         except EvaluationError as e:
             return str(e)
+    if mode == "sinks" and config.position in ABSOLUTE_ENCODINGS:
+        return (
+            f"StreamingLLM re-positions cached keys, which {config.position} positions "
+            "(added to each token's input once) cannot"
+        )
     return None
 
 
@@ -287,7 +369,8 @@ def perplexity(
     *,
     block: int,
     max_length: int | None = None,
-    modes: Iterable[str] = MODES,
+    modes: Iterable[str] = DEFAULT_MODES,
+    sinks: int = DEFAULT_SINKS,
     tokens_per_batch: int = 8192,
     progress: bool = False,
     strict: bool = True,
@@ -301,6 +384,8 @@ def perplexity(
       documents: int32 token arrays, each at least ``max_length + 1`` long.
       lengths: evaluated lengths.
       block: w = train_len/2; the full mode uses it as its query chunk too.
+      modes: some of :data:`MODES` (default :data:`DEFAULT_MODES`).
+      sinks: the sink count of mode ``"sinks"`` (0 … w).
       max_length: the token budget per document (default: the largest length).
       tokenizer: the documents' tokenizer; with it every result also gives the
         UTF-8 ``bytes`` the scored tokens cover and ``bits_per_byte``.
@@ -320,6 +405,10 @@ def perplexity(
     for mode in modes:
         if mode not in MODES:
             raise EvaluationError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    if not modes:
+        raise EvaluationError(f"no mode to evaluate: choose from {', '.join(MODES)}")
+    if "sinks" in modes:
+        _check_sink_count(block, sinks)
     if not lengths or lengths[0] < 1:
         raise EvaluationError(f"lengths must be positive, got {lengths}")
     if not documents:
@@ -359,6 +448,8 @@ def perplexity(
                 part = jax.device_put(part, batch_sharding)
             if mode == "bca":
                 logprobs = block_scan_logprobs(model, params, part, block)
+            elif mode == "sinks":
+                logprobs = sinks_logprobs(model, params, part, block, sinks)
             else:
                 logprobs = full_logprobs(model, params, part, chunk=block)
             nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
@@ -391,7 +482,7 @@ def perplexity(
 
 @dataclasses.dataclass(frozen=True)
 class ResolutionResult:
-    mode: str  # "bca" | "full"
+    mode: str  # one of RESOLUTION_MODES
     length: int
     per_layer: tuple  # R of paper eq. 3 for each layer
     mean: float  # mean over layers
@@ -469,8 +560,10 @@ def measure_resolution(
 
     R is then :func:`lexjax.resolution.attention_resolution` of each layer's s.
     """
-    if mode not in MODES:
-        raise EvaluationError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    if mode not in RESOLUTION_MODES:
+        raise EvaluationError(
+            f"resolution mode {mode!r}: choose from {', '.join(RESOLUTION_MODES)}"
+        )
     _check_block(block)
     tokens_BxN = jnp.asarray(tokens_BxN, jnp.int32)
     B, n = tokens_BxN.shape
@@ -605,14 +698,15 @@ def resolution_protocol(
     *,
     train_len: int,
     block: int,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = RESOLUTION_MODES,
     max_docs: int,
     where: str = "the held-out text",
     say: Callable[[str], None] = _stderr,
 ) -> list[ResolutionResult]:
     """Attention resolution at 1× and 2× ``train_len`` (paper Table 3) over the
-    first ``max_docs`` documents of at least 2× ``train_len`` tokens. A length a
-    mode cannot evaluate is skipped with a note (raises when it is the only mode)."""
+    first ``max_docs`` documents of at least 2× ``train_len`` tokens, in each of
+    ``modes`` (some of :data:`RESOLUTION_MODES`). A length a mode cannot evaluate
+    is skipped with a note (raises when it is the only mode)."""
     longest = 2 * train_len
     chosen = [d for d in documents if len(d) >= longest][:max_docs]
     if not chosen:
@@ -641,7 +735,8 @@ def evaluate_run(
     *,
     lengths: Sequence[int] | None = None,
     max_length: int | None = None,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
+    sinks: int = DEFAULT_SINKS,
     eval_files: str | None = None,
     max_docs: int = 20,
     resolution: bool = False,
@@ -651,8 +746,10 @@ def evaluate_run(
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[list[PerplexityResult], list[str]]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
-    4, 8, 16 × train_len) on a fixed token budget (:func:`budget`), optionally
-    attention resolution and Figure 1. Prints the tables on stdout and writes
+    4, 8, 16 × train_len) on a fixed token budget (:func:`budget`) in each of
+    ``modes`` (``sinks``: the sink count of mode ``"sinks"``), optionally
+    attention resolution (in the modes of :data:`RESOLUTION_MODES` asked) and Figure 1.
+    Prints the tables on stdout and writes
     ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
     name derived from the settings (:func:`settings_name`), which later runs with
     other settings leave in place (likewise ``resolution``); ``expectation.png``.
@@ -662,6 +759,14 @@ def evaluate_run(
     model = Decoder(config.model)
     rules = shard_lib.rules(config)
     train_len, position = config.train_len, config.model.position
+    if "sinks" in modes:
+        _check_sink_count(config.block, sinks)
+    resolution_modes = [m for m in modes if m in RESOLUTION_MODES]
+    if resolution and not resolution_modes:
+        raise EvaluationError(
+            f"resolution is measured in {' or '.join(RESOLUTION_MODES)} mode; add one to the "
+            "modes or leave resolution out"
+        )
     lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
     where, documents = held_out_documents(config, eval_files, say, tokenizer=tokenizer)
@@ -682,6 +787,7 @@ def evaluate_run(
         block=config.block,
         max_length=max_length,
         modes=modes,
+        sinks=sinks,
         strict=False,
         say=say,
         progress=True,
@@ -696,18 +802,26 @@ def evaluate_run(
         documents=len(chosen),
         source=where,
     )
+    # Only with the mode, so the settings (and file names) of other evaluations stay as they were.
+    sink_info = {"sinks": sinks} if "sinks" in modes else {}
+    settings.update(sink_info)
     info = dict(train_len=train_len, position=position, step=step, source=where)
     print(
         f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
         f"on {where}\n"
     )
     print(reports.perplexity_table(results, position, missing=missing))
+    if sink_info:
+        print(
+            f"sinks + window: each token sees the first {sinks} tokens of its segment and its "
+            f"{2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
+        )
     print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
     print(reports.perplexity_table(results, position, missing=missing, metric="bits_per_byte"))
     out_dir = os.path.join(workdir, "eval")
     stems = ["perplexity", settings_name("perplexity", settings)]
     summary = reports.perplexity_json(
-        results, **info, max_length=max_length, settings=settings, missing=missing
+        results, **info, **sink_info, max_length=max_length, settings=settings, missing=missing
     )
     curves = [
         (position, m, sorted((r.length, r.perplexity) for r in results if r.mode == m))
@@ -721,13 +835,16 @@ def evaluate_run(
             curves, written[-1], train_len=train_len, title=f"{position}, train_len {train_len}"
         )
     if resolution:
+        if len(resolution_modes) < len(modes):
+            unmeasured = ", ".join(m for m in modes if m not in RESOLUTION_MODES)
+            say(f"note: attention resolution is not measured in mode {unmeasured}")
         measured = resolution_protocol(
             model,
             params,
             documents,
             train_len=train_len,
             block=config.block,
-            modes=modes,
+            modes=resolution_modes,
             max_docs=max_docs,
             where=where,
             say=say,

@@ -65,11 +65,17 @@ def same_segment(q_segment_ids, k_segment_ids):
     return same & (q_segment_ids[..., :, None] > 0)
 
 
-def causal_by_position(q_positions, k_positions):
-    """``[..., q, k]``: True where the key's position is not after the query's.
+def causal_by_position(q_positions, k_positions, window: int | None = None):
+    """``[..., q, k]``: True where the key's position is not after the query's
+    and, with ``window``, fewer than ``window`` positions before it
+    (``0 ≤ q − k < window``: a sliding window of ``window`` keys, itself included).
 
     With window-relative positions this is how a block step over cached keys
-    expresses the causal and blockwise patterns without materialising them.
+    expresses the causal, blockwise and sliding-window patterns without
+    materialising them.
     """
     q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
-    return k_positions[..., None, :] <= q_positions[..., :, None]
+    distance = q_positions[..., :, None] - k_positions[..., None, :]
+    if window is None:
+        return distance >= 0
+    return (distance >= 0) & (distance < _check_size("window", window))

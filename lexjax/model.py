@@ -13,6 +13,8 @@ validity flag. Each query then sees every valid cached or current key whose
 position is not after its own (``masks.causal_by_position``); with
 window-relative positions that is exactly the blockwise-causal pattern, and
 the same module serves every length with no mask bigger than the window.
+The sink + sliding-window mode adds a distance limit (``window``) and a second
+cache of attention sinks seen from their own query positions (``sinks``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD, ctx: attn_lib.Context, kv_cache=None):
-        """Returns ``(out_BxTxD, (k, v) of this call, scores_BxHxTxS or None)``."""
+        """Returns ``(out_BxTxD, (k, v) of this call, scores_BxHxTxS or None)``.
+
+        ``kv_cache``: ``(k, v)`` of earlier tokens, or ``(k, v, sink_k, sink_v)``
+        when ``ctx.sinks`` scores a group of attention sinks too."""
         c = self.config
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
@@ -92,14 +97,16 @@ class Attention(nn.Module):
 
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = proj("query"), proj("key"), proj("value")
         new_kv = (k_BxTxHxK, v_BxTxHxK)
+        sinks = None
         if kv_cache is not None:
-            cache_k, cache_v = kv_cache
+            cache_k, cache_v, *sinks = kv_cache
             k_BxTxHxK = jnp.concatenate([cache_k.astype(dtype), k_BxTxHxK], axis=1)
             v_BxTxHxK = jnp.concatenate([cache_v.astype(dtype), v_BxTxHxK], axis=1)
+            sinks = tuple(x.astype(dtype) for x in sinks) or None
         # Explicit scores whenever the caller wants them (resolution measurements).
         impl = "explicit" if self.return_scores else c.attention_impl
         out_BxTxHxK, scores_BxHxTxS = attn_lib.attention(
-            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, ctx, impl=impl
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, ctx, impl=impl, sinks=sinks
         )
         out_BxTxHxK = checkpoint_name(out_BxTxHxK, "attention")
         out_BxTxD = nn.DenseGeneral(
@@ -166,7 +173,8 @@ class Decoder(nn.Module):
     """Causal language model over byte tokens.
 
     ``__call__(tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-    cache=None, block=None, return_scores=False)`` returns ``(logits_BxTxV
+    cache=None, block=None, window=None, sinks=None, sink_positions_BxT=None,
+    return_scores=False)`` returns ``(logits_BxTxV
     float32, new_kv)`` where ``new_kv = (k, v): [L, B, T, H, K]`` are this
     call's keys and values before position encoding (XLA removes them when
     unused); with ``return_scores`` a third value, the pre-softmax scores
@@ -178,7 +186,13 @@ class Decoder(nn.Module):
     - ``cache`` (a :class:`lexjax.blockwise.KVCache`: ``k``, ``v`` ``[L, B, S,
       H, K]``, ``positions`` ``[B, S]`` int32, ``valid`` ``[B, S]`` bool): keys
       are ``[cache, current]``; a query sees a key iff it is valid and its
-      position is not after the query's.
+      position is not after the query's, and with ``window`` less than
+      ``window`` positions before it.
+    - ``sinks`` (with ``cache``; another ``KVCache``): attention sinks scored in
+      the same softmax, before the cache, with the queries at
+      ``sink_positions_BxT`` (int32 ``[B, T]``) instead of ``positions_BxT``; a
+      query sees every valid sink whose position is not after its sink
+      position. Attention is then explicit whatever ``attention_impl`` says.
 
     ``init`` creates only ``params``. Tests that differentiate with respect to
     each token's input vector pass ``{"perturbations": {"embedded":
@@ -196,9 +210,14 @@ class Decoder(nn.Module):
         *,
         cache=None,
         block: int | None = None,
+        window: int | None = None,
+        sinks=None,
+        sink_positions_BxT=None,
         return_scores: bool = False,
     ):
         c = self.config
+        if (window is not None or sinks is not None) and cache is None:
+            raise ValueError("window and sinks apply to a call with a cache")
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
         B, T = tokens_BxT.shape
         if positions_BxT is None:
@@ -234,7 +253,7 @@ class Decoder(nn.Module):
         if not self.is_initializing():
             x_BxTxD = self.perturb("embedded", x_BxTxD)
 
-        splash = c.attention_impl == "splash" and not return_scores
+        splash = c.attention_impl == "splash" and not return_scores and sinks is None
         if splash:
             _check_splash_backend()
         if cache is None:
@@ -250,13 +269,16 @@ class Decoder(nn.Module):
         else:
             k_pos_BxS = jnp.concatenate([cache.positions, positions_BxT], axis=1)
             valid = jnp.concatenate([cache.valid, jnp.ones((B, T), bool)], axis=1)
-            mask = (masks.causal_by_position(positions_BxT, k_pos_BxS) & valid[:, None, :])[:, None]
+            mask = masks.causal_by_position(positions_BxT, k_pos_BxS, window)
+            mask = (mask & valid[:, None, :])[:, None]
             # Cached keys come before the current ones and valid ones are never after
             # a query, so splash's static bottom-right causal mask plus validity as a
             # segment id selects the same keys (attention.splash_attention).
             segments = (jnp.ones((B, T), jnp.int32), valid.astype(jnp.int32))
             layer_caches = (cache.k, cache.v)
             block = None
+            if sinks is not None:
+                layer_caches += (sinks.k, sinks.v)
         # Tables, bias and mask depend on positions only: built once for all layers.
         ctx = attn_lib.context(
             positions_BxT,
@@ -270,6 +292,19 @@ class Decoder(nn.Module):
             segment_ids=segments if splash else None,
             block=block if splash else None,
         )
+        if sinks is not None:
+            sink_mask = masks.causal_by_position(sink_positions_BxT, sinks.positions)
+            sink_ctx = attn_lib.context(
+                sink_positions_BxT,
+                sinks.positions,
+                num_heads=c.num_heads,
+                head_dim=c.head_dim,
+                position=c.position,
+                mask=(sink_mask & sinks.valid[:, None, :])[:, None],
+                scale_base=c.scale_base,
+                theta=c.theta,
+            )
+            ctx = ctx.replace(sinks=sink_ctx)
 
         block_cls = Block
         if c.remat_policy != "none":
@@ -293,7 +328,7 @@ class Decoder(nn.Module):
             for layer in range(c.num_layers):
                 layer_cache = None
                 if layer_caches is not None:
-                    layer_cache = (layer_caches[0][layer], layer_caches[1][layer])
+                    layer_cache = tuple(x[layer] for x in layer_caches)
                 x_BxTxD, out = block_cls(c, return_scores, name=f"layer_{layer}")(
                     x_BxTxD, layer_cache, ctx
                 )

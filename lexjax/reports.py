@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 # The display name of each evaluation mode (lexjax.evaluation.MODES), in table order.
-MODE_NAMES = {"bca": "with BCA", "full": "without BCA"}
+MODE_NAMES = {"bca": "with BCA", "full": "without BCA", "sinks": "with sinks + window"}
+_LINE_STYLES = {"bca": "-", "full": "--", "sinks": "-."}
 POSITION_NAMES = {
     "sinusoidal": "Transformer (sinusoidal)",
     "learned": "Transformer (learned)",
@@ -117,8 +118,9 @@ def plot_perplexity(
     """Perplexity against length (log x; log y too when it spans more than 4×).
 
     ``curves``: ``[(variant label, mode, [(length, perplexity[, std]), ...])]``; a
-    colour per variant, solid with BCA, dashed without, error bars where a std is
-    given (one std over seeds); the training length marked.
+    colour per variant, solid with BCA, dashed without, dash-dotted with sinks +
+    window, error bars where a std is given (one std over seeds); the training
+    length marked.
     """
     fig, ax = _figure(figsize=(7.5, 4.8))
     colours = {}
@@ -126,7 +128,7 @@ def plot_perplexity(
     for label, mode, points in curves:
         if points:
             colour = colours.setdefault(label, f"C{len(colours)}")
-            style = "-" if mode == "bca" else "--"
+            style = _LINE_STYLES[mode]
             name = f"{label} {MODE_NAMES[mode]}"
             x, y, *err = zip(*points)
             yerr = err[0] if err and any(e for e in err[0]) else None
@@ -254,7 +256,10 @@ def collect(out, specs, config, plan, timing) -> dict:
         trained = _load(os.path.join(workdir, "train.json"))
         perplexity, eval_seconds = {}, 0.0
         for mode in MODE_NAMES:
-            stored = _load(os.path.join(workdir, f"perplexity_{mode}.json"))
+            path = os.path.join(workdir, f"perplexity_{mode}.json")
+            if not os.path.exists(path):  # a mode the experiment does not evaluate
+                continue
+            stored = _load(path)
             eval_seconds += stored["seconds"]
             perplexity[mode] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
         stored = _load(os.path.join(workdir, "resolution.json"))
@@ -385,6 +390,11 @@ def _variants(runs):
     return [(variant_label(*k), k[0], k[1], groups[k]) for k in keys]
 
 
+def _modes(runs, key="perplexity"):
+    """The modes (in MODE_NAMES order) some run has results of under ``key``."""
+    return [m for m in MODE_NAMES if any(m in r[key] for r in runs)]
+
+
 def _stats(runs, mode, length):
     """``(mean, std, n)`` of a cell over the seeds in ``runs`` that have it; std is the
     sample standard deviation (ddof 1), None with one seed; ``(None, None, 0)`` if none."""
@@ -456,7 +466,7 @@ def table5(c) -> str:
     """Paper Table 5: every model with and without blockwise causal attention."""
     lines = [_header("model", c["lengths"])]
     for label, _, _, group in _variants(c["runs"]):
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"]):
             lines.append(
                 _row(
                     f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}",
@@ -473,7 +483,7 @@ def table3(c) -> str:
     columns = [f"R at {n1}", f"R at {n2}", f"R at {n2}, N = {n1}"]
     lines = [_header("model", [*columns, f"s range at {n1}", f"s range at {n2}"])]
     for label, _, _, group in _variants(c["runs"]):
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"], "resolution"):
             cells = []
             for key, lengths in (
                 ("mean", (n1, n2)),
@@ -496,12 +506,12 @@ def seeds_table(c) -> str:
         return "Every variant has a single seed."
     lines = [_header("model, seed", c["lengths"])]
     for label, _, _, group in multi:
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"]):
             for r in sorted(group, key=lambda r: r["seed"]):
                 lines.append(
                     _row(
                         f"{label} {MODE_NAMES[mode]}, seed {r['seed']}",
-                        [_fmt(r["perplexity"][mode].get(str(n))) for n in c["lengths"]],
+                        [_fmt(r["perplexity"].get(mode, {}).get(str(n))) for n in c["lengths"]],
                     )
                 )
     by = {(v[1], v[2]): v[3] for v in multi}
@@ -515,7 +525,7 @@ def seeds_table(c) -> str:
             "",
             _header("mode", c["lengths"]),
         ]
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"]):
             cells = []
             for n in c["lengths"]:
                 d = compare(by[xpos[0]], rope, mode, n)
@@ -527,15 +537,15 @@ def seeds_table(c) -> str:
             lines.append(_row(MODE_NAMES[mode], cells))
         lines += ["", _header(f"XPOS b={xpos[0][1]:g} − RoPE, seed", c["lengths"])]
         x = {r["seed"]: r for r in by[xpos[0]]}
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"]):
             for r in sorted(rope, key=lambda r: r["seed"]):
                 if r["seed"] not in x:
                     continue
                 cells = []
                 for n in c["lengths"]:
                     a, b = (
-                        x[r["seed"]]["perplexity"][mode].get(str(n)),
-                        r["perplexity"][mode].get(str(n)),
+                        x[r["seed"]]["perplexity"].get(mode, {}).get(str(n)),
+                        r["perplexity"].get(mode, {}).get(str(n)),
                     )
                     cells.append("–" if a is None or b is None else f"{a - b:+.3f}")
                 lines.append(_row(f"{MODE_NAMES[mode]}, seed {r['seed']}", cells))
@@ -564,7 +574,7 @@ def _plot_variants(c, path) -> None:
     """:func:`plot_perplexity` of every variant's seed means."""
     curves = []
     for label, _, _, group in _variants(c["runs"]):
-        for mode in MODE_NAMES:
+        for mode in _modes(c["runs"]):
             points = [(n, *_stats(group, mode, n)[:2]) for n in c["lengths"]]
             curves.append((label, mode, [(n, v, e or 0.0) for n, v, e in points if v is not None]))
     plot_perplexity(

@@ -1,12 +1,15 @@
 """The BCA window: its cache operations, positions and masks against the explicit mask."""
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lexjax import masks
-from lexjax.blockwise import KVCache, window_mask, window_positions
+from lexjax.blockwise import KVCache, scan_sinks, window_mask, window_positions
 from lexjax.config import ModelConfig
+from lexjax.model import Decoder
 
 W = 4
 CONFIG = ModelConfig(num_layers=2, d_model=8, num_heads=2, mlp_dim=16, vocab_size=40, max_len=8)
@@ -47,3 +50,23 @@ def test_window_masks_tile_the_explicit_blockwise_causal_mask(length):
             assert full[i, j], (b, q, k)
             covered[i, j] = True
     np.testing.assert_array_equal(covered, full)  # every attending pair in exactly one window
+
+
+def test_sink_scan_keeps_the_first_tokens_once_and_slides_the_window():
+    """After block 0 the sinks hold its first S keys/values, which the window marks
+    invalid (seen once); the window cache always holds the last two blocks."""
+    model = Decoder(CONFIG)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 2 * W), jnp.int32))["params"])
+    S = 3
+    tokens = jnp.arange(1, 3 * W + 1, dtype=jnp.int32)[None]
+    (sinks, window), _ = scan_sinks(model, params, tokens[:, :W], W, S)
+    assert window.valid.tolist() == [[False] * W + [False] * S + [True] * (W - S)]
+    assert sinks.valid.tolist() == [[True] * S] and sinks.positions.tolist() == [[0, 1, 2]]
+    np.testing.assert_array_equal(sinks.k, window.k[:, :, W : W + S])
+    np.testing.assert_array_equal(sinks.v, window.v[:, :, W : W + S])
+    (later, window), _ = scan_sinks(model, params, tokens, W, S)
+    np.testing.assert_allclose(later.k, sinks.k, rtol=1e-6, atol=1e-6)  # from block 0 only
+    assert window.valid.tolist() == [[True] * 2 * W]
+    assert window.positions.tolist() == [list(range(2 * W))]
+    (none, window), _ = scan_sinks(model, params, tokens[:, :W], W, 0)
+    assert none is None and window.valid.tolist() == [[False] * W + [True] * W]

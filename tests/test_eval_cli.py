@@ -100,6 +100,19 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     with open(os.path.join(eval_dir, next(f for f in kept if "bca+full" in f))) as f:
         assert json.load(f)["results"] == rows
 
+    # Sinks + window: up to train_len nothing is evicted, so it equals the dense number.
+    done = _run("eval.py", *first, "--lengths=32,64", "--modes=sinks", "--sinks=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| xpos with sinks + window |" in done.stdout
+    assert "the first 2 tokens of its segment and its 30 most recent" in done.stdout
+    with open(os.path.join(eval_dir, "perplexity.json")) as f:
+        sinks = json.load(f)
+    assert sinks["sinks"] == 2 and sinks["settings"]["sinks"] == 2
+    assert [(r["mode"], r["length"]) for r in sinks["results"]] == [("sinks", 32), ("sinks", 64)]
+    full32 = next(r for r in rows if (r["mode"], r["length"]) == ("full", 32))
+    assert sinks["results"][0]["perplexity"] == pytest.approx(full32["perplexity"], rel=1e-5)
+    assert any("-sinks-" in f for f in os.listdir(eval_dir))
+
     done = _run(
         "eval.py",
         f"--workdir={workdir}",
@@ -147,6 +160,15 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     )
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
+    )
+    _one_line_error(
+        _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17"),
+        6,
+        "sinks must be",
+        "[0, 16]",
+    )
+    _one_line_error(
+        _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--resolution"), 6, "resolution"
     )
 
     # A checkpoint whose stored config does not describe its arrays.

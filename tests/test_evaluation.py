@@ -146,7 +146,7 @@ def test_a_length_gives_the_same_number_whatever_other_lengths_are_asked(models)
     among = evaluation.perplexity(
         model, params, docs, [W, TRAIN_LEN, 4 * TRAIN_LEN], block=W, max_length=4 * TRAIN_LEN
     )
-    for mode in evaluation.MODES:
+    for mode in evaluation.DEFAULT_MODES:
         a = next(r for r in alone if r.mode == mode)
         b = next(r for r in among if (r.mode, r.length) == (mode, W))
         assert (a.tokens, a.max_length) == (b.tokens, b.max_length) == (3 * 64, 64)

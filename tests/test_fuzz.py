@@ -119,6 +119,11 @@ EVAL_FLAGS = {
     "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
     "lengths": ([["--lengths=256,64"]], ["", "0", "-5", "abc", "64,x"]),
     "bca": ([["--bca=on"], ["--bca=off"]], ["maybe", ""]),
+    "modes": (
+        [["--modes=sinks"], ["--modes=bca,full,sinks"], ["--modes=full", "--bca=both"]],
+        ["", "dense", "bca,x", "sinks --bca=on"],
+    ),
+    "sinks": ([["--sinks=0"], ["--sinks=8", "--modes=sinks"]], ["-1"]),
     "eval_files": ([["--eval_files=/tmp/*.txt"]], [""]),
     "max_docs": ([["--max_docs=5"]], ["0", "-1"]),
     "max_length": ([["--max_length=4096"], ["--lengths=64", "--max_length=128"]], ["0", "-3", "x"]),

@@ -86,6 +86,16 @@ class CausalByPositionTest(chex.TestCase):
                 got[row], _enumerate(2, 5, lambda i, j, r=row: k_pos[r, j] <= q_pos[r, i])
             )
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(1, 3, 9)
+    def test_sliding_window_keeps_the_last_window_positions(self, window):
+        q_pos = np.array([[5, 6, 7, 8], [0, 2, 4, 6]], np.int32)
+        k_pos = np.array([np.arange(9), np.arange(9)[::-1]], np.int32)
+        got = self.variant(masks.causal_by_position, static_argnums=2)(q_pos, k_pos, window)
+        for row in range(2):
+            want = _enumerate(4, 9, lambda i, j, r=row: 0 <= q_pos[r, i] - k_pos[r, j] < window)
+            np.testing.assert_array_equal(got[row], want)
+
     @parameterized.parameters((16, 4), (14, 4), (9, 3), (5, 2), (3, 4))
     def test_window_relative_positions_reproduce_blockwise(self, length, w):
         # The block step: block b's queries attend to the window [block b − 1, block b]

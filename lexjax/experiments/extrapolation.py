@@ -41,7 +41,7 @@ from lexjax import checkpoint, evaluation, reports
 from lexjax import data as data_lib
 from lexjax.config import REMOVED_FIELDS, Config, ConfigError, from_configdict, to_dict
 from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
-from lexjax.evaluation import MODES
+from lexjax.evaluation import DEFAULT_MODES
 from lexjax.model import Decoder
 
 __all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_experiment"]
@@ -216,7 +216,7 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per mode and attention resolution of one trained run, each stage once."""
     done = lambda path: _stage_done(path, config, protocol=PROTOCOL) is not None
-    todo = [m for m in MODES if not done(_perplexity_path(workdir, m))]
+    todo = [m for m in DEFAULT_MODES if not done(_perplexity_path(workdir, m))]
     resolution_path = os.path.join(workdir, "resolution.json")
     if not done(resolution_path):
         todo.append("resolution")
@@ -236,7 +236,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         record["seconds"] = time.perf_counter() - start
         reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
-    for mode in (m for m in MODES if m in todo):
+    for mode in (m for m in DEFAULT_MODES if m in todo):
         docs = plan["documents"][: plan["docs"]["perplexity"]]
         say(f"perplexity {mode}: {len(docs)} documents × {plan['max_length']} tokens")
         start = time.perf_counter()

@@ -1,0 +1,175 @@
+"""Attention sinks + sliding window (StreamingLLM): the block scan against a token-by-token
+streaming computation in float64, written from the rule, not from lexjax's code."""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lexjax import evaluation
+from lexjax.blockwise import sink_window
+from lexjax.model import Decoder
+from tests import paper
+from tests.helpers import SMALL_MODEL, TRAIN_LEN
+
+W = TRAIN_LEN // 2
+
+
+def _model(position, seed=1):
+    config = dataclasses.replace(SMALL_MODEL, position=position)
+    model = Decoder(config)
+    params = model.init(jax.random.key(seed), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"]
+    return model, nn.unbox(params)
+
+
+def _tokens(batch, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, SMALL_MODEL.vocab_size, (batch, length)), jnp.int32)
+
+
+def _layer_norm(x, p):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _gelu(x):  # flax's default: the tanh approximation
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _streaming(config, params, tokens, sinks):
+    """log p(tokens[t+1] | ...) for one row, token by token as streaming inference runs.
+
+    Token t's cache: the sinks ``0 … min(S, t+1)−1`` then the most recent tokens
+    ``max(S, t−W+1) … t`` (W = train_len − S), at cache positions ``0, 1, …`` in that
+    order, the query (token t itself) last. Each layer's key and value of token t are
+    computed once, when t is processed, and kept un-encoded; the encoding is applied
+    at the cache position of the step that reads them.
+    """
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    window = TRAIN_LEN - sinks
+    heads = config.num_heads
+    kept = [[] for _ in range(config.num_layers)]  # per layer: (k, v) of every token so far
+    out = []
+    for t, token in enumerate(tokens[:-1]):
+        ids = [*range(min(sinks, t + 1)), *range(max(sinks, t - window + 1), t + 1)]
+        cache_positions = np.arange(len(ids))
+        q_position = cache_positions[-1:]
+        x = p["embed"]["embedding"][token]
+        for layer in range(config.num_layers):
+            lp = p[f"layer_{layer}"]
+            a = lp["attention"]
+            h = _layer_norm(x, lp["ln_attention"])
+            q, k, v = (np.einsum("d,dhk->hk", h, a[n]["kernel"]) for n in ("query", "key", "value"))
+            kept[layer].append((k, v))
+            keys = np.stack([kept[layer][j][0] for j in ids])[None]  # [1, n, H, K]
+            values = np.stack([kept[layer][j][1] for j in ids])[None]
+            q = q[None, None]  # [1, 1, H, K]
+            bias = None
+            if config.position == "xpos":
+                q = paper.xpos(q, q_position, scale_base=config.scale_base)
+                keys = paper.xpos(
+                    keys, cache_positions, scale_base=config.scale_base, downscale=True
+                )
+            elif config.position == "rope":
+                q, keys = paper.rope(q, q_position), paper.rope(keys, cache_positions)
+            elif config.position == "alibi":
+                slopes = np.asarray(paper.alibi_slopes(heads))
+                distance = q_position[0] - cache_positions
+                bias = (-slopes[:, None] * distance[None, :])[None, :, None, :]
+            attended, _ = paper.attention(q, keys, values, logit_bias=bias)
+            x = x + np.einsum("hk,hkd->d", attended[0, 0], a["out"]["kernel"])
+            h = _layer_norm(x, lp["ln_mlp"])
+            h = _gelu(h @ lp["mlp_in"]["kernel"] + lp["mlp_in"]["bias"])
+            x = x + h @ lp["mlp_out"]["kernel"] + lp["mlp_out"]["bias"]
+        x = _layer_norm(x, p["ln_final"])
+        logits = p["embed"]["embedding"] @ x * config.d_model**-0.5
+        logits = logits - logits.max()
+        out.append(logits[tokens[t + 1]] - np.log(np.exp(logits).sum()))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize(
+    "position,sinks",
+    [("xpos", 4), ("rope", 4), ("alibi", 4), ("none", 4), ("rope", 0), ("xpos", W)],
+)
+def test_block_scan_equals_token_by_token_streaming(position, sinks):
+    model, params = _model(position)
+    tokens = _tokens(2, 79, seed=3)  # 78 inputs: the last block is padded
+    scanned = np.asarray(evaluation.sinks_logprobs(model, params, tokens, W, sinks))
+    for row in range(2):
+        want = _streaming(model.config, params, np.asarray(tokens[row]), sinks)
+        np.testing.assert_allclose(scanned[row], want, atol=1e-5, rtol=1e-5)
+    if position != "rope":
+        return
+    # The rule matters here: beyond train_len the mode differs from dense and BCA.
+    beyond = slice(TRAIN_LEN, None)
+    for other in (
+        evaluation.full_logprobs(model, params, tokens, chunk=W),
+        evaluation.block_scan_logprobs(model, params, tokens, W),
+    ):
+        assert np.abs(scanned[:, beyond] - np.asarray(other)[:, beyond]).max() > 1e-3
+
+
+@pytest.mark.parametrize("position", ["xpos", "rope", "alibi", "none"])
+def test_up_to_train_len_nothing_is_evicted_and_it_equals_full(position):
+    model, params = _model(position, seed=2)
+    tokens = _tokens(2, TRAIN_LEN + 1, seed=4)
+    sinks = evaluation.sinks_logprobs(model, params, tokens, W, 4)
+    full = evaluation.full_logprobs(model, params, tokens, chunk=W)
+    np.testing.assert_allclose(sinks, full, atol=2e-5, rtol=1e-5)
+
+
+def test_sink_counts_outside_the_first_block_are_refused():
+    assert sink_window(W, 0) == TRAIN_LEN and sink_window(W, W) == W
+    for bad in (-1, W + 1, 2.0, True):
+        with pytest.raises(ValueError, match="sinks must be an integer"):
+            sink_window(W, bad)
+    model, params = _model("xpos")
+    with pytest.raises(evaluation.EvaluationError, match="sinks must be an integer"):
+        evaluation.sinks_logprobs(model, params, _tokens(1, 9), W, W + 1)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_absolute_encodings_have_no_sinks_cell(position):
+    model, params = _model(position)
+    config = model.config
+    assert "StreamingLLM" in evaluation.cell_problem(config, "sinks", TRAIN_LEN, 2 * TRAIN_LEN)
+    with pytest.raises(evaluation.EvaluationError, match="relative encoding"):
+        evaluation.sinks_logprobs(model, params, _tokens(1, 9), W)
+    docs = [np.asarray(_tokens(1, 2 * TRAIN_LEN + 1, seed=5)[0])]
+    notes = []
+    results = evaluation.perplexity(
+        model, params, docs, [TRAIN_LEN], block=W, modes=["bca", "sinks"], strict=False,
+        say=notes.append,
+    )  # fmt: skip
+    assert [r.mode for r in results] == ["bca"] and "no sinks cell" in notes[0]
+
+
+def test_perplexity_reports_the_sinks_mode():
+    model, params = _model("rope")
+    docs = [np.asarray(_tokens(1, 4 * TRAIN_LEN + 1, seed=s)[0]) for s in range(2)]
+    (result,) = evaluation.perplexity(
+        model, params, docs, [4 * TRAIN_LEN], block=W, modes=["sinks"]
+    )
+    assert result.as_dict()["mode"] == "sinks" and result.tokens == 2 * 4 * TRAIN_LEN
+    tokens = jnp.asarray(np.stack(docs))
+    nll = -float(jnp.mean(evaluation.sinks_logprobs(model, params, tokens, W)))
+    assert result.nll == pytest.approx(nll, rel=1e-5)
+    with pytest.raises(evaluation.EvaluationError, match="sinks must be an integer"):
+        evaluation.perplexity(model, params, docs, [TRAIN_LEN], block=W, modes=["sinks"], sinks=9)
+
+
+def test_scan_memory_does_not_grow_with_the_length():
+    model, params = _model("xpos")
+    temp = {}
+    for multiple in (2, 64):
+        n = multiple * TRAIN_LEN
+        args = (params, jnp.zeros((1, n), jnp.int32), jnp.zeros((1, n), jnp.int32))
+        compiled = evaluation._compiled_sinks(model, W, 4).lower(*args).compile()
+        temp[multiple] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[64] - temp[2] <= 16 * 62 * TRAIN_LEN  # per-token inputs and outputs only
