@@ -16,7 +16,7 @@ from absl import flags as absl_flags
 from absl import logging as absl_logging
 
 from lexjax import api, distributed, evaluation, generation
-from lexjax.config import ConfigError, from_configdict
+from lexjax.config import ConfigError, check_rope_scaling, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths"]
@@ -169,12 +169,15 @@ def run_eval(
     figure: bool = False,
     generate: bool = False,
     prompt: str = "",
+    rope_scaling: str = "none",
+    rope_factor: float = 0.0,
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
-    Figure 1 (:meth:`lexjax.api.Run.evaluate`), or with ``generate`` a
-    continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
-    temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`)."""
+    Figure 1 (:meth:`lexjax.api.Run.evaluate`; ``rope_scaling``/``rope_factor``:
+    an inference-time RoPE extension), or with ``generate`` a continuation of
+    ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
+    top_p, seed; :meth:`lexjax.api.Run.generate`)."""
     _check_workdir_flag(workdir)
     if bca not in BCA_MODES:
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
@@ -184,6 +187,12 @@ def run_eval(
         raise ConfigError(f"--max_length={max_length} must be positive")
     if eval_files is not None and not eval_files.strip():
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
+    check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
+    if generate and rope_scaling != "none":
+        raise ConfigError(
+            "--rope_scaling applies to the perplexity evaluation; generation's window stays "
+            "within train_len, so leave it out with --generate"
+        )
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     run = api.load(workdir)
@@ -200,5 +209,7 @@ def run_eval(
         max_docs=max_docs,
         resolution=resolution,
         figure=figure,
+        rope_scaling=rope_scaling,
+        rope_factor=rope_factor,
     )
     return 0
