@@ -5,6 +5,7 @@
     python eval.py --workdir=runs/tiny --modes=bca,full,sinks --sinks=4
     python eval.py --workdir=runs/tiny --eval_files='/data/books/*.txt' --max_docs=50
     python eval.py --workdir=runs/tiny --generate --prompt='def ' --max_new_tokens=2000
+    python eval.py --workdir=runs/rope --bca=off --rope_scaling=yarn   # s = length/train_len
 
 Uses the latest good checkpoint in WORKDIR/checkpoints and the config stored
 with it. Held-out text: the run dataset's test split (validation if it has
@@ -21,6 +22,12 @@ the mode cannot evaluate) is shown as missing, with the reason.
 Results go to stdout and WORKDIR/eval/: perplexity.json/.png hold the latest
 run, and a copy named after the settings (perplexity-step…-budget…-HASH.json)
 keeps every run's results.
+
+--rope_scaling extends a trained xpos or rope model without retraining
+(lexjax/positions.py): pi (position interpolation), ntk (NTK-aware base),
+dynamic_ntk (NTK with the factor of the positions processed so far) or yarn
+(ramped interpolation and attention temperature); --rope_factor=0 uses each
+evaluated length / train_len. The scaling is in every result row and the file name.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sys
 from absl import app, flags, logging
 
 from lexjax import cli, evaluation
+from lexjax.config import ROPE_SCALINGS
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKDIR = flags.DEFINE_string(
@@ -79,6 +87,17 @@ _RESOLUTION = flags.DEFINE_bool(
 _FIGURE = flags.DEFINE_bool(
     "figure", False, "Also draw paper Figure 1 (expected score by distance, RoPE vs XPOS)."
 )
+_ROPE_SCALING = flags.DEFINE_enum(
+    "rope_scaling",
+    "none",
+    list(ROPE_SCALINGS),
+    "Inference-time RoPE extension of an xpos/rope model (no retraining).",
+)
+_ROPE_FACTOR = flags.DEFINE_float(
+    "rope_factor",
+    0.0,
+    "Its factor s ≥ 1; 0: each evaluated length / train_len (dynamic_ntk: always 0).",
+)
 _GENERATE = flags.DEFINE_bool("generate", False, "Sample a continuation of --prompt instead.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate.")
@@ -105,6 +124,8 @@ def main(argv):
         max_docs=_MAX_DOCS.value,
         resolution=_RESOLUTION.value,
         figure=_FIGURE.value,
+        rope_scaling=_ROPE_SCALING.value,
+        rope_factor=_ROPE_FACTOR.value,
         generate=_GENERATE.value,
         prompt=_PROMPT.value,
         max_new_tokens=_MAX_NEW_TOKENS.value,

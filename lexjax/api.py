@@ -111,6 +111,8 @@ class Run:
         max_docs: int = 20,
         resolution: bool = False,
         figure: bool = False,
+        rope_scaling: str = "none",
+        rope_factor: float = 0.0,
     ) -> list[evaluation.PerplexityResult]:
         """Perplexity by length exactly as ``eval.py`` computes it.
 
@@ -126,6 +128,9 @@ class Run:
           eval_files: a glob of text files instead of the run's held-out split.
           max_docs: at most this many documents of at least ``max_length + 1`` tokens.
           resolution, figure: also measure attention resolution / draw Figure 1.
+          rope_scaling, rope_factor: an inference-time RoPE extension of an
+            xpos/rope run (``pi``, ``ntk``, ``dynamic_ntk``, ``yarn``; factor 0:
+            each length / train_len), in the results and the files' names.
 
         Prints the table, shows progress on stderr and writes
         ``WORKDIR/eval/perplexity.{json,png}`` (see
@@ -149,6 +154,8 @@ class Run:
                 figure=figure,
                 tokenizer=self.tokenizer,
                 mesh=self.mesh,
+                rope_scaling=rope_scaling,
+                rope_factor=rope_factor,
             )
         return results
 

@@ -46,7 +46,7 @@ __all__ = [
     "splash_attention",
 ]
 
-PositionKind = Literal["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
+PositionKind = Literal["xpos", "rope", "alibi", "xpos_norotate", "sinusoidal", "learned", "none"]
 
 
 @struct.dataclass
@@ -85,6 +85,9 @@ def context(
     theta: float = 10000.0,
     segment_ids=None,
     block: int | None = None,
+    rope_scaling: str = "none",
+    rope_factor=1.0,
+    train_len: int | None = None,
 ) -> Context:
     """Builds the shared :class:`Context` of one forward (pure).
 
@@ -93,19 +96,46 @@ def context(
     and keeps every scale far inside XPOS's safe range
     (:func:`lexjax.positions.max_safe_position`). ``segment_ids``: ``(q, kv)``
     int32 for the splash kernel's mask (see :class:`Context`), or None.
+
+    ``rope_scaling`` (xpos and rope only): an inference-time extension of
+    :func:`lexjax.positions.rope_scaling` with factor ``rope_factor`` (≥ 1)
+    from training length ``train_len``; ``dynamic_ntk`` ignores the factor and
+    takes s = max(1, n/train_len) with n = the largest query position + 1 (the
+    positions processed so far), before XPOS's centring. Every key, cached ones
+    too (they are cached before encoding), is rotated with this call's
+    frequencies, so a chunk's queries and all earlier keys share one s.
+    ``xpos_norotate``: XPOS tables with θ_i = 0 (decay only).
     """
     q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
     q_rotary = k_rotary = bias = None
-    if position == "xpos":
-        shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
-        tables = functools.partial(
-            pos_lib.xpos_tables, head_dim=head_dim, scale_base=scale_base, theta=theta
-        )
-        q_rotary = tables(q_positions - shift)
-        k_rotary = tables(k_positions - shift, downscale=True)
-    elif position == "rope":
-        q_rotary = pos_lib.rotary_tables(q_positions, head_dim, theta=theta)
-        k_rotary = pos_lib.rotary_tables(k_positions, head_dim, theta=theta)
+    if position in ("xpos", "rope", "xpos_norotate"):
+        extension, decay_base = {}, scale_base
+        if position == "xpos_norotate":
+            extension = dict(inv_freq=jnp.zeros(head_dim // 2, jnp.float32))
+        elif rope_scaling != "none":
+            if rope_scaling == "dynamic_ntk":
+                rope_factor = pos_lib.length_factor(jnp.max(q_positions) + 1, train_len)
+            scaled = pos_lib.rope_scaling(
+                rope_scaling, rope_factor, head_dim, theta=theta, train_len=train_len
+            )
+            extension = dict(inv_freq=scaled.inv_freq)
+            if not (isinstance(scaled.qk_scale, float) and scaled.qk_scale == 1.0):
+                extension["scale"] = scaled.qk_scale
+            decay_base = scale_base * scaled.decay_base_scale
+        if position == "rope":
+            q_rotary = pos_lib.rotary_tables(q_positions, head_dim, theta=theta, **extension)
+            k_rotary = pos_lib.rotary_tables(k_positions, head_dim, theta=theta, **extension)
+        else:
+            shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
+            tables = functools.partial(
+                pos_lib.xpos_tables,
+                head_dim=head_dim,
+                scale_base=decay_base,
+                theta=theta,
+                **extension,
+            )
+            q_rotary = tables(q_positions - shift)
+            k_rotary = tables(k_positions - shift, downscale=True)
     elif position == "alibi":
         bias = logit_bias(q_positions, k_positions, num_heads, position=position)
     q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
@@ -136,8 +166,8 @@ def encode_qk(
     scale_base: float = 512.0,
     theta: float = 10000.0,
 ):
-    """Applies the rotary encodings (XPOS or RoPE) to queries and keys, positions
-    centred for XPOS as in :func:`context`. Other kinds pass q, k through."""
+    """Applies the rotary encodings (XPOS, RoPE, or XPOS's decay alone) to queries and
+    keys, positions centred for XPOS as in :func:`context`. Other kinds pass q, k through."""
     ctx = _context_of(
         q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
     )

@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 import flax.linen as nn
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -786,3 +788,64 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
         return stored_tokenizer(checkpointer, step, checkpointer.restore_config(step))
     finally:
         checkpointer.close()
+
+
+# --------------------------------------------------------------------------- program boundary
+
+
+class _NoOrbaxErrors(logging.Filter):
+    """Drops ERROR logs of orbax's background writes: its own, and asyncio's
+    "Task exception was never retrieved" for orbax's tasks.
+
+    The same failure reaches the Checkpointer as an exception at the next save or
+    wait, and the user sees it once, as one line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.name == "asyncio"
+            and (_from_checkpoint_io(exc) or f"{os.sep}orbax{os.sep}" in record.getMessage())
+        )
+
+
+def _from_checkpoint_io(exc: BaseException | None, obj=None) -> bool:
+    """True for errors raised inside orbax/tensorstore's asynchronous plumbing."""
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return True
+    code = getattr(obj, "cr_code", None)
+    files = [code.co_filename] if code is not None else []
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
+
+
+def quiet_background_errors() -> None:
+    """Keeps orbax's background failures from printing tracebacks on stderr.
+
+    A failed read or write surfaces three ways: as the exception the
+    Checkpointer turns into one line, and as stray reports from the threads and
+    coroutines that carried it (logged errors, "Exception ignored in
+    <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
+    first is shown; every other error still reaches the default hooks.
+    """
+    # absl's handler joins the root logger only inside app.run, after this runs.
+    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
+        handler.addFilter(_NoOrbaxErrors())
+    default_unraisable, default_excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable(report):
+        if not _from_checkpoint_io(report.exc_value, report.object):
+            default_unraisable(report)
+
+    def excepthook(exc_type, exc, tb):
+        if not _from_checkpoint_io(exc):
+            default_excepthook(exc_type, exc, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook

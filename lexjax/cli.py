@@ -7,16 +7,13 @@ table in :mod:`lexjax.errors`), never as a traceback.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
 import jax
 from absl import flags as absl_flags
-from absl import logging as absl_logging
 
-from lexjax import api, distributed, evaluation, generation
-from lexjax.config import ConfigError, from_configdict
+from lexjax import api, checkpoint, distributed, evaluation, generation
+from lexjax.config import ConfigError, check_rope_scaling, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
@@ -28,7 +25,7 @@ def main(program, *args, **kwargs) -> int:
     A :class:`lexjax.errors.LexjaxError` becomes ``error: <one line>`` on
     stderr and the exit status of its kind (see :mod:`lexjax.errors`).
     """
-    quiet_checkpoint_io_noise()
+    checkpoint.quiet_background_errors()
     try:
         return program(*args, **kwargs) or 0
     except LexjaxError as e:
@@ -43,64 +40,6 @@ def parse_flags(argv: list[str]) -> list[str]:
         return absl_flags.FLAGS(argv)
     except absl_flags.Error as e:
         raise ConfigError(one_line(e)) from None
-
-
-class _NoOrbaxErrors(logging.Filter):
-    """Drops ERROR logs of orbax's background writes: its own, and asyncio's
-    "Task exception was never retrieved" for orbax's tasks.
-
-    The same failure reaches the Checkpointer as an exception at the next save or
-    wait, and the user sees it once, as one line.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        if f"{os.sep}orbax{os.sep}" in record.pathname:
-            return False
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (
-            record.name == "asyncio"
-            and (_from_checkpoint_io(exc) or f"{os.sep}orbax{os.sep}" in record.getMessage())
-        )
-
-
-def _from_checkpoint_io(exc: BaseException | None, obj=None) -> bool:
-    """True for errors raised inside orbax/tensorstore's asynchronous plumbing."""
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-        return True
-    code = getattr(obj, "cr_code", None)
-    files = [code.co_filename] if code is not None else []
-    tb = getattr(exc, "__traceback__", None)
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
-
-
-def quiet_checkpoint_io_noise() -> None:
-    """Keeps orbax's background failures from printing tracebacks on stderr.
-
-    A failed read or write surfaces three ways: as the exception the
-    Checkpointer turns into one line, and as stray reports from the threads and
-    coroutines that carried it (logged errors, "Exception ignored in
-    <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
-    first is shown; every other error still reaches the default hooks.
-    """
-    # absl's handler joins the root logger only inside app.run, after this runs.
-    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
-        handler.addFilter(_NoOrbaxErrors())
-    default_unraisable, default_excepthook = sys.unraisablehook, sys.excepthook
-
-    def unraisable(report):
-        if not _from_checkpoint_io(report.exc_value, report.object):
-            default_unraisable(report)
-
-    def excepthook(exc_type, exc, tb):
-        if not _from_checkpoint_io(exc):
-            default_excepthook(exc_type, exc, tb)
-
-    sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
 def run_training(
@@ -183,12 +122,15 @@ def run_eval(
     figure: bool = False,
     generate: bool = False,
     prompt: str = "",
+    rope_scaling: str = "none",
+    rope_factor: float = 0.0,
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
-    Figure 1 (:meth:`lexjax.api.Run.evaluate`), or with ``generate`` a
-    continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
-    temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`)."""
+    Figure 1 (:meth:`lexjax.api.Run.evaluate`; ``rope_scaling``/``rope_factor``:
+    an inference-time RoPE extension), or with ``generate`` a continuation of
+    ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
+    top_p, seed; :meth:`lexjax.api.Run.generate`)."""
     _check_workdir_flag(workdir)
     modes = parse_modes(modes, bca)
     if sinks < 0:
@@ -199,6 +141,12 @@ def run_eval(
         raise ConfigError(f"--max_length={max_length} must be positive")
     if eval_files is not None and not eval_files.strip():
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
+    check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
+    if generate and rope_scaling != "none":
+        raise ConfigError(
+            "--rope_scaling applies to the perplexity evaluation; generation's window stays "
+            "within train_len, so leave it out with --generate"
+        )
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     run = api.load(workdir)
@@ -216,5 +164,7 @@ def run_eval(
         max_docs=max_docs,
         resolution=resolution,
         figure=figure,
+        rope_scaling=rope_scaling,
+        rope_factor=rope_factor,
     )
     return 0

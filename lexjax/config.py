@@ -34,6 +34,9 @@ __all__ = [
     "RELATIVE_ENCODINGS",
     "ABSOLUTE_ENCODINGS",
     "POSITION_KINDS",
+    "ROTARY_ENCODINGS",
+    "ROPE_SCALINGS",
+    "check_rope_scaling",
     "ATTENTION_IMPLS",
     "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
@@ -53,9 +56,14 @@ __all__ = [
     "to_dict",
 ]
 
-RELATIVE_ENCODINGS = ("xpos", "rope", "alibi")
+# xpos_norotate: XPOS's decay without its rotation (θ_i = 0), the paper's Table 4 ablation.
+RELATIVE_ENCODINGS = ("xpos", "rope", "alibi", "xpos_norotate")
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
+# The encodings that rotate query/key pairs; the only ones a RoPE scaling applies to.
+ROTARY_ENCODINGS = ("xpos", "rope")
+# Inference-time RoPE extensions (lexjax.positions.rope_scaling; the same tuple there).
+ROPE_SCALINGS = ("none", "pi", "ntk", "dynamic_ntk", "yarn")
 # "explicit": scores materialised (and available for resolution measurements);
 # "fused": jax.nn.dot_product_attention, cuDNN's fused kernel on NVIDIA GPUs;
 # "splash": Pallas splash attention, TPUs only.
@@ -100,6 +108,12 @@ class ModelConfig:
     remat: bool | None = None  # older configs: True means remat_policy=full, False none
     scan_layers: bool = False
     attention_impl: str = "explicit"  # one of ATTENTION_IMPLS
+    # An inference-time RoPE extension of an xpos/rope model (lexjax.positions): one of
+    # ROPE_SCALINGS. rope_factor: its s ≥ 1; 0 = each evaluated length / rope_train_len
+    # (dynamic_ntk always follows the positions processed, so 0 only).
+    rope_scaling: str = "none"
+    rope_factor: float = 0.0
+    rope_train_len: int | None = None  # the length the scalings extend; None: train_len
 
     @property
     def head_dim(self) -> int:
@@ -341,6 +355,39 @@ def _checked(path: str, value, hint):
     return float(value) if kind is float else value
 
 
+def check_rope_scaling(
+    scaling: str,
+    factor: float,
+    position: str | None = None,
+    *,
+    names: tuple[str, str] = ("rope_scaling", "rope_factor"),
+) -> None:
+    """Raises a one-line :class:`ConfigError` naming ``names`` (the scaling's and the
+    factor's setting) unless the RoPE extension ``scaling`` with ``factor`` applies to
+    a model whose position encoding is ``position`` (None: not known yet)."""
+    scaling_name, factor_name = names
+    if scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"{scaling_name}={scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}")
+    if not (factor == 0 or (factor >= 1 and factor != float("inf"))):
+        raise ConfigError(
+            f"{factor_name}={factor} must be ≥ 1, or 0 for each evaluated length / train_len"
+        )
+    if factor and scaling == "none":
+        raise ConfigError(
+            f"{factor_name}={factor:g} needs a scaling: set {scaling_name} to pi, ntk or yarn"
+        )
+    if factor and scaling == "dynamic_ntk":
+        raise ConfigError(
+            f"{factor_name}={factor:g} does not apply to dynamic_ntk, whose factor follows "
+            "the positions processed; leave it 0"
+        )
+    if scaling != "none" and position is not None and position not in ROTARY_ENCODINGS:
+        raise ConfigError(
+            f"{scaling_name}={scaling} extends a rotary encoding (xpos or rope); "
+            f"position {position} has no rotation to scale"
+        )
+
+
 def tokenizer_vocab_size(data: DataConfig) -> int:
     """The number of ids ``data.tokenizer`` produces (a SentencePiece model has
     exactly ``data.vocab_size``)."""
@@ -372,12 +419,23 @@ def _validated(config: Config) -> Config:
             f"model.max_len={m.max_len} is below train_len={config.train_len}; "
             "raise it or leave it unset (it follows train_len)"
         )
-    m = dataclasses.replace(m, max_len=m.max_len or config.train_len)
+    if m.rope_train_len is not None and m.rope_train_len < 1:
+        raise ConfigError(
+            f"model.rope_train_len={m.rope_train_len} must be positive (or unset: train_len)"
+        )
+    m = dataclasses.replace(
+        m,
+        max_len=m.max_len or config.train_len,
+        rope_train_len=m.rope_train_len or config.train_len,
+    )
     config = dataclasses.replace(config, model=m)
     if m.position not in POSITION_KINDS:
         raise ConfigError(
             f"model.position={m.position!r} is unknown; choose one of {', '.join(POSITION_KINDS)}"
         )
+    check_rope_scaling(
+        m.rope_scaling, m.rope_factor, m.position, names=("model.rope_scaling", "model.rope_factor")
+    )
     if m.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"model.attention_impl={m.attention_impl!r}: choose one of {', '.join(ATTENTION_IMPLS)}"
@@ -410,7 +468,7 @@ def _validated(config: Config) -> Config:
             f"model.num_heads={m.num_heads} does not divide model.d_model="
             f"{m.d_model}; pick heads that divide it"
         )
-    if m.position in ("xpos", "rope") and m.head_dim % 2:
+    if m.position in ("xpos", "rope", "xpos_norotate") and m.head_dim % 2:
         raise ConfigError(
             f"head_dim = d_model/num_heads = {m.head_dim} is odd, but "
             f"model.position={m.position} rotates pairs; make it even"

@@ -35,6 +35,20 @@ checkpoint, its mode and length, the budget and the documents — never on
 which other lengths were asked. A cell that cannot score all of them (a
 length that does not divide the budget, a mode that cannot evaluate a
 length) is missing, never computed on other tokens.
+
+**RoPE extensions** (``model.rope_scaling``, :mod:`lexjax.positions`): a
+factor of 0 means each evaluated length / ``rope_train_len``, resolved here
+per length (:func:`at_length`) in both modes, so a BCA window of train_len
+tokens is compressed by the same s as the dense path (the windows never exceed
+train_len, so there a scaling can only compress). ``dynamic_ntk`` follows the
+positions processed: with BCA they stay below train_len (s = 1, no change);
+without BCA each chunk of ``w`` queries takes s = max(1, (end of the chunk)/L)
+and rotates every cached key with it (keys are cached before encoding). For
+one layer that is exactly a dense forward over the prefix with that s (tested);
+from the second layer on, a cached key is the projection of a hidden state
+computed when its own chunk ran, at that chunk's s — what any KV cache keeps
+(implementations that cache rotated keys also keep their old rotation). With
+the default factor, ``ntk`` instead takes s = L/train_len for every chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +73,7 @@ from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, scan_sinks, sink_window, window_mask
-from lexjax.config import ABSOLUTE_ENCODINGS, Config, ConfigError, ModelConfig
+from lexjax.config import ABSOLUTE_ENCODINGS, Config, ConfigError, ModelConfig, check_rope_scaling
 from lexjax.data.builders import glob_files
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
@@ -69,6 +83,7 @@ __all__ = [
     "MODES",
     "DEFAULT_MODES",
     "DEFAULT_SINKS",
+    "at_length",
     "block_scan_logprobs",
     "sinks_logprobs",
     "check_sinks",
@@ -139,6 +154,18 @@ def _inputs_targets(tokens_BxL):
     return tokens_BxL[:, :-1], tokens_BxL[:, 1:]
 
 
+def at_length(model: Decoder, length: int) -> Decoder:
+    """``model`` with a RoPE extension's factor 0 resolved to ``length`` / its
+    ``rope_train_len`` (:func:`lexjax.positions.length_factor`); unchanged for no
+    extension, an explicit factor, or ``dynamic_ntk`` (whose factor follows the
+    positions at run time)."""
+    c = model.config
+    if c.rope_scaling in ("none", "dynamic_ntk") or c.rope_factor:
+        return model
+    factor = pos_lib.length_factor(length, c.rope_train_len)
+    return Decoder(dataclasses.replace(c, rope_factor=factor))
+
+
 def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
     """Next-token log-probabilities under blockwise causal attention, by the block scan.
 
@@ -153,11 +180,13 @@ def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
       token t seeing tokens ``(⌊t/w⌋ − 1)·w … t``. The inputs are padded to a
       multiple of w; padding comes after every real token, so it never
       influences one, and its outputs are dropped. Memory is O(B·w) apart from
-      the tokens and the result.
+      the tokens and the result. A RoPE extension's factor 0 is L−1 / its
+      training length (:func:`at_length`).
     """
     _check_block(block)
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
+    model = at_length(model, n)
     logprobs = _compiled_scan(model, block)(params, pad_to(inputs, block), pad_to(targets, block))
     return logprobs[:, :n]
 
@@ -223,9 +252,10 @@ def check_full_length(config: ModelConfig, length: int) -> None:
     positions cannot be evaluated faithfully.
 
     - learned absolute positions: only ``max_len`` positions exist;
-    - XPOS: positions are centred (``attention.encode_qk``), so the largest
-      magnitude is about ``length/2``; it must stay within
-      :func:`lexjax.positions.max_safe_position` for the compute dtype.
+    - XPOS (and its decay alone): positions are centred
+      (``attention.encode_qk``), so the largest magnitude is about
+      ``length/2``; it must stay within :func:`lexjax.positions.max_safe_position`
+      for the compute dtype (PI's decay sees p/s: the check stays conservative).
     """
     if config.position == "learned" and length > config.max_len:
         raise EvaluationError(
@@ -233,7 +263,7 @@ def check_full_length(config: ModelConfig, length: int) -> None:
             "without BCA would need positions beyond it (evaluate it with BCA, whose "
             "window-relative positions stay below train_len)"
         )
-    if config.position == "xpos":
+    if config.position in ("xpos", "xpos_norotate"):
         limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
         if length / 2 > limit:
             raise EvaluationError(
@@ -280,11 +310,14 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
     token t sees every token ≤ t. Queries run ``chunk`` at a time against a
     cache of all positions (memory O(B·L·chunk) for the scores, O(B·L) for the
     cache). Raises :class:`EvaluationError` where :func:`check_full_length` does.
+    A RoPE extension's factor 0 is L−1 / its training length (:func:`at_length`);
+    ``dynamic_ntk``'s follows each chunk's end (module docstring).
     """
     _check_block(chunk)
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
     check_full_length(model.config, n)
+    model = at_length(model, n)
     if model.config.position == "learned":
         # n ≤ max_len, a training-sized matrix; padding could stand past the
         # table, where a lookup is NaN and 0·NaN would reach the real tokens.
@@ -329,6 +362,8 @@ class PerplexityResult:
     max_length: int  # the token budget per document (every cell of a table scores the same)
     bytes: int | None = None  # UTF-8 bytes of text the scored tokens cover
     bits_per_byte: float | None = None  # nll · tokens / (ln 2 · bytes): across tokenizers
+    rope_scaling: str = "none"  # the model's inference-time RoPE extension (model.rope_scaling)
+    rope_factor: float | None = None  # its s at this length; None: none, or dynamic_ntk's
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -459,6 +494,8 @@ def perplexity(
         nll = nll_sum / count
         seconds = time.perf_counter() - start
         bpb = nll_sum / (math.log(2) * covered) if covered else None
+        scaled = at_length(model, length).config
+        factor = None if scaled.rope_scaling in ("none", "dynamic_ntk") else scaled.rope_factor
         results.append(
             PerplexityResult(
                 mode,
@@ -471,6 +508,8 @@ def perplexity(
                 max_length,
                 covered,
                 bpb,
+                scaled.rope_scaling,
+                factor,
             )
         )
     bar.close()
@@ -569,6 +608,7 @@ def measure_resolution(
     B, n = tokens_BxN.shape
     if n < 2:
         raise EvaluationError(f"resolution needs at least 2 tokens, got {n}")
+    model = at_length(model, n)
     if mode == "full":
         check_full_length(model.config, n)
         scores = np.asarray(_compiled_dense_scores(model)(params, tokens_BxN))
@@ -684,11 +724,14 @@ def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None
 
 def settings_name(kind: str, settings: dict) -> str:
     """A file stem derived from the settings of an evaluation, e.g.
-    ``perplexity-step200-bca+full-budget4096-5d8e21c0``: runs with other settings
-    never write over each other; the same settings give the same numbers."""
+    ``perplexity-step200-bca+full-budget4096-5d8e21c0``, with a RoPE extension
+    ``…-budget4096-yarn-…`` (``pi4``: an explicit factor 4): runs with other
+    settings never write over each other; the same settings give the same numbers."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     modes = "+".join(settings["modes"])
-    return f"{kind}-step{settings['step']}-{modes}-budget{settings['max_length']}-{digest}"
+    rope, factor = settings.get("rope_scaling", "none"), settings.get("rope_factor") or 0
+    rope = "" if rope == "none" else f"-{rope}" + (f"{factor:g}" if factor else "")
+    return f"{kind}-step{settings['step']}-{modes}-budget{settings['max_length']}{rope}-{digest}"
 
 
 def resolution_protocol(
@@ -744,6 +787,8 @@ def evaluate_run(
     say: Callable[[str], None] = _stderr,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     mesh: jax.sharding.Mesh | None = None,
+    rope_scaling: str = "none",
+    rope_factor: float = 0.0,
 ) -> tuple[list[PerplexityResult], list[str]]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`) in each of
@@ -754,8 +799,17 @@ def evaluate_run(
     name derived from the settings (:func:`settings_name`), which later runs with
     other settings leave in place (likewise ``resolution``); ``expectation.png``.
     ``mesh``: the evaluation mesh (``sharding.eval_mesh``; ``params`` sharded on
-    it): documents are split over its batch axes (data × fsdp). Returns the
+    it): documents are split over its batch axes (data × fsdp). ``rope_scaling``,
+    ``rope_factor``: an inference-time RoPE extension of an xpos/rope run
+    (``model.rope_scaling``/``rope_factor``; factor 0: each length / train_len),
+    recorded in the settings, the file name and every result. Returns the
     perplexity results and the paths written."""
+    check_rope_scaling(rope_scaling, rope_factor, config.model.position)
+    if rope_scaling != "none":
+        scaled = dataclasses.replace(
+            config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
+        )
+        config = dataclasses.replace(config, model=scaled)
     model = Decoder(config.model)
     rules = shard_lib.rules(config)
     train_len, position = config.train_len, config.model.position
@@ -767,6 +821,8 @@ def evaluate_run(
             f"resolution is measured in {' or '.join(RESOLUTION_MODES)} mode; add one to the "
             "modes or leave resolution out"
         )
+    # The tables' and figures' name of the model: the position and its extension.
+    label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
     lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
     where, documents = held_out_documents(config, eval_files, say, tokenizer=tokenizer)
@@ -806,33 +862,36 @@ def evaluate_run(
     sink_info = {"sinks": sinks} if "sinks" in modes else {}
     settings.update(sink_info)
     info = dict(train_len=train_len, position=position, step=step, source=where)
+    if rope_scaling != "none":
+        # Only then: the settings (and so the file names) of unscaled runs stay as they were.
+        settings.update(rope_scaling=rope_scaling, rope_factor=float(rope_factor))
+        info.update(rope_scaling=rope_scaling, rope_factor=float(rope_factor))
     print(
-        f"perplexity of {workdir} (step {step}, position={position}, train_len={train_len}) "
+        f"perplexity of {workdir} (step {step}, position={label}, train_len={train_len}) "
         f"on {where}\n"
     )
-    print(reports.perplexity_table(results, position, missing=missing))
+    print(reports.perplexity_table(results, label, missing=missing))
     if sink_info:
         print(
             f"sinks + window: each token sees the first {sinks} tokens of its segment and its "
             f"{2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
         )
     print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
-    print(reports.perplexity_table(results, position, missing=missing, metric="bits_per_byte"))
+    print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
     out_dir = os.path.join(workdir, "eval")
     stems = ["perplexity", settings_name("perplexity", settings)]
     summary = reports.perplexity_json(
         results, **info, **sink_info, max_length=max_length, settings=settings, missing=missing
     )
     curves = [
-        (position, m, sorted((r.length, r.perplexity) for r in results if r.mode == m))
-        for m in modes
+        (label, m, sorted((r.length, r.perplexity) for r in results if r.mode == m)) for m in modes
     ]
     written = []
     for stem in stems:
         written += [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.png")]
         reports.write_json(written[-2], summary)
         reports.plot_perplexity(
-            curves, written[-1], train_len=train_len, title=f"{position}, train_len {train_len}"
+            curves, written[-1], train_len=train_len, title=f"{label}, train_len {train_len}"
         )
     if resolution:
         if len(resolution_modes) < len(modes):
@@ -850,7 +909,7 @@ def evaluate_run(
             say=say,
         )
         print("\nattention resolution (paper eq. 3 with eq. 11)\n")
-        print(reports.resolution_table(measured, position))
+        print(reports.resolution_table(measured, label))
         settings = dict(settings, max_length=2 * train_len, kind="resolution")
         for stem in ("resolution", settings_name("resolution", settings)):
             written.append(os.path.join(out_dir, f"{stem}.json"))

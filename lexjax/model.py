@@ -194,6 +194,11 @@ class Decoder(nn.Module):
       query sees every valid sink whose position is not after its sink
       position. Attention is then explicit whatever ``attention_impl`` says.
 
+    ``config.rope_scaling`` (xpos/rope) applies an inference-time RoPE extension
+    to every layer's shared tables (:func:`lexjax.attention.context`); its
+    factor 0 is this call's length / ``rope_train_len`` without a cache and 1
+    with one (:func:`lexjax.evaluation.at_length` resolves it per evaluated length).
+
     ``init`` creates only ``params``. Tests that differentiate with respect to
     each token's input vector pass ``{"perturbations": {"embedded":
     zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
@@ -291,6 +296,7 @@ class Decoder(nn.Module):
             theta=c.theta,
             segment_ids=segments if splash else None,
             block=block if splash else None,
+            **_rope_extension(c, T, cached=cache is not None),
         )
         if sinks is not None:
             sink_mask = masks.causal_by_position(sink_positions_BxT, sinks.positions)
@@ -359,6 +365,28 @@ class Decoder(nn.Module):
         if return_scores:
             return logits_BxTxV, new_kv, scores_LxBxHxTxS
         return logits_BxTxV, new_kv
+
+
+def _rope_extension(c: ModelConfig, length: int, *, cached: bool) -> dict:
+    """:func:`lexjax.attention.context`'s RoPE-extension arguments for this call.
+
+    ``rope_factor`` 0 means the evaluated length / ``rope_train_len``: here the
+    length of a call without a cache; a call with one (a block step, a chunk,
+    a decoding step) cannot know it and takes s = 1 (its window stays within
+    the training length), so :mod:`lexjax.evaluation` resolves the factor of
+    each evaluated length before it runs the model.
+    """
+    if c.rope_scaling == "none":
+        return {}
+    if c.rope_train_len is None:
+        raise ConfigError(
+            f"model.rope_scaling={c.rope_scaling} needs model.rope_train_len; build the "
+            "config with lexjax.make_config (it defaults to train_len)"
+        )
+    factor = c.rope_factor
+    if not factor:
+        factor = 1.0 if cached else pos_lib.length_factor(length, c.rope_train_len)
+    return dict(rope_scaling=c.rope_scaling, rope_factor=factor, train_len=c.rope_train_len)
 
 
 def count_params(params) -> int:

@@ -12,17 +12,51 @@ XPOS (Sun et al. 2022, arXiv 2212.10554, §3.2, eq. 5-6) rotates the pair
 ``m ≥ n``, decays with the distance. The pair layout is the interleaved one of
 the reference implementation (microsoft/torchscale), so the same q, k and
 positions give the same attention scores there and here.
+
+Decay without rotation (the paper's Table 4 ablation, θ_i = 0) is
+:func:`xpos_tables` with ``inv_freq`` zero: pair i is only scaled by ζ_i^(±p/b).
+
+**Inference-time RoPE extensions** (:func:`rope_scaling`) change a trained
+rotary model's frequencies θ_i without retraining, for a factor s ≥ 1
+(the evaluated length over the training length L, by default):
+
+- ``pi``, position interpolation (Chen et al. 2023): positions p → p/s, i.e.
+  θ'_i = θ_i/s. On XPOS the decay's positions are divided too (b' = s·b): PI
+  is "every position divided by s", so the model sees exactly the scores of
+  a sequence s times shorter.
+- ``ntk``, NTK-aware scaling (bloc97 2023): the base θ → θ·s^(d/(d−2)), so
+  θ'_i = θ_i·s^(−2i/(d−2)): the highest frequency is kept, the lowest is
+  divided by s.
+- ``dynamic_ntk`` (YaRN §3.3; the common implementation's base
+  θ·(n/L)^(d/(d−2))): ``ntk`` with s = max(1, n/L) for the n positions
+  processed so far (:func:`length_factor`), recomputed per forward or chunk.
+- ``yarn`` (Peng et al. 2023, "YaRN": the ramp of §3.2, the temperature of
+  §3.4): per pair, the
+  ratio r_i = L/λ_i of the training length to its wavelength λ_i = 2π/θ_i
+  sets a ramp γ(r) = 0 below α = 1, 1 above β = 32, linear between; θ'_i =
+  (1 − γ)·θ_i/s + γ·θ_i (interpolate the long wavelengths, keep the short),
+  and the scores are multiplied by 1/t = (0.1·ln s + 1)², applied as
+  √(1/t) on the query and key tables each.
+
+NTK, dynamic NTK and YaRN change frequencies only: XPOS's decay keeps the raw
+positions (its ζ^(Δ/b) was trained per distance and has no aliasing to undo).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "ROPE_SCALINGS",
+    "RotaryScaling",
+    "rope_scaling",
+    "rotary_frequencies",
+    "length_factor",
     "xpos",
     "rope",
     "rotary_tables",
@@ -34,6 +68,11 @@ __all__ = [
     "xpos_decay_base",
     "max_safe_position",
 ]
+
+# The inference-time extensions of rope_scaling (lexjax.config.ROPE_SCALINGS lists the same).
+ROPE_SCALINGS = ("none", "pi", "ntk", "dynamic_ntk", "yarn")
+# YaRN's ramp bounds on r = L/λ (Peng et al. 2023, §3.2; their values for LLaMA).
+YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
 # ln of the largest finite value of each result dtype; see max_safe_position.
 _LOG_MAX = {
@@ -117,7 +156,90 @@ def _materialize(table):
     return jnp.einsum("...i,ij->...j", table, eye, precision=jax.lax.Precision.HIGHEST)
 
 
-def rotary_tables(positions, head_dim: int, *, theta: float = 10000.0, log_scale=None):
+def rotary_frequencies(head_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """θ_i = theta^(−2i/d) for i = 0 … d/2 − 1 (float64, shape [d/2])."""
+    _check_head_dim(head_dim)
+    return theta ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+
+
+def length_factor(length, train_len: int):
+    """s = max(1, length/train_len): the factor that stretches ``train_len`` to ``length``.
+
+    The default factor of the static scalings (each evaluated length) and
+    dynamic NTK's factor for the positions processed so far. ``length`` may be
+    a traced scalar (then so is the result, float32).
+    """
+    if not train_len >= 1:
+        raise ValueError(f"train_len must be positive, got {train_len}")
+    if isinstance(length, (int, float, np.integer, np.floating)):
+        return max(1.0, float(length) / train_len)
+    return jnp.maximum(1.0, jnp.asarray(length, jnp.float32) / train_len)
+
+
+class RotaryScaling(NamedTuple):
+    """What an inference-time extension changes in :func:`rotary_tables`/:func:`xpos_tables`.
+
+    ``inv_freq``: float32 ``[d/2]``, the frequencies θ'_i (their ``inv_freq``);
+    ``decay_base_scale``: multiplies XPOS's scale base b (s for PI, whose decay
+    sees the positions p/s; 1 otherwise); ``qk_scale``: multiplies queries and
+    keys each (their ``scale``: YaRN's √(1/t) = 0.1·ln s + 1; 1 otherwise).
+    """
+
+    inv_freq: jax.Array
+    decay_base_scale: float | jax.Array
+    qk_scale: float | jax.Array
+
+
+def rope_scaling(
+    scaling: str, factor, head_dim: int, *, theta: float = 10000.0, train_len: int | None = None
+) -> RotaryScaling:
+    """The frequencies and scales of one inference-time RoPE extension (module docstring).
+
+    Args:
+      scaling: one of :data:`ROPE_SCALINGS`.
+      factor: s ≥ 1; for ``dynamic_ntk`` the one of the positions processed so
+        far (:func:`length_factor`). A Python number is computed in float64;
+        a traced scalar (dynamic NTK inside a jit) in float32.
+      head_dim: d, even.
+      theta: the trained base; θ_i = theta^(−2i/d).
+      train_len: L, the training length (YaRN's wavelength ratio r = L/λ).
+
+    Returns:
+      a :class:`RotaryScaling`; ``none`` gives θ_i and unit scales.
+    """
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling {scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}")
+    static = isinstance(factor, (int, float, np.integer, np.floating))
+    if static and not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"the rope scaling factor must be finite and ≥ 1, got {factor}")
+    xp = np if static else jnp
+    s = float(factor) if static else jnp.asarray(factor, jnp.float32)
+    base = rotary_frequencies(head_dim, theta)
+    if not static:
+        base = jnp.asarray(base, jnp.float32)
+    decay, qk = 1.0, 1.0
+    if scaling == "none":
+        inv_freq = base
+    elif scaling == "pi":
+        inv_freq, decay = base / s, s
+    elif scaling in ("ntk", "dynamic_ntk"):
+        # θ'_i = (theta·s^(d/(d−2)))^(−2i/d) = θ_i·s^(−2i/(d−2)); d = 2 has only θ_0 = 1.
+        i = np.arange(head_dim // 2)
+        exponent = -2.0 * i / (head_dim - 2) if head_dim > 2 else np.zeros(1)
+        inv_freq = base * xp.exp(exponent * xp.log(s))
+    else:  # yarn
+        if train_len is None or not train_len >= 1:
+            raise ValueError(f"yarn needs the training length, got train_len={train_len}")
+        ratio = train_len * rotary_frequencies(head_dim, theta) / (2 * math.pi)  # r = L/λ
+        ramp = np.clip((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
+        inv_freq = (1.0 - ramp) * base / s + ramp * base
+        qk = 0.1 * xp.log(s) + 1.0
+    return RotaryScaling(jnp.asarray(inv_freq, jnp.float32), decay, qk)
+
+
+def rotary_tables(
+    positions, head_dim: int, *, theta: float = 10000.0, log_scale=None, inv_freq=None, scale=None
+):
     """The tables of a rotation by ``positions·θ_i``, for :func:`apply_rotary`.
 
     Args:
@@ -125,6 +247,9 @@ def rotary_tables(positions, head_dim: int, *, theta: float = 10000.0, log_scale
       head_dim: d, even.
       log_scale: optional float32 ``[d/2]``; pair i is also multiplied by
         ``exp(positions · log_scale[i])`` (XPOS's ζ_i^(±p/b)).
+      inv_freq: optional float32 ``[d/2]`` frequencies replacing θ_i (an
+        inference-time extension's, :func:`rope_scaling`; zeros: no rotation).
+      scale: optional scalar multiplying every entry (YaRN's √(1/t)).
 
     Returns:
       ``(cos, sin)``, float32 ``[..., seq, 1, d]`` (broadcast over heads), in
@@ -139,13 +264,15 @@ def rotary_tables(positions, head_dim: int, *, theta: float = 10000.0, log_scale
             f"positions must be integers, got dtype {positions.dtype}; "
             "pass token indices, e.g. jnp.arange(seq)"
         )
-    half = head_dim // 2
-    inv_freq = jnp.asarray(theta ** (-2.0 * np.arange(half) / head_dim), jnp.float32)
+    if inv_freq is None:
+        inv_freq = jnp.asarray(rotary_frequencies(head_dim, theta), jnp.float32)
     pos = positions.astype(jnp.float32)[..., None, None]  # [..., seq, 1, 1]
     angle = pos * inv_freq  # [..., seq, 1, d/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if log_scale is not None:
-        scale = jnp.exp(pos * log_scale)
+        scale_p = jnp.exp(pos * log_scale)
+        cos, sin = cos * scale_p, sin * scale_p
+    if scale is not None:
         cos, sin = cos * scale, sin * scale
     # Before the repeat: the interleaving is a cheap copy XLA may fuse anywhere.
     cos, sin = _materialize(cos), _materialize(sin)
@@ -173,15 +300,23 @@ def xpos_tables(
     theta: float = 10000.0,
     gamma: float = 0.4,
     downscale: bool = False,
+    inv_freq=None,
+    scale=None,
 ):
     """:func:`rotary_tables` of XPOS (eq. 5-6): scale ``ζ_i^(p/b)``, or ``ζ_i^(−p/b)``
-    with ``downscale`` (keys)."""
+    with ``downscale`` (keys). ``inv_freq`` and ``scale`` as there: zero
+    frequencies give the decay without rotation (Table 4's θ_i = 0)."""
     _check_head_dim(head_dim)
     if not scale_base > 0:
         raise ValueError(f"scale_base must be positive, got {scale_base}")
     log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
     return rotary_tables(
-        positions, head_dim, theta=theta, log_scale=-log_zeta if downscale else log_zeta
+        positions,
+        head_dim,
+        theta=theta,
+        log_scale=-log_zeta if downscale else log_zeta,
+        inv_freq=inv_freq,
+        scale=scale,
     )
 
 

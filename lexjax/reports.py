@@ -42,9 +42,18 @@ POSITION_NAMES = {
     "learned": "Transformer (learned)",
     "alibi": "ALiBi",
     "rope": "RoPE",
+    "xpos_norotate": "XPOS without rotation (decay only)",
     "none": "NoPE",
 }
-_ORDER = {"sinusoidal": 0, "learned": 1, "alibi": 2, "rope": 3, "xpos": 4, "none": 5}
+_ORDER = {
+    "sinusoidal": 0,
+    "learned": 1,
+    "alibi": 2,
+    "rope": 3,
+    "xpos": 4,
+    "xpos_norotate": 5,
+    "none": 6,
+}
 
 
 def perplexity_table(

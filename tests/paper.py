@@ -16,12 +16,13 @@ THETA = 10000.0
 GAMMA = 0.4
 
 
-def xpos(x, positions, *, scale_base=512.0, downscale=False, gamma=GAMMA, theta=THETA):
+def xpos(x, positions, *, scale_base=512.0, downscale=False, gamma=GAMMA, theta=THETA, freqs=None):
     """XPOS token by token: pair i, read as the complex number x[2i] + i·x[2i+1], is
     multiplied by e^{i·p·θ_i} · ζ_i^{±p/b}, with θ_i = theta^(-2i/d) and
     ζ_i = (2i/d + γ)/(1 + γ); + for queries, − for keys (``downscale``).
 
-    ``scale_base=math.inf`` gives ζ_i^0 = 1, i.e. RoPE.
+    ``scale_base=math.inf`` gives ζ_i^0 = 1, i.e. RoPE. ``freqs``: other θ_i
+    (a RoPE extension's; zeros: no rotation). Positions may be fractional.
     """
     x = np.asarray(x, np.float64)
     *lead, seq, heads, head_dim = x.shape
@@ -32,7 +33,7 @@ def xpos(x, positions, *, scale_base=512.0, downscale=False, gamma=GAMMA, theta=
         p = float(positions[token])
         for h in range(heads):
             for i in range(head_dim // 2):
-                theta_i = theta ** (-2.0 * i / head_dim)
+                theta_i = theta ** (-2.0 * i / head_dim) if freqs is None else freqs[i]
                 zeta_i = (2.0 * i / head_dim + gamma) / (1.0 + gamma)
                 z = complex(x[token + (h, 2 * i)], x[token + (h, 2 * i + 1)])
                 z *= cmath.exp(1j * p * theta_i) * zeta_i ** (sign * p / scale_base)
@@ -41,9 +42,55 @@ def xpos(x, positions, *, scale_base=512.0, downscale=False, gamma=GAMMA, theta=
     return out
 
 
-def rope(x, positions, *, theta=THETA):
+def rope(x, positions, *, theta=THETA, freqs=None):
     """RoPE is XPOS with ζ = 1."""
-    return xpos(x, positions, scale_base=math.inf, theta=theta)
+    return xpos(x, positions, scale_base=math.inf, theta=theta, freqs=freqs)
+
+
+# Inference-time RoPE extensions, each from its own publication (not the LEX paper).
+
+
+def pi_frequencies(head_dim, s, *, theta=THETA):
+    """Position interpolation (Chen et al. 2023): f'(x, m) = f(x, m·L/L'), i.e.
+    position m is read as m/s; as frequencies, θ_i/s."""
+    return [theta ** (-2.0 * i / head_dim) / s for i in range(head_dim // 2)]
+
+
+def ntk_frequencies(head_dim, s, *, theta=THETA):
+    """NTK-aware scaling (bloc97 2023): the base b becomes b·s^(d/(d−2)); θ_i = b'^(−2i/d)."""
+    new_base = theta * s ** (head_dim / (head_dim - 2))
+    return [new_base ** (-2.0 * i / head_dim) for i in range(head_dim // 2)]
+
+
+def dynamic_ntk_frequencies(head_dim, seq_len, train_len, *, theta=THETA):
+    """Dynamic NTK as its common implementation computes it for a sequence of
+    ``seq_len`` positions: the NTK base with s = seq_len/train_len when longer, else θ."""
+    if seq_len <= train_len:
+        return [theta ** (-2.0 * i / head_dim) for i in range(head_dim // 2)]
+    return ntk_frequencies(head_dim, seq_len / train_len, theta=theta)
+
+
+def yarn_frequencies(head_dim, s, train_len, *, theta=THETA, alpha=1.0, beta=32.0):
+    """YaRN (Peng et al. 2023, §3.2 "NTK-by-parts"): for dimension d with wavelength
+    λ_d = 2π/θ_d and r(d) = L/λ_d, h(θ_d) = (1 − γ(r))·θ_d/s + γ(r)·θ_d with the ramp
+    γ(r) = 0 if r < α, 1 if r > β, else (r − α)/(β − α)."""
+    out = []
+    for i in range(head_dim // 2):
+        theta_d = theta ** (-2.0 * i / head_dim)
+        r = train_len / (2 * math.pi / theta_d)
+        if r < alpha:
+            ramp = 0.0
+        elif r > beta:
+            ramp = 1.0
+        else:
+            ramp = (r - alpha) / (beta - alpha)
+        out.append((1 - ramp) * theta_d / s + ramp * theta_d)
+    return out
+
+
+def yarn_score_multiplier(s):
+    """YaRN §3.4: softmax(q·k/(t·√d)) with √(1/t) = 0.1·ln(s) + 1; scores × 1/t."""
+    return (0.1 * math.log(s) + 1.0) ** 2
 
 
 def scores(q, k):

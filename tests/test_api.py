@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lexjax
-from lexjax import cli
+from lexjax import checkpoint, cli
 from lexjax.errors import CheckpointError, ConfigError
 from tests.processes import write_corpus
 
@@ -66,7 +66,7 @@ def _direct_nll(run, rows_BxN):
 
 
 def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
-    monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # process-wide hooks
+    monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # process-wide hooks
     files = write_corpus(tmp_path / "corpus")
     config = lexjax.make_config(
         {**TINY, "data": {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")}}

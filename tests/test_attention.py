@@ -1,6 +1,7 @@
 """Attention against an explicit float64 softmax over the paper's encodings."""
 
 import functools
+import math
 
 import chex
 import jax
@@ -31,6 +32,9 @@ def _reference(q, k, v, q_pos, k_pos, position, mask):
         q, k = paper.xpos(q, q_pos), paper.xpos(k, k_pos, downscale=True)
     elif position == "rope":
         q, k = paper.rope(q, q_pos), paper.rope(k, k_pos)
+    elif position == "xpos_norotate":  # the paper's Table 4: θ_i = 0
+        zeros = [0.0] * (D // 2)
+        q, k = paper.xpos(q, q_pos, freqs=zeros), paper.xpos(k, k_pos, downscale=True, freqs=zeros)
     elif position == "alibi":
         slopes = np.asarray(paper.alibi_slopes(H))
         bias = -slopes[None, :, None, None] * (q_pos[:, None, :, None] - k_pos[:, None, None, :])
@@ -50,7 +54,7 @@ def _padded_causal_mask():
 
 class MultiheadAttentionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters("xpos", "rope", "alibi", "none")
+    @parameterized.parameters("xpos", "rope", "alibi", "xpos_norotate", "none")
     def test_matches_explicit_softmax_with_mask(self, position):
         q, k, v = _qkv(0)
         # Queries are the last 4 of 6 tokens at positions 20 …; the second example has
@@ -150,7 +154,7 @@ class MultiheadAttentionTest(chex.TestCase):
         for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v):
             self.assertTrue(np.all(np.isfinite(grad)))
 
-    @parameterized.parameters("xpos", "rope", "alibi")
+    @parameterized.parameters("xpos", "rope", "alibi", "xpos_norotate", "none")
     def test_block_step_equals_blockwise_mask(self, position):
         # Paper §3.3 as the evaluation scan runs it: block b's queries attend to
         # [block b − 1, block b] at window-relative positions; this reproduces the full
@@ -177,6 +181,52 @@ class MultiheadAttentionTest(chex.TestCase):
             np.testing.assert_allclose(
                 step, full[:, b * w : (b + 1) * w], rtol=1e-5, atol=1e-5, err_msg=f"block {b}"
             )
+
+
+class RopeScalingContextTest(chex.TestCase):
+    """The shared Context applies an inference-time RoPE extension as its paper states it."""
+
+    def _scores(self, q, k, q_pos, k_pos, position, **scaling):
+        ctx = attention.context(
+            q_pos, k_pos, num_heads=H, head_dim=D, position=position, scale_base=16.0, **scaling
+        )
+        return np.asarray(attention.attention_logits(*attention.encode(q, k, ctx)), np.float64)
+
+    @parameterized.parameters("xpos", "rope")
+    def test_each_scaling_gives_the_scores_of_its_formula(self, position):
+        q, k, _ = _qkv(6, TQ, TK)
+        k_pos = np.arange(TK, dtype=np.int32) * 9
+        q_pos = k_pos[TK - TQ :]
+        s, L = 3.0, 8
+        b = 16.0 if position == "xpos" else math.inf
+
+        def want(freqs, positions_scale=1.0, multiplier=1.0):
+            qe = paper.xpos(q, q_pos / positions_scale, scale_base=b, freqs=freqs)
+            ke = paper.xpos(k, k_pos / positions_scale, scale_base=b, freqs=freqs, downscale=True)
+            return multiplier * paper.scores(qe, ke) / math.sqrt(D)
+
+        base = paper.pi_frequencies(D, 1.0)
+        # dynamic NTK: s = (largest query position + 1)/L = 46/8.
+        n = int(q_pos.max()) + 1
+        cases = {
+            # PI divides every position by s: the rotation's and XPOS decay's.
+            "pi": want(base, positions_scale=s),
+            "ntk": want(paper.ntk_frequencies(D, s)),
+            "dynamic_ntk": want(paper.dynamic_ntk_frequencies(D, n, L)),
+            "yarn": want(
+                paper.yarn_frequencies(D, s, L), multiplier=paper.yarn_score_multiplier(s)
+            ),
+        }
+        for scaling, expected in cases.items():
+            got = self._scores(
+                q, k, q_pos, k_pos, position, rope_scaling=scaling, rope_factor=s, train_len=L
+            )
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=scaling)
+        unscaled = self._scores(q, k, q_pos, k_pos, position)
+        np.testing.assert_array_equal(
+            self._scores(q, k, q_pos, k_pos, position, rope_scaling="none", rope_factor=s), unscaled
+        )
+        self.assertGreater(np.abs(cases["pi"] - unscaled).max(), 0.05)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from configs import extrapolation, paper, tiny
 from lexjax import config as cfg
-from lexjax import sharding
+from lexjax import positions, sharding
 from tests.helpers import leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,11 +117,37 @@ def test_unknown_field_in_a_dict_names_the_closest():
         ),
         ({"peak_flops": 0}, "peak_flops=0.0 must be positive"),
         ({"batch_size": 1.5}, "batch_size=1.5: expected an integer"),
+        ({"model": {"rope_scaling": "linear"}}, "model.rope_scaling='linear': choose one of"),
+        (
+            {"model": {"rope_scaling": "pi", "position": "alibi"}},
+            "model.rope_scaling=pi extends a rotary encoding",
+        ),
+        (
+            {"model": {"rope_scaling": "yarn", "position": "xpos_norotate"}},
+            "position xpos_norotate has no rotation to scale",
+        ),
+        (
+            {"model": {"rope_scaling": "pi", "rope_factor": 0.5}},
+            "model.rope_factor=0.5 must be ≥ 1, or 0",
+        ),
+        ({"model": {"rope_factor": 2}}, "model.rope_factor=2 needs a scaling"),
+        (
+            {"model": {"rope_scaling": "dynamic_ntk", "rope_factor": 2}},
+            "does not apply to dynamic_ntk",
+        ),
+        ({"model": {"rope_train_len": 0}}, "model.rope_train_len=0 must be positive"),
     ],
 )
 def test_bad_values_are_rejected(values, message):
     with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         cfg.from_configdict(values)
+
+
+def test_rope_scalings_and_their_training_length():
+    assert cfg.ROPE_SCALINGS == positions.ROPE_SCALINGS  # the same list on both sides
+    assert cfg.from_configdict({"train_len": 64}).model.rope_train_len == 64
+    config = cfg.from_configdict({"model": {"rope_scaling": "yarn", "rope_train_len": 32}})
+    assert (config.model.rope_scaling, config.model.rope_train_len) == ("yarn", 32)
 
 
 def test_max_len_follows_train_len_unless_larger():
@@ -172,6 +198,9 @@ def test_config_stored_by_an_older_lexjax_loads_with_a_note(capsys):
     # model.remat (a bool then) is now model.remat_policy: False → none, True → full.
     assert stored["model"].pop("remat") is False
     assert (now["model"].pop("remat"), now["model"].pop("remat_policy")) == (None, "none")
+    # The RoPE extensions came later: none, and the stored run's train_len to extend.
+    rope = [now["model"].pop(k) for k in ("rope_scaling", "rope_factor", "rope_train_len")]
+    assert rope == ["none", 0.0, 32]
     assert {k: v for k, v in stored.items() if k not in ("poison_step", "data")} == {
         k: v for k, v in now.items() if k not in ("peak_flops", "data")
     }

@@ -222,6 +222,48 @@ def test_old_workdir_evaluates_to_the_same_numbers(tmp_path):
             assert r[field] == pytest.approx(w[field], rel=1e-6), (key(r), field)
 
 
+def test_a_rope_scaling_is_in_every_row_and_its_own_file(tmp_path):
+    """eval.py --rope_scaling=yarn on the old xpos run: factor 0 is each length /
+    train_len (32), recorded per row; the file is named after the scaling, so a
+    later evaluation with another one (here through the API) leaves it in place."""
+    workdir = _fixture_copy(tmp_path)
+    text = "tests/fixtures/eval_text.txt"
+    done = _run(
+        "eval.py",
+        f"--workdir={workdir}",
+        f"--eval_files={text}",
+        "--lengths=32,64",
+        "--max_length=64",
+        "--bca=off",
+        "--rope_scaling=yarn",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| xpos+yarn without BCA |" in done.stdout
+    eval_dir = workdir / "eval"
+    pattern = r"perplexity-step6-full-budget64-yarn-[0-9a-f]{8}\.json"
+    (named,) = [f for f in os.listdir(eval_dir) if re.fullmatch(pattern, f)]
+    with open(eval_dir / named) as f:
+        yarn = json.load(f)
+    assert yarn["settings"]["rope_scaling"] == "yarn" and yarn["settings"]["rope_factor"] == 0
+    assert yarn["rope_scaling"] == "yarn"
+    rows = {r["length"]: r for r in yarn["results"]}
+    assert {(n, r["rope_scaling"], r["rope_factor"]) for n, r in rows.items()} == {
+        (32, "yarn", 1.0),
+        (64, "yarn", 2.0),
+    }
+
+    import lexjax
+
+    run = lexjax.load(workdir)
+    (pi,) = run.evaluate(
+        [64], max_length=64, modes=("full",), eval_files=text, rope_scaling="pi", rope_factor=2
+    )
+    assert (pi.rope_scaling, pi.rope_factor) == ("pi", 2.0)
+    assert pi.perplexity != pytest.approx(rows[64]["perplexity"], rel=1e-4)
+    kept = sorted(f for f in os.listdir(eval_dir) if re.match(r"perplexity-.+\.json$", f))
+    assert len(kept) == 2 and named in kept and any("-budget64-pi2-" in f for f in kept), kept
+
+
 def _tamper_integrity(workdir, leaf_prefix):
     """Changes the recorded checksum of the first leaf whose name starts with
     ``leaf_prefix``: any reader that checks that leaf finds it damaged."""

@@ -24,9 +24,20 @@ def _model(position):
     return model, params
 
 
+KINDS = ("xpos", "rope", "alibi", "xpos_norotate", "sinusoidal", "learned", "none")
+
+
 @pytest.fixture(scope="module")
 def models():
-    return {kind: _model(kind) for kind in ("xpos", "rope", "alibi", "sinusoidal", "learned")}
+    return {kind: _model(kind) for kind in KINDS}
+
+
+def _scaled(model, scaling, factor=0.0):
+    """The same model (and parameters) with an inference-time RoPE extension."""
+    config = dataclasses.replace(
+        model.config, rope_scaling=scaling, rope_factor=factor, rope_train_len=TRAIN_LEN
+    )
+    return Decoder(config)
 
 
 def _tokens(batch, length, seed=0):
@@ -66,7 +77,7 @@ def test_block_scan_equals_explicit_blockwise_mask(models, length):
     np.testing.assert_allclose(scan, _explicit_bca(model, params, tokens), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal", "learned"])
+@pytest.mark.parametrize("position", [k for k in KINDS if k != "xpos"])
 def test_every_position_kind_scans_like_the_explicit_mask(models, position):
     model, params = models[position]
     tokens = _tokens(2, 4 * W + 3, seed=2)
@@ -74,7 +85,7 @@ def test_every_position_kind_scans_like_the_explicit_mask(models, position):
     np.testing.assert_allclose(scan, _explicit_bca(model, params, tokens), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("position", ["xpos", "rope", "alibi", "sinusoidal", "learned"])
+@pytest.mark.parametrize("position", KINDS)
 def test_full_mode_equals_one_dense_causal_forward(models, position):
     model, params = models[position]
     length = TRAIN_LEN + 1 if position == "learned" else 3 * W + 4
@@ -82,6 +93,91 @@ def test_full_mode_equals_one_dense_causal_forward(models, position):
     chunked = evaluation.full_logprobs(model, params, tokens, chunk=W)
     logits, _ = model.apply({"params": params}, tokens[:, :-1])
     np.testing.assert_allclose(chunked, _logprobs(logits, tokens[:, 1:]), atol=2e-5, rtol=1e-5)
+
+
+SCALINGS = ("pi", "ntk", "dynamic_ntk", "yarn")
+
+
+def test_a_scaling_changes_a_long_sequence_and_not_the_training_length(models):
+    model, params = models["rope"]
+    tokens = _tokens(1, 3 * TRAIN_LEN + 1, seed=7)
+    short = tokens[:, : TRAIN_LEN + 1]
+    unscaled = evaluation.full_logprobs(model, params, tokens, chunk=W)
+    unscaled_short = evaluation.full_logprobs(model, params, short, chunk=W)
+    for scaling in SCALINGS:
+        scaled = _scaled(model, scaling)
+        long = evaluation.full_logprobs(scaled, params, tokens, chunk=W)
+        # Factor 0 is each length / train_len: s = 1 at the training length.
+        np.testing.assert_allclose(
+            evaluation.full_logprobs(scaled, params, short, chunk=W), unscaled_short, atol=1e-6
+        )
+        # Within the first chunk (positions < w) dynamic NTK keeps s = 1 too.
+        first = slice(0, W) if scaling == "dynamic_ntk" else slice(0, 0)
+        np.testing.assert_allclose(long[:, first], unscaled[:, first], atol=1e-6)
+        assert np.abs(np.asarray(long - unscaled)).max() > 1e-3, scaling
+    # An explicit factor applies at every length, the training length too.
+    pi2 = evaluation.full_logprobs(_scaled(model, "pi", 2.0), params, short, chunk=W)
+    assert np.abs(np.asarray(pi2 - unscaled_short)).max() > 1e-3
+
+
+@pytest.mark.parametrize("position,scaling", [("xpos", "pi"), ("rope", "ntk"), ("xpos", "yarn")])
+def test_a_scaling_scans_like_the_explicit_mask_and_chunks_like_one_forward(
+    models, position, scaling
+):
+    # Factor 0: both paths take s = (L − 1)/train_len for the L − 1 inputs; the scaled
+    # encodings stay relative, so window positions give the explicit mask's scores.
+    model, params = models[position]
+    model = _scaled(model, scaling)
+    tokens = _tokens(2, 4 * W + 3, seed=8)
+    scan = evaluation.block_scan_logprobs(model, params, tokens, W)
+    np.testing.assert_allclose(scan, _explicit_bca(model, params, tokens), atol=2e-5, rtol=1e-5)
+    chunked = evaluation.full_logprobs(model, params, tokens, chunk=W)
+    logits, _ = model.apply({"params": params}, tokens[:, :-1])
+    np.testing.assert_allclose(chunked, _logprobs(logits, tokens[:, 1:]), atol=2e-5, rtol=1e-5)
+
+
+def test_dynamic_ntk_without_bca_takes_the_factor_of_each_chunk():
+    """Chunk j (queries jC … jC + C − 1) of a one-layer model is scored as a dense
+    forward over the prefix up to its end with NTK's s = max(1, (j + 1)·C / train_len):
+    every earlier key is re-encoded with the chunk's s. (With more layers the cached
+    keys of layer 2 on come from hidden states computed at their own chunk's s.)"""
+    model = Decoder(dataclasses.replace(BASE, num_layers=1))
+    params = nn.unbox(model.init(jax.random.key(4), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    tokens = _tokens(2, 5 * W + 1, seed=9)
+    got = np.asarray(
+        evaluation.full_logprobs(_scaled(model, "dynamic_ntk"), params, tokens, chunk=W)
+    )
+    for j in range(5):
+        end = (j + 1) * W
+        s = max(1.0, end / TRAIN_LEN)
+        ntk = _scaled(model, "ntk", s) if s > 1 else model
+        logits, _ = ntk.apply({"params": params}, tokens[:, :end])
+        want = _logprobs(logits, tokens[:, 1 : end + 1])[:, -W:]
+        np.testing.assert_allclose(got[:, j * W : end], want, atol=2e-5, rtol=1e-5, err_msg=f"{j}")
+    # Under BCA the window positions stay below train_len: s = 1, no change at all.
+    np.testing.assert_allclose(
+        evaluation.block_scan_logprobs(_scaled(model, "dynamic_ntk"), params, tokens, W),
+        evaluation.block_scan_logprobs(model, params, tokens, W),
+        atol=1e-6,
+    )
+
+
+def test_perplexity_rows_carry_the_scaling_and_its_factor(models):
+    model, params = models["rope"]
+    docs = _documents(2, 2 * TRAIN_LEN + 1, seed=10)
+    lengths, budget = [W, 2 * TRAIN_LEN], 2 * TRAIN_LEN
+    scaled = _scaled(model, "yarn")
+    rows = evaluation.perplexity(
+        scaled, params, docs, lengths, block=W, max_length=budget, modes=["full"]
+    )
+    assert [(r.length, r.rope_scaling, r.rope_factor) for r in rows] == [
+        (W, "yarn", 1.0),
+        (2 * TRAIN_LEN, "yarn", 2.0),
+    ]
+    plain = evaluation.perplexity(
+        model, params, docs, [W], block=W, max_length=budget, modes=["full"]
+    )
+    assert {(r.rope_scaling, r.rope_factor) for r in plain} == {("none", None)}
 
 
 def test_learned_positions_beyond_their_table_fail_clearly_without_bca(models):

@@ -22,7 +22,7 @@ import jax
 import pytest
 from absl import flags
 
-from lexjax import cli, distributed, sharding
+from lexjax import checkpoint, cli, distributed, sharding
 from lexjax import config as cfg
 from tests.helpers import leaves
 
@@ -66,7 +66,26 @@ FIELDS = {
     "model.num_heads": (["8"], ["0", "3"]),
     "model.num_layers": (["2"], ["0", "-1"]),
     "model.param_dtype": (["bfloat16"], ["int8"]),
-    "model.position": (["rope", "alibi", "learned", "none"], ["relative", "XPOS"]),
+    "model.position": (
+        ["rope", "alibi", "learned", "xpos_norotate", "none"],
+        ["relative", "XPOS", "xpos_norotate --config.model.rope_scaling=pi"],
+    ),
+    "model.rope_scaling": (
+        ["pi", "ntk", "dynamic_ntk", "yarn --config.model.position=rope"],
+        ["linear", "YARN", "pi --config.model.position=alibi", "ntk --config.model.position=none"],
+    ),
+    "model.rope_factor": (
+        ["4 --config.model.rope_scaling=yarn", "1.5 --config.model.rope_scaling=pi"],
+        [
+            "0.5 --config.model.rope_scaling=pi",
+            "-1 --config.model.rope_scaling=ntk",
+            "nan --config.model.rope_scaling=pi",
+            "inf --config.model.rope_scaling=pi",
+            "2",  # no scaling to apply it to
+            "2 --config.model.rope_scaling=dynamic_ntk",
+        ],
+    ),
+    "model.rope_train_len": (["128", "64 --config.model.rope_scaling=yarn"], ["0", "-1"]),
     "model.remat": (["True"], ["True --config.model.remat_policy=dots_except_mlp"]),
     "model.remat_policy": (["full", "dots_except_mlp"], ["dots", "all"]),
     "model.scale_base": (["256"], ["0", "-512"]),
@@ -136,6 +155,14 @@ EVAL_FLAGS = {
     "top_k": ([["--top_k=5"]], ["-1"]),
     "top_p": ([["--top_p=0.9"]], ["0", "1.5"]),
     "seed": ([["--seed=7"]], []),
+    "rope_scaling": (
+        [["--rope_scaling=yarn"], ["--rope_scaling=dynamic_ntk", "--bca=off"]],
+        ["linear", "", "pi --generate"],
+    ),
+    "rope_factor": (
+        [["--rope_factor=4", "--rope_scaling=pi"], ["--rope_factor=0", "--rope_scaling=ntk"]],
+        ["0.5 --rope_scaling=pi", "-2", "nan", "inf", "3", "2 --rope_scaling=dynamic_ntk"],
+    ),
 }
 GENERIC_BAD = {  # wrong type and empty, by the flag's type
     "int": ["abc", "1.5", ""],
@@ -172,7 +199,7 @@ def program(monkeypatch):
     """``invoke(name, argv) -> (exit status or 'reached', stderr)`` with the program loaded
     once (``invoke.own_flags[name]``: the flags it defines); they are removed afterwards
     (train.py and eval.py share flag names)."""
-    monkeypatch.setattr(cli, "quiet_checkpoint_io_noise", lambda: None)  # once per process
+    monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # once per process
     monkeypatch.setattr(cli.api, "train", _check_mesh)
     monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
     monkeypatch.setattr(cli.api, "load", _raise_reached)

@@ -1,5 +1,7 @@
 """Generation: token-by-token decoding over the bounded cache equals the block scan."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,9 +24,17 @@ def model_params():
     return model, params
 
 
-@pytest.mark.parametrize("prompt_len", [1, W + 3, 2 * W])
-def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len):
+@pytest.mark.parametrize(
+    "prompt_len,scaling", [(1, "none"), (W + 3, "none"), (2 * W, "none"), (W + 3, "yarn")]
+)
+def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len, scaling):
     model, params = model_params
+    if scaling != "none":  # an explicit factor: every step, the scan and the mask share it
+        model = Decoder(
+            dataclasses.replace(
+                CONFIG, rope_scaling=scaling, rope_factor=3.0, rope_train_len=TRAIN_LEN
+            )
+        )
     tokens = jnp.asarray(
         np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 4 * W + 3)), jnp.int32
     )

@@ -4,6 +4,7 @@ import functools
 import math
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -360,6 +361,139 @@ class BadArgumentsTest(parameterized.TestCase):
         ),
     )
     def test_raises_value_error(self, call, message):
+        with self.assertRaisesRegex(ValueError, message):
+            call()
+
+
+class RopeScalingTest(chex.TestCase):
+    """Inference-time RoPE extensions against their publications' formulas (tests/paper.py)."""
+
+    @parameterized.product(
+        head_dim=[8, 64], factor=[1.0, 2.5, 16.0], train_len=[16, 1024], theta=[1e4, 5e5]
+    )
+    def test_frequencies_match_the_published_formulas(self, head_dim, factor, train_len, theta):
+        want = {
+            "none": [theta ** (-2.0 * i / head_dim) for i in range(head_dim // 2)],
+            "pi": paper.pi_frequencies(head_dim, factor, theta=theta),
+            "ntk": paper.ntk_frequencies(head_dim, factor, theta=theta),
+            "yarn": paper.yarn_frequencies(head_dim, factor, train_len, theta=theta),
+        }
+        for scaling, freqs in want.items():
+            got = positions.rope_scaling(
+                scaling, factor, head_dim, theta=theta, train_len=train_len
+            )
+            np.testing.assert_allclose(got.inv_freq, freqs, rtol=1e-6, err_msg=scaling)
+            want_qk = math.sqrt(paper.yarn_score_multiplier(factor)) if scaling == "yarn" else 1
+            self.assertAlmostEqual(float(got.qk_scale), want_qk, places=12)
+            self.assertEqual(got.decay_base_scale, factor if scaling == "pi" else 1.0)
+
+    @parameterized.parameters(8, 12, 16, 100)
+    def test_dynamic_ntk_follows_the_length_processed(self, seq_len):
+        # s = max(1, n/L): no change up to the training length, the NTK base beyond it.
+        head_dim, train_len = 16, 12
+        factor = positions.length_factor(seq_len, train_len)
+        self.assertEqual(factor, max(1.0, seq_len / train_len))
+        got = positions.rope_scaling("dynamic_ntk", factor, head_dim, train_len=train_len)
+        want = paper.dynamic_ntk_frequencies(head_dim, seq_len, train_len)
+        np.testing.assert_allclose(got.inv_freq, want, rtol=1e-6)
+        # Inside a jit the factor is traced (the largest query position + 1): float32.
+        traced = jax.jit(
+            lambda n: (
+                positions.rope_scaling(
+                    "dynamic_ntk", positions.length_factor(n, train_len), head_dim
+                ).inv_freq
+            )
+        )(jnp.int32(seq_len))
+        np.testing.assert_allclose(traced, want, rtol=2e-6)
+
+    def test_hand_checked_values(self):
+        # d = 8, base 10^4: θ = 1, 0.1, 0.01, 0.001; s = 4, L = 16.
+        s, d, L = 4.0, 8, 16
+        ntk = positions.rope_scaling("ntk", s, d).inv_freq
+        # base' = 10^4·4^(8/6): θ'_1 = base'^(−1/4) = 0.1·4^(−1/3); θ'_3 = 0.001/4 exactly.
+        np.testing.assert_allclose(ntk, [1.0, 0.1 / 4 ** (1 / 3), 0.01 / 4 ** (2 / 3), 2.5e-4])
+        self.assertAlmostEqual(float(ntk[1]), 0.0629961, places=6)
+        yarn = positions.rope_scaling("yarn", s, d, train_len=L)
+        # r_0 = 16/(2π) = 2.546 lies on the ramp: γ = (2.546 − 1)/31 = 0.04988, so
+        # θ'_0 = 0.95012/4 + 0.04988 = 0.28741; r_1 … r_3 < 1: plain interpolation θ/4.
+        self.assertAlmostEqual(float(yarn.inv_freq[0]), 0.287415, places=5)
+        np.testing.assert_allclose(yarn.inv_freq[1:], [0.025, 0.0025, 0.00025], rtol=1e-6)
+        # √(1/t) = 0.1·ln 4 + 1 = 1.138629.
+        self.assertAlmostEqual(float(yarn.qk_scale), 1.1386294, places=6)
+        pi = positions.rope_scaling("pi", s, d)
+        np.testing.assert_allclose(pi.inv_freq, [0.25, 0.025, 0.0025, 0.00025], rtol=1e-7)
+
+    def test_pi_on_xpos_divides_every_position_by_the_factor(self):
+        # PI reads position p as p/s, for the rotation and for XPOS's decay: the tables
+        # with θ/s and b·s encode exactly the oracle's XPOS at the positions p/s.
+        x = _normal(20, (1, 6, 2, 8))
+        pos = np.array([-30, -7, 0, 5, 17, 40], np.int32)
+        s, b = 2.5, 16.0
+        pi = positions.rope_scaling("pi", s, 8)
+        for downscale in (False, True):
+            tables = positions.xpos_tables(
+                pos,
+                8,
+                scale_base=b * pi.decay_base_scale,
+                inv_freq=pi.inv_freq,
+                downscale=downscale,
+            )
+            got = positions.apply_rotary(x, *tables)
+            want = paper.xpos(x, pos / s, scale_base=b, downscale=downscale)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+    def test_yarn_tables_rotate_by_its_frequencies_and_scale_scores_by_1_over_t(self):
+        d, s, L = 16, 6.0, 64
+        q, k = _normal(21, (1, 5, 2, d)), _normal(22, (1, 7, 2, d))
+        q_pos, k_pos = np.arange(200, 205, dtype=np.int32), np.arange(7, dtype=np.int32) * 31
+        yarn = positions.rope_scaling("yarn", s, d, train_len=L)
+        encode = lambda x, p: positions.apply_rotary(
+            x, *positions.rotary_tables(p, d, inv_freq=yarn.inv_freq, scale=yarn.qk_scale)
+        )
+        got = paper.scores(encode(q, q_pos), encode(k, k_pos))
+        freqs = paper.yarn_frequencies(d, s, L)
+        want = paper.yarn_score_multiplier(s) * paper.scores(
+            paper.rope(q, q_pos, freqs=freqs), paper.rope(k, k_pos, freqs=freqs)
+        )
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+    def test_decay_without_rotation_is_the_decay_alone(self):
+        # Table 4's xPos with θ_i = 0: pair i of q'_m · k'_n is
+        # (q_2i k_2i + q_2i+1 k_2i+1)·ζ_i^((m−n)/b), with no dependence on the angle.
+        d, b = 8, 8.0
+        q, k = _normal(23, (1, 4, 1, d)), _normal(24, (1, 6, 1, d))
+        q_pos, k_pos = np.arange(10, 14, dtype=np.int32), np.arange(6, dtype=np.int32) * 2
+        zero = jnp.zeros(d // 2, jnp.float32)
+        q_enc = positions.apply_rotary(
+            q, *positions.xpos_tables(q_pos, d, scale_base=b, inv_freq=zero)
+        )
+        k_enc = positions.apply_rotary(
+            k, *positions.xpos_tables(k_pos, d, scale_base=b, inv_freq=zero, downscale=True)
+        )
+        zeta = np.array([(2 * i / d + 0.4) / 1.4 for i in range(d // 2)])
+        want = np.zeros((4, 6))
+        for m in range(4):
+            for n in range(6):
+                pairs = (np.asarray(q[0, m, 0], np.float64) * k[0, n, 0]).reshape(-1, 2).sum(-1)
+                want[m, n] = np.sum(pairs * zeta ** ((q_pos[m] - k_pos[n]) / b))
+        np.testing.assert_allclose(paper.scores(q_enc, k_enc)[0, 0], want, rtol=1e-5, atol=1e-5)
+
+    def test_none_leaves_the_tables_bit_identical(self):
+        pos = np.arange(-50, 50, 7, dtype=np.int32)
+        none = positions.rope_scaling("none", 1.0, 16)
+        for got, want in zip(
+            positions.xpos_tables(pos, 16, inv_freq=none.inv_freq), positions.xpos_tables(pos, 16)
+        ):
+            np.testing.assert_array_equal(got, want)
+
+    @parameterized.named_parameters(
+        ("unknown", lambda: positions.rope_scaling("linear", 2.0, 8), "choose one of"),
+        ("below_one", lambda: positions.rope_scaling("pi", 0.5, 8), "≥ 1"),
+        ("nan", lambda: positions.rope_scaling("ntk", math.nan, 8), "≥ 1"),
+        ("yarn_without_len", lambda: positions.rope_scaling("yarn", 2.0, 8), "training length"),
+        ("no_train_len", lambda: positions.length_factor(10, 0), "train_len must be positive"),
+    )
+    def test_bad_arguments_raise(self, call, message):
         with self.assertRaisesRegex(ValueError, message):
             call()
 
