@@ -1,7 +1,11 @@
-"""The paper's length-extrapolation experiment (Tables 2, 3, 5; Figure 1): train one model per
-position encoding, evaluate each at 0.25× … 16× its training length with and without BCA.
+"""The extrapolation study (paper Tables 2–5, Figure 1, and what a 2026 reviewer asks
+for): train one model per position encoding, several seeds for RoPE and XPOS, and
+evaluate each at 0.25× … 16× its training length with BCA, without it, and with attention
+sinks + a sliding window; the rotary models also with inference-time RoPE extensions;
+passkey retrieval by length and depth.
 
-    python -m lexjax.experiments.extrapolation --out=runs/extrapolation     # 2 CPU cores, < 1 h
+    python -m lexjax.experiments.extrapolation --out=runs/extrapolation     # 2 CPU cores
+    python -m lexjax.experiments.extrapolation --out=DIR --config=configs/extrapolation.py:tokens
     python -m lexjax.experiments.extrapolation --out=DIR \\
         --config=configs/extrapolation.py:paper                             # accelerators
     python -m lexjax.experiments.extrapolation --out=DIR --config=configs/extrapolation.py:smoke
@@ -9,7 +13,8 @@ position encoding, evaluate each at 0.25× … 16× its training length with and
 Presets (the part after ``:``):
 
 - ``small``: a 3.2 M-parameter byte-level model at train_len 128 on the Python standard
-  library, sized so all seven runs train and evaluate within an hour on 2 CPU cores.
+  library: ten runs (RoPE and XPOS with three seeds; sinusoidal, ALiBi, XPOS without
+  rotation, NoPE with one), sized for 2 CPU cores.
 - ``tokens``: ``small`` at SentencePiece token level (2048 ids learned from the train
   split), RoPE and XPOS, 0.25× … 8×.
 - ``paper``: configs/paper.py (24 layers, d_model 1024, train_len 1024, bfloat16) with
@@ -18,9 +23,13 @@ Presets (the part after ``:``):
 - ``smoke``: seconds; two positions, two lengths (the test suite runs it).
 
 ``runs`` lists the trainings, comma-separated: a position (``sinusoidal``, ``learned``,
-``alibi``, ``rope``, ``xpos``), optionally followed by ``/b=B`` (XPOS scale_base, default
-``train.model.scale_base``) and ``/seed=S`` (initialisation and data order, default
-``train.seed``). Every run shares ``train`` apart from those fields. Any field can be
+``alibi``, ``rope``, ``xpos``, ``xpos_norotate``, ``none``), optionally followed by
+``/b=B`` (XPOS scale_base, default ``train.model.scale_base``), ``/seed=S``
+(initialisation and data order, default ``train.seed``) and ``/seeds=N`` (N runs, seeds
+S … S+N−1). Every run shares ``train`` apart from those fields. ``modes`` are the
+evaluation modes (``bca``, ``full``, ``sinks`` with ``sinks`` sink tokens); ``scalings``
+the RoPE extensions (``pi``, ``ntk``, ``dynamic_ntk``, ``yarn``) evaluated without BCA on
+the first ``scaling_seeds`` seeds of each RoPE and XPOS variant. Any field can be
 overridden, e.g. ``--config.train.num_train_steps=2000 --config.runs=rope,xpos``.
 """
 
@@ -35,6 +44,12 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
     c.multipliers = "0.25,0.5,1,2,4,8,16"  # evaluated lengths, × train_len
     c.eval_split = "test"
     c.tokens_per_batch = 8192  # evaluation batch size in tokens
+    c.modes = "bca,full,sinks"  # evaluation modes (lexjax.evaluation.MODES)
+    c.sinks = 4  # attention sinks of the "sinks" mode (StreamingLLM's 4)
+    # Inference-time RoPE extensions, evaluated without BCA on the first `scaling_seeds`
+    # seeds of each rotary run (each factor: evaluated length / train_len).
+    c.scalings = "pi,ntk,dynamic_ntk,yarn"
+    c.scaling_seeds = 1
     if preset == "small":
         c.train = tiny.get_config()
         # b = train_len/2 keeps the ratio of torchscale's default b = 512 at the paper's
@@ -57,10 +72,11 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
             )
         )
         c.train.optim.end_lr_fraction = 0.05
-        c.runs = "sinusoidal,alibi,rope,xpos,xpos/b=512,rope/seed=1,xpos/seed=1"
-        # Held-out documents with ≥ 16 × 128 + 1 tokens (29 exist); both modes score the first
-        # 2048 tokens of the same documents (the dense mode costs O(length) per token).
-        c.eval_docs = 24
+        # RoPE and XPOS, the paper's central comparison, with three seeds each.
+        c.runs = "sinusoidal,alibi,rope/seeds=3,xpos/seeds=3,xpos_norotate,none"
+        # Held-out documents with ≥ 16 × 128 + 1 tokens (29 exist); every mode scores the
+        # first 2048 tokens of the same documents (the dense mode costs O(length) per token).
+        c.eval_docs = 16
         c.resolution_docs = 8
     elif preset == "tokens":
         # The small study at SentencePiece token level: the same model and budget in
@@ -92,6 +108,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
             )
         )
         c.runs = "rope,xpos"
+        c.scalings = "pi,yarn"
         c.multipliers = "1,2"
         c.eval_docs = 2
         c.resolution_docs = 2

@@ -231,11 +231,14 @@ def plot_expectation(
 OUTPUTS = (
     "table2.md",
     "table3.md",
+    "table4.md",
+    "scalings.md",
     "table5.md",
     "seeds.md",
     "results.json",
     "summary.md",
     "perplexity.png",
+    "scalings.png",
     "figure1.png",
     "scores.png",
 )
@@ -264,13 +267,10 @@ def collect(out, specs, config, plan, timing) -> dict:
         workdir = os.path.join(out, "runs", spec.name)
         trained = _load(os.path.join(workdir, "train.json"))
         perplexity, eval_seconds = {}, 0.0
-        for mode in MODE_NAMES:
-            path = os.path.join(workdir, f"perplexity_{mode}.json")
-            if not os.path.exists(path):  # a mode the experiment does not evaluate
-                continue
-            stored = _load(path)
+        for key, _, _ in plan["evaluations"](spec):
+            stored = _load(os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json"))
             eval_seconds += stored["seconds"]
-            perplexity[mode] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
+            perplexity[key] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
         stored = _load(os.path.join(workdir, "resolution.json"))
         eval_seconds += stored["seconds"]
         resolution = {}
@@ -561,6 +561,50 @@ def seeds_table(c) -> str:
     return "\n".join(lines)
 
 
+SCALING_NAMES = {
+    "pi": "position interpolation",
+    "ntk": "NTK-aware",
+    "dynamic_ntk": "dynamic NTK",
+    "yarn": "YaRN",
+}
+
+
+def table4(c) -> str:
+    """Paper Table 4, the rotation ablation: RoPE (rotation), XPOS (rotation + decay) and
+    XPOS without rotation (decay only) at the training length, without BCA (at that length
+    both modes see the same keys); NoPE beside them when the study has it."""
+    n = c["train_len"]
+    lines = [_header("model", [f"perplexity at {n}"])]
+    for label, position, _, group in _variants(c["runs"]):
+        if position in ("rope", "xpos", "xpos_norotate", "none"):
+            lines.append(_row(label + _seeds_note(group), [_fmt_stats(group, "full", n)]))
+    return "\n".join(lines)
+
+
+def scalings_table(c) -> str:
+    """Inference-time RoPE extensions of each rotary variant, without BCA, from the
+    training length on; each row over the seeds that were evaluated so."""
+    lengths = [n for n in c["lengths"] if n >= c["train_len"]]
+    lines = [_header("model", lengths)]
+    for label, position, _, group in _variants(c["runs"]):
+        if position not in ("rope", "xpos"):
+            continue
+        keys = ["full"] + [f"full+{s}" for s in SCALING_NAMES]
+        for key in keys:
+            runs = [r for r in group if key in r["perplexity"]]
+            if not runs:
+                continue
+            name = "no extension" if key == "full" else SCALING_NAMES[key[5:]]
+            seeds = ", ".join(str(r["seed"]) for r in runs)
+            lines.append(
+                _row(
+                    f"{label} + {name} (seed{'s' * (len(runs) > 1)} {seeds})",
+                    [_fmt_stats(runs, key, n) for n in lengths],
+                )
+            )
+    return "\n".join(lines)
+
+
 def expected_resolution_table(c) -> str:
     """R of the expected-score curves of eq. 8 (Figure 1), as drawn and divided by √d."""
     lengths = sorted({e["length"] for e in c["expected_resolution"]})
@@ -592,6 +636,25 @@ def _plot_variants(c, path) -> None:
         train_len=c["train_len"],
         title=f"trained at {c['train_len']} tokens",
         ylabel="perplexity (per byte)",
+    )
+
+
+def _plot_scalings(c, path) -> None:
+    """Perplexity without BCA of each rotary variant with each RoPE extension."""
+    curves = []
+    for label, position, _, group in _variants(c["runs"]):
+        if position in ("rope", "xpos"):
+            for key in ["full"] + [f"full+{s}" for s in SCALING_NAMES]:
+                runs = [r for r in group if key in r["perplexity"]]
+                points = [(n, *_stats(runs, key, n)[:2]) for n in c["lengths"]]
+                name = label if key == "full" else f"{label} + {SCALING_NAMES[key[5:]]}"
+                curves.append((name, "full", [(n, v, e or 0.0) for n, v, e in points if v]))
+    plot_perplexity(
+        [curve for curve in curves if curve[2]],
+        path,
+        train_len=c["train_len"],
+        title="RoPE extensions at inference (no retraining)",
+        ylabel="perplexity",
     )
 
 
@@ -681,16 +744,19 @@ def write_all(out, c) -> None:
         "table5.md": ("With and without blockwise causal attention (paper Table 5)", table5(c)),
         "table3.md": ("Attention resolution, mean over layers (paper Table 3)", table3(c)),
         "seeds.md": ("Seeds", seeds_table(c)),
+        "table4.md": ("Rotation ablation at the training length (paper Table 4)", table4(c)),
+        "scalings.md": ("RoPE extensions at inference, without BCA", scalings_table(c)),
     }
     for name, (title, body) in tables.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             f.write(f"## {title}\n\n{body}\n")
     write_json(os.path.join(out, "results.json"), c)
     _plot_variants(c, os.path.join(out, "perplexity.png"))
+    _plot_scalings(c, os.path.join(out, "scalings.png"))
     plot_figure1(c, os.path.join(out, "figure1.png"))
     plot_scores(c, os.path.join(out, "scores.png"))
     parts = ["# Length extrapolation at small scale\n", _settings(c)]
-    for name in ("table2.md", "table5.md", "table3.md", "seeds.md"):
+    for name in ("table2.md", "table5.md", "table4.md", "scalings.md", "table3.md", "seeds.md"):
         title, body = tables[name]
         parts.append(f"## {title}\n\n{body}")
     parts.append(

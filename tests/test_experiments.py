@@ -65,8 +65,10 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     assert [r[0] for r in rows] == [
         "RoPE with BCA",
         "RoPE without BCA",
+        "RoPE with sinks + window",
         "XPOS b=8 with BCA",
         "XPOS b=8 without BCA",
+        "XPOS b=8 with sinks + window",
     ]
     for row in rows:
         assert all(_number(c) > 1 for c in row[1:])
@@ -102,11 +104,26 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     assert [r["name"] for r in results["runs"]] == ["rope_s0", "xpos_b8_s0"]
     for run in results["runs"]:
         assert run["steps"] == 2 and run["tokens"] == 2 * 4 * 16
-        assert set(run["perplexity"]) == {"bca", "full"}
+        assert set(run["perplexity"]) == {"bca", "full", "sinks", "full+pi", "full+yarn"}
         assert set(run["perplexity"]["bca"]) == {"16", "32"}
-        # At the training length BCA's two blocks cover the whole causal window.
-        assert abs(run["perplexity"]["bca"]["16"] - run["perplexity"]["full"]["16"]) < 1e-3
-    for name in ("perplexity.png", "figure1.png", "scores.png"):
+        # At the training length BCA's two blocks, and the sinks with their window, cover
+        # the whole causal window; an extension's factor is 1 there.
+        at_train_len = {key: run["perplexity"][key]["16"] for key in run["perplexity"]}
+        assert max(at_train_len.values()) - min(at_train_len.values()) < 1e-3
+        # Beyond it, an extension changes the numbers.
+        assert run["perplexity"]["full+yarn"]["32"] != run["perplexity"]["full"]["32"]
+    header, rows = _table(out / "scalings.md")
+    assert [r[0] for r in rows] == [
+        "RoPE + no extension (seed 0)",
+        "RoPE + position interpolation (seed 0)",
+        "RoPE + YaRN (seed 0)",
+        "XPOS b=8 + no extension (seed 0)",
+        "XPOS b=8 + position interpolation (seed 0)",
+        "XPOS b=8 + YaRN (seed 0)",
+    ]
+    header, rows = _table(out / "table4.md")
+    assert [r[0] for r in rows] == ["RoPE", "XPOS b=8"]
+    for name in ("perplexity.png", "scalings.png", "figure1.png", "scores.png"):
         assert os.path.getsize(out / name) > 1000
     with open(out / "summary.md") as f:
         summary = f.read()

@@ -39,9 +39,17 @@ import jax
 
 from lexjax import checkpoint, evaluation, reports
 from lexjax import data as data_lib
-from lexjax.config import REMOVED_FIELDS, Config, ConfigError, from_configdict, to_dict
+from lexjax.config import (
+    REMOVED_FIELDS,
+    ROPE_SCALINGS,
+    ROTARY_ENCODINGS,
+    Config,
+    ConfigError,
+    from_configdict,
+    to_dict,
+)
 from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
-from lexjax.evaluation import DEFAULT_MODES
+from lexjax.evaluation import MODES
 from lexjax.model import Decoder
 
 __all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_experiment"]
@@ -213,14 +221,36 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     return _read_json(path)
 
 
+def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
+    """The perplexity evaluations of one run: ``[(key, mode, rope_scaling)]``. Every run
+    is evaluated in each of ``modes``; the first ``scaling_seeds`` seeds of a rotary
+    position (RoPE, XPOS) also with each RoPE extension of ``scalings``, without BCA
+    (with BCA no position reaches train_len, so an extension has nothing to extend)."""
+    modes = _names(exp.get("modes", "bca,full"), "modes", MODES)
+    keys = [(mode, mode, "none") for mode in modes]
+    scalings = _names(exp.get("scalings", ""), "scalings", ROPE_SCALINGS)
+    first = spec.seed - int(exp["train"]["seed"]) < int(exp.get("scaling_seeds", 1))
+    if spec.position in ROTARY_ENCODINGS and first:
+        keys += [(f"full+{s}", "full", s) for s in scalings if s != "none"]
+    return keys
+
+
+def _names(text: str, field: str, allowed) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ExperimentError(f"{field}: {unknown[0]!r} is not one of {', '.join(allowed)}")
+    return list(dict.fromkeys(names))
+
+
 def _eval_stage(spec, config, workdir, plan, log) -> None:
-    """Perplexity per mode and attention resolution of one trained run, each stage once."""
+    """Perplexity per evaluation (:func:`evaluations`) and attention resolution of one
+    trained run, each stage once."""
     done = lambda path: _stage_done(path, config, protocol=PROTOCOL) is not None
-    todo = [m for m in DEFAULT_MODES if not done(_perplexity_path(workdir, m))]
+    todo = [e for e in plan["evaluations"](spec) if not done(_perplexity_path(workdir, e[0]))]
     resolution_path = os.path.join(workdir, "resolution.json")
-    if not done(resolution_path):
-        todo.append("resolution")
-    if not todo:
+    measure_resolution = not done(resolution_path)
+    if not todo and not measure_resolution:
         log(f"[{spec.name}] evaluated already")
         return
     try:
@@ -236,27 +266,33 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         record["seconds"] = time.perf_counter() - start
         reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
-    for mode in (m for m in DEFAULT_MODES if m in todo):
+    for key, mode, scaling in todo:
         docs = plan["documents"][: plan["docs"]["perplexity"]]
-        say(f"perplexity {mode}: {len(docs)} documents × {plan['max_length']} tokens")
+        say(f"perplexity {key}: {len(docs)} documents × {plan['max_length']} tokens")
         start = time.perf_counter()
+        scaled = dataclasses.replace(stored_config.model, rope_scaling=scaling, rope_factor=0.0)
         results = evaluation.perplexity(
-            model,
+            model if scaling == "none" else Decoder(scaled),
             params,
             docs,
-            plan["lengths"],
+            # An extension changes nothing below train_len (its factor is 1 there).
+            [n for n in plan["lengths"] if scaling == "none" or n >= config.train_len],
             block=config.block,
             max_length=plan["max_length"],
             modes=[mode],
+            sinks=plan["sinks"],
             strict=False,
             say=say,
             tokens_per_batch=plan["tokens_per_batch"],
             tokenizer=plan["tokenizer"],
         )
         for r in results:
-            say(f"  {mode} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
-        write(_perplexity_path(workdir, mode), start, results, max_length=plan["max_length"])
-    if "resolution" in todo:
+            say(f"  {key} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
+        extra = {"mode": mode, "rope_scaling": scaling, "sinks": plan["sinks"]}
+        write(
+            _perplexity_path(workdir, key), start, results, max_length=plan["max_length"], **extra
+        )
+    if measure_resolution:
         start = time.perf_counter()
         results = evaluation.resolution_protocol(
             model,
@@ -272,8 +308,9 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         write(resolution_path, start, results)
 
 
-def _perplexity_path(workdir: str, mode: str) -> str:
-    return os.path.join(workdir, f"perplexity_{mode}.json")
+def _perplexity_path(workdir: str, key: str) -> str:
+    """``perplexity_bca.json``, ``perplexity_full_yarn.json``, ..."""
+    return os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json")
 
 
 def _plan(exp, shared_config: Config) -> dict:
@@ -310,6 +347,8 @@ def _plan(exp, shared_config: Config) -> dict:
         "docs": docs,
         "eval_split": exp["eval_split"],
         "tokens_per_batch": int(exp["tokens_per_batch"]),
+        "sinks": int(exp.get("sinks", evaluation.DEFAULT_SINKS)),
+        "evaluations": lambda spec: evaluations(exp, spec),
         "longest": longest,
         "max_length": max_length,
     }
@@ -354,6 +393,8 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     )
     configs = [_run_config(shared, spec) for spec in specs]
     plan = _plan(exp, shared_config)
+    for spec in specs:  # a misspelt mode or scaling fails before any training
+        plan["evaluations"](spec)
     log(
         f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
