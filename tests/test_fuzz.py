@@ -40,6 +40,7 @@ FIELDS = {
     "data.name": (["textfiles --config.data.files=/tmp/*.txt"], ["textfiles", ""]),
     "data.text_feature": (["content"], [""]),
     "data.worker_count": (["2"], ["-1"]),
+    "data.passkey_fraction": (["0.2", "0"], ["1.0", "-0.1", "nan"]),
     "data.tokenizer": (["sentencepiece"], ["words", ""]),
     "data.vocab_size": (
         ["4096 --config.data.tokenizer=sentencepiece"],
