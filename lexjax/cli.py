@@ -15,7 +15,7 @@ import jax
 from absl import flags as absl_flags
 from absl import logging as absl_logging
 
-from lexjax import api, distributed, evaluation, generation
+from lexjax import api, distributed, evaluation, generation, passkey
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
@@ -169,12 +169,17 @@ def run_eval(
     figure: bool = False,
     generate: bool = False,
     prompt: str = "",
+    passkey_run: bool = False,
+    passkey_depths=None,
+    passkey_trials: int = 10,
+    passkey_filler: str = "repeat",
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
-    Figure 1 (:meth:`lexjax.api.Run.evaluate`), or with ``generate`` a
-    continuation of ``prompt`` on stdout (``sampling``: max_new_tokens,
-    temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`)."""
+    Figure 1 (:meth:`lexjax.api.Run.evaluate`), with ``generate`` a continuation
+    of ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
+    top_p, seed; :meth:`lexjax.api.Run.generate`), or with ``passkey_run``
+    passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``)."""
     _check_workdir_flag(workdir)
     if bca not in BCA_MODES:
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
@@ -186,11 +191,18 @@ def run_eval(
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
+    depths = passkey.parse_depths(passkey_depths)
+    passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     run = api.load(workdir)
     # Like train.py's; on stderr with --generate, whose stdout is the text alone.
     print(f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True)
     if generate:
         sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+        return 0
+    if passkey_run:
+        settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
+        seed = sampling.get("seed", 0)
+        run.passkey(requested, modes=BCA_MODES[bca], eval_files=eval_files, seed=seed, **settings)
         return 0
     run.evaluate(
         requested,

@@ -132,6 +132,13 @@ EVAL_FLAGS = {
     "top_k": ([["--top_k=5"]], ["-1"]),
     "top_p": ([["--top_p=0.9"]], ["0", "1.5"]),
     "seed": ([["--seed=7"]], []),
+    "passkey": ([["--passkey"], ["--nopasskey"]], ["maybe"]),
+    "passkey_depths": (
+        [["--passkey_depths=0,0.5,1"], ["--passkey", "--passkey_depths=0.3"]],
+        ["", "1.5", "-0.1", "x", "0,nan"],
+    ),
+    "passkey_trials": ([["--passkey_trials=3"], ["--passkey", "--passkey_trials=1"]], ["0", "-2"]),
+    "passkey_filler": ([["--passkey_filler=text"]], ["words", ""]),
 }
 GENERIC_BAD = {  # wrong type and empty, by the flag's type
     "int": ["abc", "1.5", ""],
