@@ -6,6 +6,7 @@
     python eval.py --workdir=runs/tiny --eval_files='/data/books/*.txt' --max_docs=50
     python eval.py --workdir=runs/tiny --generate --prompt='def ' --max_new_tokens=2000
     python eval.py --workdir=runs/rope --bca=off --rope_scaling=yarn   # s = length/train_len
+    python eval.py --workdir=runs/tiny --passkey --lengths=256,1024 --passkey_trials=20
 
 Uses the latest good checkpoint in WORKDIR/checkpoints and the config stored
 with it. Held-out text: the run dataset's test split (validation if it has
@@ -28,6 +29,12 @@ keeps every run's results.
 dynamic_ntk (NTK with the factor of the positions processed so far) or yarn
 (ramped interpolation and attention temperature); --rope_factor=0 uses each
 evaluated length / train_len. The scaling is in every result row and the file name.
+
+--passkey measures passkey retrieval instead (lexjax/passkey.py): a random
+5-digit key hidden at each depth of filler text, asked for at the end; the
+accuracy of the greedy answer per length (--lengths, default 1,2,4,8 ×
+train_len), depth and mode (--bca), keys from --seed. It writes
+WORKDIR/eval/passkey.json and a heat map per mode, passkey-MODE.png.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ _LENGTHS = flags.DEFINE_list(
     "lengths",
     None,
     "Evaluation lengths in tokens (default: 1,2,4,8,16 × train_len); each must divide "
-    "--max_length.",
+    "--max_length. With --passkey: sample lengths (default: 1,2,4,8 × train_len).",
 )
 _MAX_LENGTH = flags.DEFINE_integer(
     "max_length",
@@ -104,7 +111,20 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generat
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed; with --passkey, the keys' seed.")
+_PASSKEY = flags.DEFINE_bool("passkey", False, "Measure passkey retrieval instead.")
+_PASSKEY_DEPTHS = flags.DEFINE_list(
+    "passkey_depths",
+    None,
+    "Depths of the key in the filler, in [0, 1] (0: first; default 0,0.25,0.5,0.75,1).",
+)
+_PASSKEY_TRIALS = flags.DEFINE_integer("passkey_trials", 10, "Keys per length and depth.")
+_PASSKEY_FILLER = flags.DEFINE_enum(
+    "passkey_filler",
+    "repeat",
+    ["repeat", "text"],
+    "Filler: a sentence repeated, or held-out text (--eval_files, else the test split).",
+)
 
 
 def main(argv):
@@ -128,6 +148,10 @@ def main(argv):
         rope_factor=_ROPE_FACTOR.value,
         generate=_GENERATE.value,
         prompt=_PROMPT.value,
+        passkey_run=_PASSKEY.value,
+        passkey_depths=_PASSKEY_DEPTHS.value,
+        passkey_trials=_PASSKEY_TRIALS.value,
+        passkey_filler=_PASSKEY_FILLER.value,
         max_new_tokens=_MAX_NEW_TOKENS.value,
         temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value,

@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from lexjax import checkpoint, evaluation, generation, training
+from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax.config import Config, from_configdict
 from lexjax.data import Tokenizer
 from lexjax.model import Decoder
@@ -156,6 +156,40 @@ class Run:
                 mesh=self.mesh,
                 rope_scaling=rope_scaling,
                 rope_factor=rope_factor,
+            )
+        return results
+
+    def passkey(
+        self,
+        lengths: Sequence[int] | None = None,
+        *,
+        depths: Sequence[float] | None = None,
+        trials: int = 10,
+        modes: Sequence[str] = evaluation.MODES,
+        filler: str = "repeat",
+        eval_files: str | None = None,
+        seed: int = 0,
+    ) -> list[passkey.PasskeyResult]:
+        """Passkey retrieval exactly as ``eval.py --passkey`` measures it: the
+        fraction of ``trials`` keys the model's greedy continuation gives, at each
+        length (default 1, 2, 4, 8 × train_len), depth (default 0, 0.25, … 1) and
+        mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (held-out text, or
+        ``eval_files``). Prints the tables and writes ``WORKDIR/eval/passkey.json``
+        and a heat map per mode (:func:`lexjax.passkey.evaluate_passkey`)."""
+        with jax.set_mesh(self.mesh):
+            results, _ = passkey.evaluate_passkey(
+                self.config,
+                self.params,
+                self.step,
+                self.workdir,
+                lengths=None if lengths is None else [int(n) for n in lengths],
+                depths=depths,
+                trials=trials,
+                modes=tuple(modes),
+                filler=filler,
+                eval_files=eval_files,
+                seed=seed,
+                tokenizer=self.tokenizer,
             )
         return results
 

@@ -12,7 +12,7 @@ import sys
 import jax
 from absl import flags as absl_flags
 
-from lexjax import api, checkpoint, distributed, evaluation, generation
+from lexjax import api, checkpoint, distributed, evaluation, generation, passkey
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
 from lexjax.errors import LexjaxError, one_line
 
@@ -124,13 +124,18 @@ def run_eval(
     prompt: str = "",
     rope_scaling: str = "none",
     rope_factor: float = 0.0,
+    passkey_run: bool = False,
+    passkey_depths=None,
+    passkey_trials: int = 10,
+    passkey_filler: str = "repeat",
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
     Figure 1 (:meth:`lexjax.api.Run.evaluate`; ``rope_scaling``/``rope_factor``:
-    an inference-time RoPE extension), or with ``generate`` a continuation of
+    an inference-time RoPE extension), with ``generate`` a continuation of
     ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
-    top_p, seed; :meth:`lexjax.api.Run.generate`)."""
+    top_p, seed; :meth:`lexjax.api.Run.generate`), or with ``passkey_run``
+    passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``)."""
     _check_workdir_flag(workdir)
     modes = parse_modes(modes, bca)
     if sinks < 0:
@@ -149,11 +154,18 @@ def run_eval(
         )
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
+    depths = passkey.parse_depths(passkey_depths)
+    passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     run = api.load(workdir)
     # Like train.py's; on stderr with --generate, whose stdout is the text alone.
     print(f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True)
     if generate:
         sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+        return 0
+    if passkey_run:
+        settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
+        seed = sampling.get("seed", 0)
+        run.passkey(requested, modes=modes, eval_files=eval_files, seed=seed, **settings)
         return 0
     run.evaluate(
         requested,

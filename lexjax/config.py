@@ -131,6 +131,8 @@ class DataConfig:
     data_dir: str | None = None
     text_feature: str = "text"
     worker_count: int = 0
+    # Fraction of training rows that are passkey documents of train_len (lexjax.passkey).
+    passkey_fraction: float = 0.0
 
     def corpus(self) -> dict[str, typing.Any]:
         """The keyword arguments naming this corpus for ``data.load_source`` and
@@ -533,6 +535,8 @@ def _validated(config: Config) -> Config:
         raise ConfigError(
             f"data.worker_count={d.worker_count} must be ≥ 0 (0: no worker processes)"
         )
+    if not 0 <= d.passkey_fraction < 1:
+        raise ConfigError(f"data.passkey_fraction={d.passkey_fraction} must be in [0, 1) (0: none)")
     if d.name == "textfiles" and not d.files:
         raise ConfigError(
             "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"

@@ -16,6 +16,12 @@ token is therefore constant, however long the generation.
 A long prompt is prefilled through the block scan; generation then continues
 token by token from the state it leaves. Token-by-token decoding computes the
 same logits as the scan over the same tokens (tested).
+
+**Without BCA** (mode ``"full"``, the evaluation's "− BCA"): plain causal
+attention over positions ``0 … P+n−1``. The prompt is prefilled C queries at a
+time (C = w) into a cache of every position, as
+:func:`lexjax.evaluation.full_logprobs` scores it, and each new token is
+appended; memory grows with the sequence.
 """
 
 from __future__ import annotations
@@ -31,9 +37,21 @@ from lexjax import data as data_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
 from lexjax.config import Config
 from lexjax.errors import ConfigError, EvaluationError
+from lexjax.evaluation import check_full_length
 from lexjax.model import Decoder
 
-__all__ = ["prefill", "decode_step", "sample_logits", "check_sampling", "generate", "complete"]
+__all__ = [
+    "MODES",
+    "prefill",
+    "decode_step",
+    "sample_logits",
+    "check_sampling",
+    "generate",
+    "complete",
+]
+
+# The attention patterns generate() decodes with (lexjax.evaluation.MODES names them).
+MODES = ("bca", "full")
 
 State = dict[str, Any]
 
@@ -96,6 +114,44 @@ def _compiled_decode(model: Decoder, block: int):
     return jax.jit(functools.partial(_decode, model, block=block))
 
 
+@functools.cache
+def _compiled_dense_prefill(model: Decoder, chunk: int, slots: int):
+    def run(params, prompt_BxN, length):
+        """prompt padded to n·C tokens, ``length`` real ones; a cache of ``slots`` ≥ N."""
+        B, N = prompt_BxN.shape
+        n = N // chunk
+
+        def step(carry, xs):
+            cache, last_BxV = carry
+            tokens_BxC, index = xs
+            start = index * chunk
+            positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
+            at = length - 1 - start  # the last real token, if in this chunk
+            here = (at >= 0) & (at < chunk)
+            last_BxV = jnp.where(here, logits[:, jnp.clip(at, 0, chunk - 1)], last_BxV)
+            return (cache.write(start, kv, positions_BxC), last_BxV), None
+
+        # Unwritten slots stand at position 0, invalid (as in evaluation's full mode).
+        cache = KVCache.empty(model.config, B, slots)
+        last = jnp.zeros((B, model.config.vocab_size), jnp.float32)
+        chunks = (prompt_BxN.reshape(B, n, chunk).swapaxes(0, 1), jnp.arange(n, dtype=jnp.int32))
+        (cache, last), _ = jax.lax.scan(step, (cache, last), chunks)
+        # Padding was written after the real tokens; it is never a key of theirs, nor later.
+        cache = cache.replace(valid=jnp.broadcast_to(jnp.arange(slots) < length, (B, slots)))
+        return last, {"cache": cache, "next": jnp.asarray(length, jnp.int32)}
+
+    return jax.jit(run)
+
+
+def _dense_decode(model: Decoder, params, state: State, token_B):
+    cache, position = state["cache"], state["next"]
+    positions_Bx1 = jnp.broadcast_to(position, (token_B.shape[0], 1)).astype(jnp.int32)
+    logits, kv = model.apply({"params": params}, token_B[:, None], positions_Bx1, cache=cache)
+    cache = cache.write(position, kv, positions_Bx1)
+    return logits[:, 0], {"cache": cache, "next": position + 1}
+
+
 def decode_step(model: Decoder, params, state: State, token_B, *, block: int):
     """Feeds one token per row; returns ``(logits_BxV for the token after it, state)``."""
     return _compiled_decode(model, block)(params, state, jnp.asarray(token_B, jnp.int32))
@@ -139,13 +195,22 @@ def check_sampling(
 
 @functools.cache
 def _compiled_generate(
-    model: Decoder, block: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float
+    model: Decoder,
+    block: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    mode: str = "bca",
 ):
     def run(params, logits_BxV, state, rng):
         def step(carry, key):
             logits, state = carry
             token = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
-            logits, state = _decode(model, params, state, token, block)
+            if mode == "bca":
+                logits, state = _decode(model, params, state, token, block)
+            else:
+                logits, state = _dense_decode(model, params, state, token)
             return (logits, state), token
 
         keys = jax.random.split(rng, max_new_tokens)
@@ -166,17 +231,43 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    mode: str = "bca",
 ):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
 
-    The cache never holds more than 2w tokens, so any number of tokens can be
-    generated in constant memory per token.
+    ``mode`` (one of :data:`MODES`): ``"bca"``, the blockwise window, whose
+    cache never holds more than 2w tokens, so any number of tokens can be
+    generated in constant memory per token; ``"full"``, plain causal attention
+    over every earlier token (positions ``0 … P+max_new_tokens−1``), which
+    raises :class:`EvaluationError` where
+    :func:`lexjax.evaluation.check_full_length` does.
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
-    logits, state = prefill(model, params, prompt_BxP, block=block)
+    if mode not in MODES:
+        raise EvaluationError(f"generation mode {mode!r}: choose from {', '.join(MODES)}")
+    if mode == "bca":
+        logits, state = prefill(model, params, prompt_BxP, block=block)
+    else:
+        logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
     return _compiled_generate(
-        model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p)
+        model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p), mode
     )(params, logits, state, rng)
+
+
+def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):
+    """Mode ``"full"``'s prefill: ``(next-token logits_BxV, {"cache", "next"})`` with
+    room in the cache for ``max_new_tokens`` more tokens."""
+    prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
+    if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
+        raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
+    length = prompt_BxP.shape[1]
+    check_full_length(model.config, length + max_new_tokens)
+    if model.config.position == "learned":
+        # No padding: it could stand past the table (see evaluation.full_logprobs).
+        chunk = length
+    padded = pad_to(prompt_BxP, chunk)
+    slots = padded.shape[1] + int(max_new_tokens)
+    return _compiled_dense_prefill(model, chunk, slots)(params, padded, length)
 
 
 def complete(

@@ -27,6 +27,9 @@ __all__ = [
     "resolution_table",
     "resolution_json",
     "plot_expectation",
+    "passkey_table",
+    "passkey_json",
+    "plot_passkey",
     "write_json",
     "OUTPUTS",
     "collect",
@@ -221,6 +224,62 @@ def plot_expectation(
     ax.set_ylabel("expected attention score")
     ax.set_title(f"head_dim {head_dim}, scale_base {scale_base:g}")
     ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def passkey_table(results: Sequence, position: str, skipped: Sequence[dict] = ()) -> str:
+    """Markdown per mode: a row per depth, a column per length, passkey accuracy
+    (:class:`lexjax.passkey.PasskeyResult`); a ``skipped`` cell (``{"mode",
+    "length", "reason"}``) shows "—" and its reason below."""
+    lengths = sorted({r.length for r in results} | {s["length"] for s in skipped})
+    modes = list(dict.fromkeys([*(r.mode for r in results), *(s["mode"] for s in skipped)]))
+    depths = sorted({r.depth for r in results})
+    cell = {(r.mode, r.length, r.depth): r for r in results}
+    lines = []
+    for mode in modes:
+        lines.append(_header(f"{position} {MODE_NAMES.get(mode, mode)}: depth", lengths))
+        for depth in depths:
+            cells = [
+                f"{cell[mode, n, depth].accuracy:.2f}" if (mode, n, depth) in cell else "—"
+                for n in lengths
+            ]
+            lines.append(_row(f"{depth:g}", cells))
+        lines.append("")
+    lines.append("accuracy: the fraction of keys the greedy continuation gives exactly")
+    lines += [f"— {s['mode']} {s['length']}: {s['reason']}" for s in skipped]
+    return "\n".join(lines)
+
+
+def passkey_json(results: Sequence, *, train_len: int, **extra) -> dict:
+    """``{"train_len", ..., "results": [{"mode", "length", "depth", "accuracy", "trials"}]}``."""
+    return {"train_len": train_len, **extra, "results": [r.as_dict() for r in results]}
+
+
+def plot_passkey(results: Sequence, path: str, *, train_len: int, title: str) -> None:
+    """A length × depth heat map of passkey accuracy (one mode's results): the
+    value in each cell, lengths beyond ``train_len`` right of a dashed line."""
+    lengths = sorted({r.length for r in results})
+    depths = sorted({r.depth for r in results})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for r in results:
+        grid[depths.index(r.depth), lengths.index(r.length)] = r.accuracy
+    fig, ax = _figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
+    for (i, j), value in np.ndenumerate(grid):
+        if not np.isnan(value):
+            colour = "black" if value > 0.6 else "white"
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8, color=colour)
+    within = sum(n <= train_len for n in lengths)
+    if 0 < within < len(lengths):
+        ax.axvline(within - 0.5, color="white", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel(f"length (tokens; train_len {train_len})")
+    ax.set_ylabel("depth of the key")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)

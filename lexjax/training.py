@@ -24,7 +24,7 @@ import jax
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
-from lexjax import distributed, metrics
+from lexjax import distributed, metrics, passkey
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, to_dict
@@ -60,6 +60,20 @@ class _StopFlag:
 
 def _source(config: Config, split: str) -> data_lib.TextSource:
     return data_lib.load_source(config.data.name, split, **config.data.corpus())
+
+
+def _train_source(config: Config, tokenizer: data_lib.Tokenizer):
+    """The train split, with passkey documents mixed in when ``data.passkey_fraction`` > 0."""
+    source = _source(config, "train")
+    if config.data.passkey_fraction == 0:
+        return source
+    return passkey.PasskeyMix(
+        source,
+        fraction=config.data.passkey_fraction,
+        length=config.train_len,
+        tokenizer=tokenizer,
+        seed=config.seed,
+    )
 
 
 def _tokenizer(config: Config) -> data_lib.Tokenizer:
@@ -164,7 +178,12 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
     tokenizer = _tokenizer(config)
     setup = TrainSetup(config)
     data_iter = _iterator(
-        config, _source(config, "train"), tokenizer, setup, config.seed, config.data.worker_count
+        config,
+        _train_source(config, tokenizer),
+        tokenizer,
+        setup,
+        config.seed,
+        config.data.worker_count,
     )
     # Read now, not at the first evaluation: a corpus without a validation split
     # must fail before training, not after eval_every steps of it. The same fixed

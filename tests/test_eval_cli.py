@@ -125,6 +125,26 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert done.stdout.startswith("def ")
 
 
+def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
+    args = [f"--workdir={workdir}", "--passkey", "--lengths=32,96", "--passkey_depths=0,1"]
+    done = _run("eval.py", *args, "--passkey_trials=2", "--seed=3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| xpos with BCA: depth | 32 | 96 |" in done.stdout
+    assert "| xpos without BCA: depth | 32 | 96 |" in done.stdout
+    assert "— full 32: length 32 is below the 69 tokens of the format" in done.stdout
+    eval_dir = os.path.join(workdir, "eval")
+    with open(os.path.join(eval_dir, "passkey.json")) as f:
+        summary = json.load(f)
+    assert summary["train_len"] == 32 and summary["seed"] == 3
+    assert [(r["mode"], r["length"], r["depth"], r["trials"]) for r in summary["results"]] == [
+        (m, 96, d, 2) for m in ("bca", "full") for d in (0.0, 1.0)
+    ]
+    assert all(0 <= r["accuracy"] <= 1 for r in summary["results"])
+    for mode in ("bca", "full"):
+        assert os.path.getsize(os.path.join(eval_dir, f"passkey-{mode}.png")) > 0
+    _one_line_error(_run("eval.py", *args, "--passkey_depths=2"), 2, "--passkey_depths")
+
+
 def _one_line_error(done, code, *fragments):
     assert done.returncode == code, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()

@@ -40,6 +40,7 @@ FIELDS = {
     "data.name": (["textfiles --config.data.files=/tmp/*.txt"], ["textfiles", ""]),
     "data.text_feature": (["content"], [""]),
     "data.worker_count": (["2"], ["-1"]),
+    "data.passkey_fraction": (["0.2", "0"], ["1.0", "-0.1", "nan"]),
     "data.tokenizer": (["sentencepiece"], ["words", ""]),
     "data.vocab_size": (
         ["4096 --config.data.tokenizer=sentencepiece"],
@@ -163,6 +164,13 @@ EVAL_FLAGS = {
         [["--rope_factor=4", "--rope_scaling=pi"], ["--rope_factor=0", "--rope_scaling=ntk"]],
         ["0.5 --rope_scaling=pi", "-2", "nan", "inf", "3", "2 --rope_scaling=dynamic_ntk"],
     ),
+    "passkey": ([["--passkey"], ["--nopasskey"]], ["maybe"]),
+    "passkey_depths": (
+        [["--passkey_depths=0,0.5,1"], ["--passkey", "--passkey_depths=0.3"]],
+        ["", "1.5", "-0.1", "x", "0,nan"],
+    ),
+    "passkey_trials": ([["--passkey_trials=3"], ["--passkey", "--passkey_trials=1"]], ["0", "-2"]),
+    "passkey_filler": ([["--passkey_filler=text"]], ["words", ""]),
 }
 GENERIC_BAD = {  # wrong type and empty, by the flag's type
     "int": ["abc", "1.5", ""],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lexjax import evaluation, generation
-from lexjax.errors import ConfigError
+from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
 from tests.helpers import SMALL_MODEL, TRAIN_LEN
 
@@ -87,4 +87,54 @@ def test_generation_runs_far_beyond_the_training_length(model_params):
     with pytest.raises(ConfigError, match="top_p"):
         generation.generate(
             model, params, prompt, block=W, max_new_tokens=2, rng=jax.random.key(0), top_p=0.0
+        )
+
+
+@pytest.mark.parametrize("position", ["xpos", "learned"])
+@pytest.mark.parametrize("prompt_len", [1, 2 * W + 3])
+def test_dense_generation_is_greedy_decoding_by_causal_forwards(position, prompt_len):
+    """Mode full: every generated token is the argmax of one plain causal forward over
+    the prompt and the tokens before it (no window: positions 0 … P+n−1)."""
+    config = dataclasses.replace(CONFIG, position=position, max_len=8 * W)
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    rng = np.random.default_rng(prompt_len)
+    prompt = rng.integers(0, CONFIG.vocab_size, (2, prompt_len)).astype(np.int32)
+    new = 2 * W + 1
+    out = generation.generate(
+        model,
+        params,
+        prompt,
+        block=W,
+        max_new_tokens=new,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        mode="full",
+    )
+    # Causal: the zeros after token n change nothing before it, so one shape serves all.
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens)[0])
+    tokens = np.zeros((2, prompt_len + new), np.int32)
+    tokens[:, :prompt_len] = prompt
+    for n in range(prompt_len, prompt_len + new):
+        tokens[:, n] = np.argmax(forward(tokens)[:, n - 1], -1)
+    np.testing.assert_array_equal(out, tokens[:, prompt_len:])
+
+
+def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
+    model = Decoder(dataclasses.replace(CONFIG, position="learned"))
+    prompt = jnp.ones((1, TRAIN_LEN - 2), jnp.int32)
+    with pytest.raises(EvaluationError, match="table of 16"):
+        generation.generate(
+            model,
+            None,
+            prompt,
+            block=W,
+            max_new_tokens=3,
+            rng=jax.random.key(0),
+            temperature=0.0,
+            mode="full",
+        )
+    with pytest.raises(EvaluationError, match="generation mode 'sinks'"):
+        generation.generate(
+            *model_params, prompt, block=W, max_new_tokens=3, rng=jax.random.key(0), mode="sinks"
         )

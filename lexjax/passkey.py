@@ -1,0 +1,482 @@
+"""Passkey retrieval: does the model *use* a token far back, not only predict text near it?
+
+The synthetic, offline task of Mohtashami & Jaggi (2023, "Landmark
+Attention"): filler text with a random key hidden at a chosen depth, then a
+question; the model is right when its greedy continuation is the key.
+
+A **sample** of length N (:func:`make_sample`) is exactly N tokens of the
+model's tokenizer, prompt and answer together::
+
+    BOS  filler[:a]  "\\nThe pass key is " KEY ".\\n"  filler[a:]
+         "\\nWhat is the pass key? The pass key is "  | KEY
+
+where ``a = round(depth · F)`` of the F filler tokens stand before the key
+line: depth 0 puts the key right after BOS, depth 1 right before the question.
+Each piece is encoded on its own and the ids are joined, so the key has the
+same ids where it is hidden and where it is asked for, whatever the tokenizer.
+The filler is a sentence repeated (:data:`FILLER`, the task's usual one) or a
+stream of held-out token ids, read from a seeded offset. The key is
+:data:`KEY_DIGITS` random digits; a seed fixes the key and the filler offset,
+and not the length or depth, so cells of a table differ only in those.
+
+**Scoring** (:func:`is_correct`): greedy decoding writes ``KEY_DIGITS + 1``
+tokens (enough for the key and the character after it in any tokenizer, a
+token covering at least one byte); the continuation, cut at EOS, is right iff
+its leading run of digits is exactly the key: ``"12345. The"`` is right,
+``"1234"``, ``"12346"`` and ``"123456"`` are wrong, and so is ``" 12345"``.
+
+**Training** (:class:`PasskeyMix`): a small model retrieves nothing unless it
+has learned to copy, so ``data.passkey_fraction`` adds passkey documents of
+exactly one training row (length ``train_len``, plus EOS) to the training
+source, at random depths. The fraction is of training *rows*, estimated from a
+fixed sample of the source's documents: with long documents a fraction of
+documents would be almost no rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from lexjax import data as data_lib
+from lexjax import evaluation, generation, reports
+from lexjax.config import Config, ConfigError, ModelConfig
+from lexjax.errors import DataError, EvaluationError
+from lexjax.model import Decoder
+from lexjax.progress import Progress
+
+__all__ = [
+    "FILLER",
+    "FILLERS",
+    "KEY_DIGITS",
+    "NEW_TOKENS",
+    "DEPTHS",
+    "Sample",
+    "make_sample",
+    "min_length",
+    "continuation_text",
+    "is_correct",
+    "PasskeyMix",
+    "training_document",
+    "mix_count",
+    "PasskeyResult",
+    "default_lengths",
+    "parse_depths",
+    "check_settings",
+    "cell_problem",
+    "passkey_accuracy",
+    "evaluate_passkey",
+]
+
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+FILLERS = ("repeat", "text")  # eval.py --passkey_filler: FILLER repeated, or held-out text
+KEY_DIGITS = 5
+NEW_TOKENS = KEY_DIGITS + 1  # generated per sample: the key and what follows it
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_KEY_BEFORE = "\nThe pass key is "
+_KEY_AFTER = ".\n"
+_QUESTION = "\nWhat is the pass key? The pass key is "
+_MIX_STREAM = 1  # seeds training documents apart from evaluation samples
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Sample(NamedTuple):
+    prompt: np.ndarray  # int32 [N − len(answer)]: BOS … the question
+    answer: np.ndarray  # int32: the key's ids
+    key: str  # its digits
+
+
+def _pieces(tokenizer: data_lib.Tokenizer):
+    return tuple(tokenizer.encode(t) for t in (_KEY_BEFORE, _KEY_AFTER, _QUESTION))
+
+
+def min_length(tokenizer: data_lib.Tokenizer = data_lib.BYTES) -> int:
+    """The shortest length every sample fits in (no filler; a key of at most
+    ``KEY_DIGITS`` tokens, twice)."""
+    return 1 + sum(len(p) for p in _pieces(tokenizer)) + 2 * KEY_DIGITS
+
+
+def make_sample(
+    seed,
+    length: int,
+    depth: float,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    filler: str | np.ndarray = FILLER,
+) -> Sample:
+    """The passkey sample of ``seed`` (an int or a sequence of ints): exactly
+    ``length`` tokens of prompt and answer, the key line after ``round(depth·F)``
+    of the F filler tokens (module docstring).
+
+    ``filler``: a text repeated from its start, or int32 token ids read
+    cyclically from an offset the seed draws. Raises :class:`EvaluationError`
+    when ``length`` cannot hold the format, or for a depth outside [0, 1].
+    """
+    if not 0 <= depth <= 1:
+        raise EvaluationError(f"depth {depth} must be in [0, 1]")
+    rng = np.random.default_rng(seed)
+    key = str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
+    before, after, question = _pieces(tokenizer)
+    key_ids = tokenizer.encode(key)
+    fixed = 1 + len(before) + 2 * len(key_ids) + len(after) + len(question)
+    count = length - fixed
+    if count < 0:
+        raise EvaluationError(
+            f"a passkey sample of {length} tokens cannot hold its {fixed} tokens of format; "
+            f"use lengths of at least {min_length(tokenizer)}"
+        )
+    if isinstance(filler, str):
+        stream, offset = tokenizer.encode(filler), 0
+    else:
+        stream = np.asarray(filler, np.int32)
+        offset = int(rng.integers(len(stream))) if len(stream) else 0
+    if count and not len(stream):
+        raise EvaluationError("the passkey filler is empty; give text to fill with")
+    fill = np.take(stream, offset + np.arange(count), mode="wrap") if count else stream[:0]
+    cut = int(np.floor(depth * count + 0.5))
+    prompt = np.concatenate(
+        [[tokenizer.bos], fill[:cut], before, key_ids, after, fill[cut:], question]
+    ).astype(np.int32)
+    return Sample(prompt, key_ids.astype(np.int32), key)
+
+
+def continuation_text(ids, tokenizer: data_lib.Tokenizer = data_lib.BYTES) -> str:
+    """The text of generated ``ids`` up to their first EOS."""
+    ids = np.asarray(ids).reshape(-1)
+    end = np.nonzero(ids == tokenizer.eos)[0]
+    return tokenizer.decode(ids[: end[0]] if len(end) else ids)
+
+
+def is_correct(continuation: str, key: str) -> bool:
+    """Whether the continuation's leading run of ASCII digits is exactly ``key``."""
+    return re.match(r"[0-9]*", continuation).group() == key
+
+
+# --------------------------------------------------------------------------- the training mix
+
+
+def training_document(
+    seed: int, index: int, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
+) -> np.ndarray:
+    """Passkey document ``index`` of the training mix of ``seed``: a sample of
+    ``length`` tokens (the training length) at a random depth, then EOS — int32
+    ``[length + 1]``, one packed row of ``length`` (input, target) pairs."""
+    depth = np.random.default_rng([seed, index, _MIX_STREAM]).random()
+    sample = make_sample([seed, index, _MIX_STREAM, 0], length, depth, tokenizer)
+    return np.concatenate([sample.prompt, sample.answer, [tokenizer.eos]]).astype(np.int32)
+
+
+def mix_count(
+    source: Sequence,
+    fraction: float,
+    length: int,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    sample: int = 64,
+) -> int:
+    """How many passkey documents make ``fraction`` of the training rows: the
+    source's rows (its (input, target) pairs / ``length``) are estimated from
+    ``sample`` documents evenly spread over it, so the count is deterministic."""
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"data.passkey_fraction={fraction} must be in [0, 1)")
+    n = len(source)
+    if fraction == 0 or n == 0:
+        return 0
+    picks = np.unique(np.linspace(0, n - 1, min(n, sample)).round().astype(int))
+    pairs = np.mean([len(data_lib.as_document(source[int(i)], tokenizer)) - 1 for i in picks])
+    return max(1, round(fraction / (1 - fraction) * n * pairs / length))
+
+
+class PasskeyMix:
+    """A training source (``len`` and ``[i]``) with passkey documents added.
+
+    Items ``0 … n−1`` are the source's, unchanged; items ``n … n+count−1`` are
+    :func:`training_document` ``(seed, i − n)``, int32 ids the pipeline passes
+    through untokenized. ``count`` (:func:`mix_count`) makes them ``fraction`` of
+    the rows. Deterministic and stateless, so the pipeline's shuffle, sharding
+    and checkpointed iterator state work as for any source.
+    """
+
+    def __init__(
+        self,
+        source: Sequence,
+        *,
+        fraction: float,
+        length: int,
+        tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+        seed: int = 0,
+    ):
+        self.source, self.length, self.tokenizer, self.seed = source, length, tokenizer, seed
+        self.count = mix_count(source, fraction, length, tokenizer)
+        if self.count and length < min_length(tokenizer):
+            raise ConfigError(
+                f"train_len={length} is below the {min_length(tokenizer)} tokens of a passkey "
+                "document; raise train_len or set data.passkey_fraction=0"
+            )
+
+    def __len__(self) -> int:
+        return len(self.source) + self.count
+
+    def __getitem__(self, index: int):
+        index = int(index)
+        n = len(self.source)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} of a source of {len(self)} documents")
+        if index < n:
+            return self.source[index]
+        return training_document(self.seed, index - n, self.length, self.tokenizer)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyResult:
+    mode: str  # one of lexjax.evaluation.MODES
+    length: int  # tokens of prompt and answer
+    depth: float
+    accuracy: float  # the fraction of trials whose greedy continuation is the key
+    trials: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_lengths(train_len: int) -> list[int]:
+    """1, 2, 4 and 8 × ``train_len``."""
+    return [m * train_len for m in (1, 2, 4, 8)]
+
+
+def parse_depths(values) -> list[float] | None:
+    """``--passkey_depths`` strings → sorted floats in [0, 1]; None (not given) → None."""
+    if values is None:
+        return None
+    if not values:
+        raise ConfigError("--passkey_depths is empty; give depths such as 0,0.5,1 or leave it out")
+    depths = []
+    for value in values:
+        try:
+            depths.append(float(value))
+        except ValueError:
+            raise ConfigError(f"--passkey_depths: {value!r} is not a number") from None
+        if not 0 <= depths[-1] <= 1:
+            raise ConfigError(f"--passkey_depths: every depth must be in [0, 1], got {value}")
+    return sorted(set(depths))
+
+
+def check_settings(*, trials: int, filler: str) -> None:
+    """Raises :class:`ConfigError` for a trial count or filler kind out of range."""
+    if trials < 1:
+        raise ConfigError(f"--passkey_trials={trials} must be positive")
+    if filler not in FILLERS:
+        raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
+
+
+def cell_problem(
+    config: ModelConfig, mode: str, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
+) -> str | None:
+    """Why the cell (mode, length) cannot be measured, or None."""
+    if mode not in generation.MODES:
+        return f"generation cannot decode in mode {mode}"
+    if length < min_length(tokenizer):
+        return f"length {length} is below the {min_length(tokenizer)} tokens of the format"
+    if mode == "full":
+        try:
+            evaluation.check_full_length(config, length + NEW_TOKENS)
+        except EvaluationError as e:
+            return str(e)
+    return None
+
+
+def passkey_accuracy(
+    model: Decoder,
+    params,
+    *,
+    block: int,
+    lengths: Sequence[int],
+    depths: Sequence[float] = DEPTHS,
+    trials: int = 10,
+    modes: Sequence[str] = evaluation.MODES,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    filler: str | np.ndarray = FILLER,
+    seed: int = 0,
+    tokens_per_batch: int = 8192,
+    strict: bool = True,
+    progress: bool = False,
+    say: Callable[[str], None] = _stderr,
+) -> list[PasskeyResult]:
+    """Passkey accuracy per (mode, length, depth) by greedy decoding
+    (:func:`lexjax.generation.generate` in that mode).
+
+    Trial t uses the sample of seed ``[seed, t]`` at every length, depth and
+    mode. ``block``: w = train_len/2 (the full mode's prefill chunk too).
+    ``strict``: a cell :func:`cell_problem` refuses raises; otherwise it is
+    skipped with a note through ``say`` and missing from the results (a mode of
+    :data:`lexjax.evaluation.MODES` that generation cannot decode yet, a length
+    too short, or one the full mode cannot reach).
+    """
+    lengths = sorted(set(int(n) for n in lengths))
+    depths = sorted(set(float(d) for d in depths))
+    for mode in modes:
+        if mode not in evaluation.MODES:
+            raise EvaluationError(f"mode {mode!r}: choose from {', '.join(evaluation.MODES)}")
+    if not lengths or lengths[0] < 1:
+        raise EvaluationError(f"lengths must be positive, got {lengths}")
+    if not depths or not 0 <= depths[0] <= depths[-1] <= 1:
+        raise EvaluationError(f"depths must be in [0, 1], got {depths}")
+    if trials < 1:
+        raise EvaluationError(f"trials must be positive, got {trials}")
+    cells = []
+    for mode in modes:
+        for length in lengths:
+            problem = cell_problem(model.config, mode, length, tokenizer)
+            if problem is None:
+                cells.append((mode, length))
+            elif strict:
+                raise EvaluationError(problem)
+            else:
+                say(f"note: no passkey {mode} cell at length {length}: {problem}")
+    bar = Progress(len(cells) * len(depths) * trials, label="samples", enabled=progress)
+    done, results = 0, []
+    for mode, length in cells:
+        samples = [
+            (depth, make_sample([seed, t], length, depth, tokenizer, filler))
+            for depth in depths
+            for t in range(trials)
+        ]
+        correct = dict.fromkeys(depths, 0)
+        batch = max(1, min(len(samples), tokens_per_batch // length))
+        # A key of another token count gives another prompt length: one call per length.
+        for prompt_len in sorted({len(s.prompt) for _, s in samples}):
+            group = [(d, s) for d, s in samples if len(s.prompt) == prompt_len]
+            for start in range(0, len(group), batch):
+                part = group[start : start + batch]
+                prompts = np.stack([s.prompt for _, s in part])
+                prompts = np.concatenate([prompts, np.repeat(prompts[:1], batch - len(part), 0)])
+                out = generation.generate(
+                    model,
+                    params,
+                    prompts,
+                    block=block,
+                    max_new_tokens=NEW_TOKENS,
+                    rng=jax.random.key(0),
+                    temperature=0.0,
+                    mode=mode,
+                )
+                out = np.asarray(out)
+                for row, (depth, sample) in enumerate(part):
+                    correct[depth] += is_correct(continuation_text(out[row], tokenizer), sample.key)
+                done += len(part)
+                bar.update(done, f"{mode} {length}")
+        results += [PasskeyResult(mode, length, d, correct[d] / trials, trials) for d in depths]
+    bar.close()
+    return results
+
+
+def _text_filler(config, eval_files, max_docs, tokenizer, say) -> tuple[str, np.ndarray]:
+    where, documents = evaluation.held_out_documents(config, eval_files, say, tokenizer=tokenizer)
+    bodies = [d[1:-1] for d in documents[:max_docs]]
+    stream = np.concatenate(bodies) if bodies else np.zeros(0, np.int32)
+    if not len(stream):
+        raise DataError(f"{where} holds no text to fill passkey samples with")
+    return f"{min(len(documents), max_docs)} documents of {where}", stream.astype(np.int32)
+
+
+def evaluate_passkey(
+    config: Config,
+    params,
+    step: int,
+    workdir: str,
+    *,
+    lengths: Sequence[int] | None = None,
+    depths: Sequence[float] | None = None,
+    trials: int = 10,
+    modes: Sequence[str] = evaluation.MODES,
+    filler: str = "repeat",
+    eval_files: str | None = None,
+    max_docs: int = 20,
+    seed: int = 0,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    say: Callable[[str], None] = _stderr,
+) -> tuple[list[PasskeyResult], list[str]]:
+    """``eval.py --passkey``: accuracy at each length (default 1, 2, 4, 8 ×
+    train_len), depth (default :data:`DEPTHS`) and mode, ``trials`` keys each.
+
+    ``filler``: ``"repeat"`` (:data:`FILLER`) or ``"text"``: the first
+    ``max_docs`` held-out documents (``eval_files``, else the run's test split).
+    Prints a table per mode and writes ``WORKDIR/eval/passkey.json``
+    (``{"train_len", ..., "skipped", "results": [{"mode", "length", "depth",
+    "accuracy", "trials"}]}``) and a length × depth heat map per mode,
+    ``passkey-MODE.png``. Returns the results and the paths written.
+    """
+    check_settings(trials=trials, filler=filler)
+    train_len, position = config.train_len, config.model.position
+    lengths = sorted(set(lengths or default_lengths(train_len)))
+    depths = sorted(set(DEPTHS if depths is None else depths))
+    source, stream = "the repeated filler sentence", FILLER
+    if filler == "text":
+        source, stream = _text_filler(config, eval_files, max_docs, tokenizer, say)
+    skipped = [
+        {"mode": m, "length": n, "reason": problem}
+        for m in modes
+        for n in lengths
+        if (problem := cell_problem(config.model, m, n, tokenizer))
+    ]
+    if len(skipped) == len(modes) * len(lengths):
+        raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}")
+    results = passkey_accuracy(
+        Decoder(config.model),
+        params,
+        block=config.block,
+        lengths=lengths,
+        depths=depths,
+        trials=trials,
+        modes=modes,
+        tokenizer=tokenizer,
+        filler=stream,
+        seed=seed,
+        strict=False,
+        progress=True,
+        say=say,
+    )
+    print(
+        f"passkey retrieval of {workdir} (step {step}, position={position}, "
+        f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
+    )
+    print(reports.passkey_table(results, position, skipped=skipped))
+    out_dir = os.path.join(workdir, "eval")
+    written = [os.path.join(out_dir, "passkey.json")]
+    reports.write_json(
+        written[0],
+        reports.passkey_json(
+            results,
+            train_len=train_len,
+            position=position,
+            step=step,
+            filler=source,
+            seed=seed,
+            skipped=skipped,
+        ),
+    )
+    for mode in dict.fromkeys(r.mode for r in results):
+        written.append(os.path.join(out_dir, f"passkey-{mode}.png"))
+        reports.plot_passkey(
+            [r for r in results if r.mode == mode],
+            written[-1],
+            train_len=train_len,
+            title=f"passkey, {position} {reports.MODE_NAMES.get(mode, mode)}",
+        )
+    print(f"\nwrote {', '.join(written)}")
+    return results, written
