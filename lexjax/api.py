@@ -165,7 +165,7 @@ class Run:
         *,
         depths: Sequence[float] | None = None,
         trials: int = 10,
-        modes: Sequence[str] = evaluation.MODES,
+        modes: Sequence[str] = evaluation.DEFAULT_MODES,
         filler: str = "repeat",
         eval_files: str | None = None,
         seed: int = 0,
