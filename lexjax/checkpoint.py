@@ -65,6 +65,7 @@ from jax.experimental import multihost_utils
 from lexjax import data as data_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
+from lexjax.data.pipeline import STREAM_VERSION
 from lexjax.distributed import all_processes
 from lexjax.errors import CheckpointError, DataError, one_line
 from lexjax.model import Decoder
@@ -296,6 +297,7 @@ class Checkpointer:
                 "process_count": jax.process_count(),
                 "sha256": hexdigests,
                 "shared": len(set(hexdigests)) == 1,
+                "stream": STREAM_VERSION,
             }
             items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
         if config is not None:
@@ -609,6 +611,19 @@ class Checkpointer:
             return
         count, index = jax.process_count(), jax.process_index()
         saved_count = record["process_count"]
+        stream = record.get("stream", 1)
+        if stream != STREAM_VERSION:
+            if index == 0:
+                log.warning(
+                    "note: checkpoint step %d in %s holds a position in the data stream of an "
+                    "older lexjax (stream %d, now %d: see lexjax/data/pipeline.py); the data "
+                    "stream restarts from its beginning",
+                    step,
+                    self.directory,
+                    stream,
+                    STREAM_VERSION,
+                )
+            return
         shared = record.get("shared", saved_count == 1)
         if not shared and (saved_count != count or "shared" not in record):
             why = (

@@ -133,6 +133,8 @@ class DataConfig:
     worker_count: int = 0
     # Fraction of training rows that are passkey documents of train_len (lexjax.passkey).
     passkey_fraction: float = 0.0
+    # Packed rows are shuffled in windows of this many rows before batching (0: off).
+    shuffle_rows: int = 1024
 
     def corpus(self) -> dict[str, typing.Any]:
         """The keyword arguments naming this corpus for ``data.load_source`` and
@@ -535,6 +537,8 @@ def _validated(config: Config) -> Config:
         raise ConfigError(
             f"data.worker_count={d.worker_count} must be ≥ 0 (0: no worker processes)"
         )
+    if d.shuffle_rows < 0:
+        raise ConfigError(f"data.shuffle_rows={d.shuffle_rows} must be ≥ 0 (0: packing order)")
     if not 0 <= d.passkey_fraction < 1:
         raise ConfigError(f"data.passkey_fraction={d.passkey_fraction} must be in [0, 1) (0: none)")
     if d.name == "textfiles" and not d.files:

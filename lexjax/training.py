@@ -100,6 +100,7 @@ def _iterator(config: Config, source, tokenizer, setup: TrainSetup, seed: int, w
         shard_index=shard_index,
         shard_count=shard_count,
         worker_count=worker_count,
+        shuffle_rows=config.data.shuffle_rows,
     )
 
 

@@ -220,8 +220,8 @@ def _as_if_saved_by(step_dir, process_count, shared):
         digest = hashlib.sha256(json.dumps(json.loads(text), sort_keys=True).encode())
         record["sha256"][i:] = [digest.hexdigest()]
     record["process_count"] = process_count
-    if shared is None:
-        del record["shared"]
+    if shared is None:  # nor the stream version, which came later still
+        del record["shared"], record["stream"]
     else:
         record["shared"] = shared
     path.write_text(json.dumps(integrity))
@@ -230,10 +230,12 @@ def _as_if_saved_by(step_dir, process_count, shared):
 @pytest.mark.parametrize(
     "process_count, shared, note",
     [
-        (1, None, None),  # one process, older lexjax: its stream is today's
+        # one process, older lexjax: packing order, before the row shuffle
+        (1, None, "a position in the data stream of an older lexjax (stream 1, now 2"),
         (2, True, None),  # the global stream saved by two processes
-        (2, None, "saved before the data stream was the same for any process count"),
-        (2, False, "this run has 1"),  # per-process positions of another process count
+        (2, None, "a position in the data stream of an older lexjax (stream 1, now 2"),
+        # per-process positions of another process count
+        (2, False, "holds per-process data positions of 2 processes (this run has 1)"),
     ],
     ids=["old-one-process", "shared-two", "old-two-processes", "per-process-two"],
 )
@@ -256,14 +258,14 @@ def test_iterator_state_of_other_process_counts_and_older_lexjax(
         assert [next(resumed).tolist() for _ in range(2)] == expected
     else:
         assert len(warnings) == 1 and "\n" not in warnings[0]
-        assert f"holds per-process data positions of 2 processes ({note})" in warnings[0]
+        assert note in warnings[0]
         assert warnings[0].endswith("the data stream restarts from its beginning")
         assert next(resumed).tolist() == [0, 1, 2, 3]
 
 
-def test_the_committed_older_checkpoint_restores_its_data_position():
-    """tests/fixtures/run_v1 was written by one process before the "shared" key: its
-    saved position is handed to the iterator as it is."""
+def test_the_committed_older_checkpoint_restarts_its_data_stream(caplog):
+    """tests/fixtures/run_v1 was written by one process before the row shuffle
+    (stream 1): its parameters restore and its data stream restarts, with one line."""
     from lexjax import config as cfg
     from lexjax.steps import TrainSetup
 
@@ -277,9 +279,12 @@ def test_the_committed_older_checkpoint_restores_its_data_position():
             self.state = json.loads(state)
 
     position = Position()
-    _, _, step = ckpt.restore(abstract_state=setup.abstract_state, data_iter=position)
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        _, _, step = ckpt.restore(abstract_state=setup.abstract_state, data_iter=position)
     ckpt.close()
-    assert step == 6 and position.state == saved
+    assert step == 6 and saved and not hasattr(position, "state")
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"]
+    assert "older lexjax (stream 1, now 2" in warning
 
 
 def truncate(step_dir, value):

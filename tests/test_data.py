@@ -315,7 +315,9 @@ def test_packing_convention():
 def test_long_document_continues_as_new_segments():
     document = data.encode_document("a" * (3 * SEQ_LEN + 5))
     batches = list(
-        data.make_train_iterator([document], seq_len=SEQ_LEN, batch_size=1, seed=0, num_epochs=1)
+        data.make_train_iterator(
+            [document], seq_len=SEQ_LEN, batch_size=1, seed=0, num_epochs=1, shuffle_rows=0
+        )
     )
     assert len(batches) == 4
     for i, batch in enumerate(batches):
@@ -330,6 +332,34 @@ def test_long_document_continues_as_new_segments():
         np.testing.assert_array_equal(batch["positions"][0, :length], np.arange(length))
         np.testing.assert_array_equal(batch["segment_ids"][0, :length], 1)
         assert not batch["segment_ids"][0, length:].any()
+
+
+def test_row_shuffle_mixes_documents_into_batches_and_keeps_every_row():
+    """Packing emits a long document's rows one after another; the shuffle window
+    spreads them over batches, and a pass over the data still holds every row once."""
+    letters = "abcdefgh"
+    documents = [letter * (8 * SEQ_LEN - 1) for letter in letters]  # 8 full rows each
+
+    def rows(shuffle_rows):
+        it = data.make_train_iterator(
+            documents,
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            seed=1,
+            num_epochs=1,
+            shuffle_rows=shuffle_rows,
+        )
+        return [batch["targets"][:, 1:] for batch in it]
+
+    def letters_per_batch(batches):
+        return [len({bytes(row[:1]) for row in batch}) for batch in batches]
+
+    plain, shuffled = rows(0), rows(64)
+    assert sorted(r.tobytes() for b in plain for r in b) == sorted(
+        r.tobytes() for b in shuffled for r in b
+    )
+    assert np.mean(letters_per_batch(plain)) < 1.5  # mostly one document per batch
+    assert np.mean(letters_per_batch(shuffled)) > 2.5
 
 
 def _shards(count, worker_count=0):
@@ -432,7 +462,8 @@ def test_bad_pipeline_arguments():
 
 def test_pipeline_reads_a_prepared_dataset(corpus):
     source = data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"])
-    batch = next(data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0))
+    it = data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0, shuffle_rows=0)
+    batch = next(it)
     assert batch["inputs"].shape == (2, SEQ_LEN)
     assert batch["inputs"][0, 0] == data.BOS
     assert "tensorflow" not in sys.modules
@@ -658,7 +689,9 @@ def test_sentencepiece_feeds_the_packing_pipeline(sentencepiece_corpus):
         "textfiles", "train", sentencepiece_corpus["data_dir"], sentencepiece_corpus["pattern"]
     )
     batch = next(
-        data.make_train_iterator(source, seq_len=SEQ_LEN, batch_size=2, seed=0, tokenizer=tok)
+        data.make_train_iterator(
+            source, seq_len=SEQ_LEN, batch_size=2, seed=0, tokenizer=tok, shuffle_rows=0
+        )
     )
     assert batch["inputs"][0, 0] == tok.bos
     assert batch["inputs"].max() < tok.vocab_size
