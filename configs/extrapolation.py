@@ -50,6 +50,12 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
     # seeds of each rotary run (each factor: evaluated length / train_len).
     c.scalings = "pi,ntk,dynamic_ntk,yarn"
     c.scaling_seeds = 1
+    # Passkey retrieval (lexjax.passkey) at these multiples of train_len and depths, with
+    # and without BCA; passkey_trials keys per cell (0: not measured).
+    c.passkey_multipliers = "1,2,4,8"
+    c.passkey_depths = "0,0.25,0.5,0.75,1"
+    c.passkey_modes = "bca,full"
+    c.passkey_trials = 10
     if preset == "small":
         c.train = tiny.get_config()
         # b = train_len/2 keeps the ratio of torchscale's default b = 512 at the paper's
@@ -72,6 +78,9 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
             )
         )
         c.train.optim.end_lr_fraction = 0.05
+        # A fifth of the training rows are passkey documents of train_len, so that the
+        # models learn to copy and passkey retrieval beyond train_len tests extrapolation.
+        c.train.data.passkey_fraction = 0.2
         # RoPE and XPOS, the paper's central comparison, with three seeds each.
         c.runs = "sinusoidal,alibi,rope/seeds=3,xpos/seeds=3,xpos_norotate,none"
         # Held-out documents with ≥ 16 × 128 + 1 tokens (29 exist); every mode scores the
@@ -109,6 +118,9 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         )
         c.runs = "rope,xpos"
         c.scalings = "pi,yarn"
+        c.passkey_multipliers = "8,16"  # a passkey sample needs at least 69 bytes
+        c.passkey_depths = "0,1"
+        c.passkey_trials = 2
         c.multipliers = "1,2"
         c.eval_docs = 2
         c.resolution_docs = 2

@@ -262,10 +262,21 @@ def plot_passkey(results: Sequence, path: str, *, train_len: int, title: str) ->
     value in each cell, lengths beyond ``train_len`` right of a dashed line."""
     lengths = sorted({r.length for r in results})
     depths = sorted({r.depth for r in results})
+    fig, ax = _figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    image = _draw_passkey(ax, results, train_len=train_len, title=title)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _draw_passkey(ax, results: Sequence, *, train_len: int, title: str):
+    """:func:`plot_passkey`'s heat map on ``ax``; returns the image."""
+    lengths = sorted({r.length for r in results})
+    depths = sorted({r.depth for r in results})
     grid = np.full((len(depths), len(lengths)), np.nan)
     for r in results:
         grid[depths.index(r.depth), lengths.index(r.length)] = r.accuracy
-    fig, ax = _figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
     for (i, j), value in np.ndenumerate(grid):
         if not np.isnan(value):
@@ -279,10 +290,7 @@ def plot_passkey(results: Sequence, path: str, *, train_len: int, title: str) ->
     ax.set_xlabel(f"length (tokens; train_len {train_len})")
     ax.set_ylabel("depth of the key")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    return image
 
 
 # --------------------------------------------------------------------------- the experiment
@@ -292,12 +300,14 @@ OUTPUTS = (
     "table3.md",
     "table4.md",
     "scalings.md",
+    "passkey.md",
     "table5.md",
     "seeds.md",
     "results.json",
     "summary.md",
     "perplexity.png",
     "scalings.png",
+    "passkey.png",
     "figure1.png",
     "scores.png",
 )
@@ -357,6 +367,7 @@ def collect(out, specs, config, plan, timing) -> dict:
                 "eval_seconds": eval_seconds,
                 "perplexity": perplexity,
                 "resolution": resolution,
+                "passkey": _passkey_cells(workdir) if plan.get("passkey") else {},
             }
         )
     m = config.model
@@ -416,6 +427,73 @@ def collect(out, specs, config, plan, timing) -> dict:
         "expected_resolution": expected,
         "variants": _variant_stats(runs, plan["lengths"]),
     }
+
+
+def _passkey_cells(workdir) -> dict:
+    """``{mode: {length: {depth: accuracy}}}`` of a run's passkey.json (str keys)."""
+    cells = {}
+    for r in _load(os.path.join(workdir, "passkey.json"))["results"]:
+        cells.setdefault(r["mode"], {}).setdefault(str(r["length"]), {})[str(r["depth"])] = r[
+            "accuracy"
+        ]
+    return cells
+
+
+def _passkey_mean(runs, mode, length, depth=None):
+    """Accuracy of a (mode, length) cell, averaged over depths (or at ``depth``), per seed:
+    the list over the seeds that have it."""
+    values = []
+    for r in runs:
+        cell = r["passkey"].get(mode, {}).get(str(length))
+        if cell:
+            values.append(
+                cell[str(depth)] if depth is not None else float(np.mean([*cell.values()]))
+            )
+    return values
+
+
+def study_passkey_table(c) -> str:
+    """Passkey accuracy by length, averaged over depths: mean ± std over seeds."""
+    lengths = sorted({int(n) for r in c["runs"] for m in r["passkey"].values() for n in m})
+    if not lengths:
+        return "The study measured no passkey retrieval."
+    lines = [_header("model", lengths)]
+    for label, _, _, group in _variants(c["runs"]):
+        modes = [m for m in MODE_NAMES if any(m in r["passkey"] for r in group)]
+        for mode in modes:
+            cells = []
+            for n in lengths:
+                values = _passkey_mean(group, mode, n)
+                std = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
+                cells.append(f"{np.mean(values):.2f}{std}" if values else "–")
+            lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
+    return "\n".join(lines)
+
+
+def plot_passkey_grid(c, path) -> None:
+    """Heat maps of passkey accuracy (seed means), a row per variant, a column per mode."""
+    from types import SimpleNamespace
+
+    variants = [v for v in _variants(c["runs"]) if any(r["passkey"] for r in v[3])]
+    modes = [m for m in MODE_NAMES if any(m in r["passkey"] for v in variants for r in v[3])]
+    if not variants or not modes:
+        return
+    fig, axes = _figure(
+        len(variants), len(modes), figsize=(4.2 * len(modes), 2.6 * len(variants)), squeeze=False
+    )
+    for row, (label, _, _, group) in zip(axes, variants):
+        for ax, mode in zip(row, modes):
+            cells = [
+                SimpleNamespace(length=int(n), depth=float(d), accuracy=float(np.mean(values)))
+                for n, depths in group[0]["passkey"].get(mode, {}).items()
+                for d in depths
+                if (values := _passkey_mean(group, mode, n, d))
+            ]
+            if cells:
+                title = f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}"
+                _draw_passkey(ax, cells, train_len=c["train_len"], title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _variant_stats(runs, lengths) -> list[dict]:
@@ -805,6 +883,7 @@ def write_all(out, c) -> None:
         "seeds.md": ("Seeds", seeds_table(c)),
         "table4.md": ("Rotation ablation at the training length (paper Table 4)", table4(c)),
         "scalings.md": ("RoPE extensions at inference, without BCA", scalings_table(c)),
+        "passkey.md": ("Passkey retrieval accuracy, mean over depths", study_passkey_table(c)),
     }
     for name, (title, body) in tables.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
@@ -812,10 +891,19 @@ def write_all(out, c) -> None:
     write_json(os.path.join(out, "results.json"), c)
     _plot_variants(c, os.path.join(out, "perplexity.png"))
     _plot_scalings(c, os.path.join(out, "scalings.png"))
+    plot_passkey_grid(c, os.path.join(out, "passkey.png"))
     plot_figure1(c, os.path.join(out, "figure1.png"))
     plot_scores(c, os.path.join(out, "scores.png"))
     parts = ["# Length extrapolation at small scale\n", _settings(c)]
-    for name in ("table2.md", "table5.md", "table4.md", "scalings.md", "table3.md", "seeds.md"):
+    for name in (
+        "table2.md",
+        "table5.md",
+        "table4.md",
+        "scalings.md",
+        "passkey.md",
+        "table3.md",
+        "seeds.md",
+    ):
         title, body = tables[name]
         parts.append(f"## {title}\n\n{body}")
     parts.append(

@@ -123,7 +123,27 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     ]
     header, rows = _table(out / "table4.md")
     assert [r[0] for r in rows] == ["RoPE", "XPOS b=8"]
-    for name in ("perplexity.png", "scalings.png", "figure1.png", "scores.png"):
+    # Passkey retrieval: every run, both decoding modes, 2 keys at each length and depth.
+    header, rows = _table(out / "passkey.md")
+    assert header == ["model", "128", "256"]
+    assert [r[0] for r in rows] == [
+        "RoPE with BCA",
+        "RoPE without BCA",
+        "XPOS b=8 with BCA",
+        "XPOS b=8 without BCA",
+    ]
+    with open(out / "runs" / "xpos_b8_s0" / "passkey.json") as f:
+        stored = json.load(f)
+    assert {(r["mode"], r["length"], r["depth"]) for r in stored["results"]} == {
+        (m, n, d) for m in ("bca", "full") for n in (128, 256) for d in (0.0, 1.0)
+    }
+    assert all(r["trials"] == 2 and r["accuracy"] in (0, 0.5, 1) for r in stored["results"])
+    cells = {(r["mode"], r["length"]): [] for r in stored["results"]}
+    for r in stored["results"]:
+        cells[r["mode"], r["length"]].append(r["accuracy"])
+    xpos_bca = next(row for row in rows if row[0] == "XPOS b=8 with BCA")
+    assert xpos_bca[1:] == [f"{np.mean(cells['bca', n]):.2f}" for n in (128, 256)]
+    for name in ("perplexity.png", "scalings.png", "passkey.png", "figure1.png", "scores.png"):
         assert os.path.getsize(out / name) > 1000
     with open(out / "summary.md") as f:
         summary = f.read()

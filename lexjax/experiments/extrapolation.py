@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import jax
 
-from lexjax import checkpoint, evaluation, reports
+from lexjax import checkpoint, evaluation, generation, passkey, reports
 from lexjax import data as data_lib
 from lexjax.config import (
     REMOVED_FIELDS,
@@ -308,6 +308,64 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         write(resolution_path, start, results)
 
 
+def _passkey_stage(spec, config, workdir, plan, log) -> None:
+    """Passkey retrieval of one trained run (lexjax.passkey) by length, depth and mode."""
+    settings = plan["passkey"]
+    path = os.path.join(workdir, "passkey.json")
+    if settings is None or _stage_done(path, config, protocol=PROTOCOL) is not None:
+        return
+    try:
+        stored_config, params, step = checkpoint.load_params(workdir)
+    except CheckpointError as e:
+        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+    say = lambda message: log(f"[{spec.name}] {message}")
+    say(
+        f"passkey: lengths {settings['lengths']}, depths {settings['depths']}, "
+        f"{settings['trials']} keys each"
+    )
+    start = time.perf_counter()
+    results = passkey.passkey_accuracy(
+        Decoder(stored_config.model),
+        params,
+        block=config.block,
+        lengths=settings["lengths"],
+        depths=settings["depths"],
+        trials=settings["trials"],
+        modes=settings["modes"],
+        tokenizer=plan["tokenizer"],
+        seed=settings["seed"],
+        tokens_per_batch=plan["tokens_per_batch"],
+        strict=False,
+        say=say,
+    )
+    for mode in settings["modes"]:
+        cells = [r for r in results if r.mode == mode]
+        by_length = {n: [r.accuracy for r in cells if r.length == n] for n in settings["lengths"]}
+        shown = ", ".join(f"{n}: {sum(a) / len(a):.2f}" for n, a in by_length.items() if a)
+        say(f"  passkey {mode}: {shown}")
+    record = {"config": to_dict(config), "run": spec.name, "step": step, "protocol": PROTOCOL}
+    record.update(settings, seconds=time.perf_counter() - start)
+    reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
+
+
+def _passkey_plan(exp, train_len: int) -> dict | None:
+    """The passkey settings of the study, or None when ``passkey_trials`` is 0."""
+    trials = int(exp.get("passkey_trials", 0))
+    if trials == 0:
+        return None
+    if trials < 0:
+        raise ExperimentError(f"passkey_trials={trials} must be 0 (off) or positive")
+    lengths = eval_lengths(exp.get("passkey_multipliers", "1,2,4,8"), train_len)
+    try:
+        depths = [float(d) for d in exp.get("passkey_depths", "0,0.5,1").split(",") if d.strip()]
+    except ValueError:
+        raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: not numbers") from None
+    if not depths or not all(0 <= d <= 1 for d in depths):
+        raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: use numbers in [0, 1]")
+    modes = _names(exp.get("passkey_modes", "bca,full"), "passkey_modes", generation.MODES)
+    return {"lengths": lengths, "depths": depths, "trials": trials, "modes": modes, "seed": 0}
+
+
 def _perplexity_path(workdir: str, key: str) -> str:
     """``perplexity_bca.json``, ``perplexity_full_yarn.json``, ..."""
     return os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json")
@@ -349,6 +407,7 @@ def _plan(exp, shared_config: Config) -> dict:
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "sinks": int(exp.get("sinks", evaluation.DEFAULT_SINKS)),
         "evaluations": lambda spec: evaluations(exp, spec),
+        "passkey": _passkey_plan(exp, shared_config.train_len),
         "longest": longest,
         "max_length": max_length,
     }
@@ -409,6 +468,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
                 stopped = True
                 break
             _eval_stage(spec, config, workdir, plan, log)
+            _passkey_stage(spec, config, workdir, plan, log)
         outcome = "stopped" if stopped else "completed"
     finally:
         timing = _record_invocation(out, started, wall_start, load_start, outcome)
