@@ -87,11 +87,17 @@ def two_process_run(ctx):
     return workdir, outputs, tokens
 
 
+def _gloo(line: str) -> bool:
+    return line.startswith("[Gloo]") or "peer ranks" in line or not line.strip()
+
+
 def test_only_process_0_prints_and_logs(two_process_run):
     """(gloo itself prints its connection lines on every process)"""
     workdir, ((out0, _), (out1, _)), _ = two_process_run
     assert f"trained {STEPS} steps" in out0 and "mesh {'data': 2, 'fsdp': 4" in out0
-    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
+    # gloo's threads print "[Gloo] Rank r is connected to n peer ranks. ..." and under
+    # load their writes interleave, splitting a line; what is left must be gloo's too.
+    assert [line for line in out1.splitlines() if not _gloo(line)] == []
     assert [s for s, _ in P.losses(workdir)] == list(range(1, STEPS + 1))  # one writer
 
 
