@@ -194,19 +194,28 @@ def scan_blocks(
     Returns ``(the last block as a KVCache of w slots, stacked outputs or None)``.
     XLA compiles the step once; memory is O(B·w) besides the inputs and outputs.
     """
+    step = lambda previous, tokens_BxW, index: block_step(
+        model, params, previous, tokens_BxW, index == 0, return_scores=return_scores
+    )
+    first = KVCache.empty(model.config, tokens_BxN.shape[0], block)
+    return _scan(step, first, tokens_BxN, block, emit, extra_BxN)
+
+
+def _scan(step: Callable, carry, tokens_BxN, block: int, emit: Callable | None, extra_BxN):
+    """``jax.lax.scan`` of ``step(carry, tokens_BxW, index) → (logits, carry, scores)``
+    over the blocks of ``tokens_BxN`` (``extra_BxN`` cut alongside), each block's
+    outputs reduced by ``emit`` as :func:`scan_blocks` describes."""
     B, N = tokens_BxN.shape
     n = N // block
     to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
 
-    def step(previous, xs):
+    def body(carry, xs):
         tokens_BxW, extra_BxW, index = xs
-        logits, previous, scores = block_step(
-            model, params, previous, tokens_BxW, index == 0, return_scores=return_scores
-        )
-        return previous, None if emit is None else emit(logits, extra_BxW, scores)
+        logits, carry, scores = step(carry, tokens_BxW, index)
+        return carry, None if emit is None else emit(logits, extra_BxW, scores)
 
     xs = (to_blocks(tokens_BxN), to_blocks(extra_BxN), jnp.arange(n, dtype=jnp.int32))
-    return jax.lax.scan(step, KVCache.empty(model.config, B, block), xs)
+    return jax.lax.scan(body, carry, xs)
 
 
 # --------------------------------------------------------------------------- sinks + window
@@ -294,17 +303,10 @@ def scan_sinks(
     memory is O(B·w) besides the inputs and outputs, whatever the length.
     """
     sink_window(block, sinks)
-    B, N = tokens_BxN.shape
-    n = N // block
-    to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
-
-    def step(carry, xs):
-        tokens_BxW, extra_BxW, index = xs
-        logits, carry, scores = sink_step(
-            model, params, carry, tokens_BxW, index, sinks=sinks, return_scores=return_scores
-        )
-        return carry, None if emit is None else emit(logits, extra_BxW, scores)
-
+    B = tokens_BxN.shape[0]
+    step = lambda carry, tokens_BxW, index: sink_step(
+        model, params, carry, tokens_BxW, index, sinks=sinks, return_scores=return_scores
+    )
     window = KVCache.empty(model.config, B, 2 * block)
     window = window.replace(
         positions=jnp.broadcast_to(jnp.arange(2 * block, dtype=jnp.int32), (B, 2 * block))
@@ -315,5 +317,4 @@ def scan_sinks(
         sink_cache = sink_cache.replace(
             positions=jnp.broadcast_to(jnp.arange(sinks, dtype=jnp.int32), (B, sinks))
         )
-    xs = (to_blocks(tokens_BxN), to_blocks(extra_BxN), jnp.arange(n, dtype=jnp.int32))
-    return jax.lax.scan(step, (sink_cache, window), xs)
+    return _scan(step, (sink_cache, window), tokens_BxN, block, emit, extra_BxN)
