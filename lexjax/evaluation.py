@@ -101,6 +101,7 @@ __all__ = [
     "budget",
     "settings_name",
     "cell_problem",
+    "usable_cells",
     "resolution_protocol",
     "evaluate_run",
     "load_on_mesh",
@@ -379,6 +380,31 @@ def _batches(rows: np.ndarray, batch: int):
         yield part, real
 
 
+def usable_cells(
+    modes: Iterable[str],
+    lengths: Iterable[int],
+    problem_of: Callable[[str, int], str | None],
+    *,
+    strict: bool,
+    say: Callable[[str], None],
+    what: str = "",
+) -> list[tuple[str, int]]:
+    """The ``(mode, length)`` cells ``problem_of`` finds no problem with, in order; a
+    problem raises :class:`EvaluationError` when ``strict``, else it is a note
+    ("no ``what`` MODE cell at length N: …") through ``say``."""
+    cells = []
+    for mode in modes:
+        for length in lengths:
+            problem = problem_of(mode, length)
+            if problem is None:
+                cells.append((mode, length))
+            elif strict:
+                raise EvaluationError(problem)
+            else:
+                say(f"note: no {what}{mode} cell at length {length}: {problem}")
+    return cells
+
+
 def cell_problem(config: ModelConfig, mode: str, length: int, max_length: int) -> str | None:
     """Why the cell (mode, length) cannot score the budget's tokens, or None."""
     if max_length % length:
@@ -451,16 +477,13 @@ def perplexity(
     max_length = lengths[-1] if max_length is None else int(max_length)
     if lengths[-1] > max_length:
         raise EvaluationError(f"length {lengths[-1]} exceeds the budget of {max_length} tokens")
-    cells = []
-    for mode in modes:
-        for length in lengths:
-            problem = cell_problem(model.config, mode, length, max_length)
-            if problem is None:
-                cells.append((mode, length))
-            elif strict:
-                raise EvaluationError(problem)
-            else:
-                say(f"note: no {mode} cell at length {length}: {problem}")
+    cells = usable_cells(
+        modes,
+        lengths,
+        lambda mode, length: cell_problem(model.config, mode, length, max_length),
+        strict=strict,
+        say=say,
+    )
     total = len(documents) * max_length * len(cells)
     # Every cell scores targets 1 … max_length of every document: the same bytes.
     covered = None

@@ -338,16 +338,14 @@ def passkey_accuracy(
         raise EvaluationError(f"depths must be in [0, 1], got {depths}")
     if trials < 1:
         raise EvaluationError(f"trials must be positive, got {trials}")
-    cells = []
-    for mode in modes:
-        for length in lengths:
-            problem = cell_problem(model.config, mode, length, tokenizer)
-            if problem is None:
-                cells.append((mode, length))
-            elif strict:
-                raise EvaluationError(problem)
-            else:
-                say(f"note: no passkey {mode} cell at length {length}: {problem}")
+    cells = evaluation.usable_cells(
+        modes,
+        lengths,
+        lambda mode, length: cell_problem(model.config, mode, length, tokenizer),
+        strict=strict,
+        say=say,
+        what="passkey ",
+    )
     bar = Progress(len(cells) * len(depths) * trials, label="samples", enabled=progress)
     done, results = 0, []
     for mode, length in cells:
