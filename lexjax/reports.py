@@ -504,14 +504,12 @@ def _variant_stats(runs, lengths) -> list[dict]:
     stats = []
     for label, position, scale_base, group in groups:
         modes = sorted({m for r in group for m in r["perplexity"]})
-        cells = {
-            m: {
-                str(n): dict(zip(("mean", "std", "seeds"), _stats(group, m, n)))
-                for n in lengths
-                if _stats(group, m, n)[2]
+        cells = {}
+        for m in modes:
+            by_length = {str(n): _stats(group, m, n) for n in lengths}
+            cells[m] = {
+                n: dict(zip(("mean", "std", "seeds"), v)) for n, v in by_length.items() if v[2]
             }
-            for m in modes
-        }
         entry = {
             "label": label,
             "position": position,
@@ -718,27 +716,31 @@ def table4(c) -> str:
     return "\n".join(lines)
 
 
+def _scaling_rows(c):
+    """``(label, extension name or None, key, runs)`` for each rotary variant without and
+    with each RoPE extension, over the seeds that were evaluated so."""
+    for label, position, _, group in _variants(c["runs"]):
+        if position not in ("rope", "xpos"):
+            continue
+        for key in ["full"] + [f"full+{s}" for s in SCALING_NAMES]:
+            runs = [r for r in group if key in r["perplexity"]]
+            if runs:
+                yield label, None if key == "full" else SCALING_NAMES[key[5:]], key, runs
+
+
 def scalings_table(c) -> str:
     """Inference-time RoPE extensions of each rotary variant, without BCA, from the
     training length on; each row over the seeds that were evaluated so."""
     lengths = [n for n in c["lengths"] if n >= c["train_len"]]
     lines = [_header("model", lengths)]
-    for label, position, _, group in _variants(c["runs"]):
-        if position not in ("rope", "xpos"):
-            continue
-        keys = ["full"] + [f"full+{s}" for s in SCALING_NAMES]
-        for key in keys:
-            runs = [r for r in group if key in r["perplexity"]]
-            if not runs:
-                continue
-            name = "no extension" if key == "full" else SCALING_NAMES[key[5:]]
-            seeds = ", ".join(str(r["seed"]) for r in runs)
-            lines.append(
-                _row(
-                    f"{label} + {name} (seed{'s' * (len(runs) > 1)} {seeds})",
-                    [_fmt_stats(runs, key, n) for n in lengths],
-                )
+    for label, name, key, runs in _scaling_rows(c):
+        seeds = ", ".join(str(r["seed"]) for r in runs)
+        lines.append(
+            _row(
+                f"{label} + {name or 'no extension'} (seed{'s' * (len(runs) > 1)} {seeds})",
+                [_fmt_stats(runs, key, n) for n in lengths],
             )
+        )
     return "\n".join(lines)
 
 
@@ -779,13 +781,10 @@ def _plot_variants(c, path) -> None:
 def _plot_scalings(c, path) -> None:
     """Perplexity without BCA of each rotary variant with each RoPE extension."""
     curves = []
-    for label, position, _, group in _variants(c["runs"]):
-        if position in ("rope", "xpos"):
-            for key in ["full"] + [f"full+{s}" for s in SCALING_NAMES]:
-                runs = [r for r in group if key in r["perplexity"]]
-                points = [(n, *_stats(runs, key, n)[:2]) for n in c["lengths"]]
-                name = label if key == "full" else f"{label} + {SCALING_NAMES[key[5:]]}"
-                curves.append((name, "full", [(n, v, e or 0.0) for n, v, e in points if v]))
+    for label, name, key, runs in _scaling_rows(c):
+        points = [(n, *_stats(runs, key, n)[:2]) for n in c["lengths"]]
+        points = [(n, v, e or 0.0) for n, v, e in points if v]
+        curves.append((label if name is None else f"{label} + {name}", "full", points))
     plot_perplexity(
         [curve for curve in curves if curve[2]],
         path,
