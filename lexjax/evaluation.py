@@ -391,8 +391,9 @@ def usable_cells(
 ) -> list[tuple[str, int]]:
     """The ``(mode, length)`` cells ``problem_of`` finds no problem with, in order; a
     problem raises :class:`EvaluationError` when ``strict``, else it is a note
-    ("no ``what`` MODE cell at length N: …") through ``say``."""
-    cells = []
+    ("no ``what`` MODE cell at length(s) N, …: …", one per mode and problem)
+    through ``say``."""
+    cells, notes = [], {}
     for mode in modes:
         for length in lengths:
             problem = problem_of(mode, length)
@@ -401,7 +402,10 @@ def usable_cells(
             elif strict:
                 raise EvaluationError(problem)
             else:
-                say(f"note: no {what}{mode} cell at length {length}: {problem}")
+                notes.setdefault((mode, problem), []).append(str(length))
+    for (mode, problem), at in notes.items():
+        s = "s" if len(at) > 1 else ""
+        say(f"note: no {what}{mode} cell at length{s} {', '.join(at)}: {problem}")
     return cells
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "FILLERS",
     "KEY_DIGITS",
     "NEW_TOKENS",
+    "CHANCE_NATS",
     "DEPTHS",
     "Sample",
     "make_sample",
@@ -81,6 +82,9 @@ FILLER = (
 FILLERS = ("repeat", "text")  # eval.py --passkey_filler: FILLER repeated, or held-out text
 KEY_DIGITS = 5
 NEW_TOKENS = KEY_DIGITS + 1  # generated per sample: the key and what follows it
+# −log p(key) of a model that knows a key is KEY_DIGITS digits, the first not 0, but
+# not which: ln(9·10⁴) ≈ 11.41 nats for five digits (byte level).
+CHANCE_NATS = float(np.log(9 * 10.0 ** (KEY_DIGITS - 1)))
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _KEY_BEFORE = "\nThe pass key is "
 _KEY_AFTER = ".\n"
@@ -249,6 +253,9 @@ class PasskeyResult:
     depth: float
     accuracy: float  # the fraction of trials whose greedy continuation is the key
     trials: int
+    # −log p(key | prompt) in nats, teacher-forced in the same mode, mean over the trials:
+    # graded where accuracy is 0 or 1 (CHANCE_NATS: the format known, the key not).
+    answer_nats: float = float("nan")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,6 +307,13 @@ def cell_problem(
     return None
 
 
+def _logprobs(model: Decoder, params, tokens_BxL, mode: str, block: int):
+    """Teacher-forced next-token log-probabilities in ``mode``, as generation attends."""
+    if mode == "full":
+        return evaluation.full_logprobs(model, params, tokens_BxL, chunk=block)
+    return evaluation.block_scan_logprobs(model, params, tokens_BxL, block)
+
+
 def passkey_accuracy(
     model: Decoder,
     params,
@@ -318,7 +332,8 @@ def passkey_accuracy(
     say: Callable[[str], None] = _stderr,
 ) -> list[PasskeyResult]:
     """Passkey accuracy per (mode, length, depth) by greedy decoding
-    (:func:`lexjax.generation.generate` in that mode).
+    (:func:`lexjax.generation.generate` in that mode), and the key's mean
+    teacher-forced negative log-likelihood in that mode (``answer_nats``).
 
     Trial t uses the sample of seed ``[seed, t]`` at every length, depth and
     mode. ``block``: w = train_len/2 (the full mode's prefill chunk too).
@@ -354,7 +369,7 @@ def passkey_accuracy(
             for depth in depths
             for t in range(trials)
         ]
-        correct = dict.fromkeys(depths, 0)
+        correct, nats = dict.fromkeys(depths, 0), dict.fromkeys(depths, 0.0)
         batch = max(1, min(len(samples), tokens_per_batch // length))
         # A key of another token count gives another prompt length: one call per length.
         for prompt_len in sorted({len(s.prompt) for _, s in samples}):
@@ -374,11 +389,19 @@ def passkey_accuracy(
                     mode=mode,
                 )
                 out = np.asarray(out)
+                answers = np.stack([s.answer for _, s in part])
+                whole = np.concatenate([prompts, np.repeat(answers[:1], batch, 0)], axis=1)
+                whole[: len(part), prompt_len:] = answers
+                logprobs = np.asarray(_logprobs(model, params, whole, mode, block))
                 for row, (depth, sample) in enumerate(part):
                     correct[depth] += is_correct(continuation_text(out[row], tokenizer), sample.key)
+                    nats[depth] -= float(logprobs[row, prompt_len - 1 :].sum())
                 done += len(part)
                 bar.update(done, f"{mode} {length}")
-        results += [PasskeyResult(mode, length, d, correct[d] / trials, trials) for d in depths]
+        results += [
+            PasskeyResult(mode, length, d, correct[d] / trials, trials, nats[d] / trials)
+            for d in depths
+        ]
     bar.close()
     return results
 

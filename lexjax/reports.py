@@ -246,8 +246,15 @@ def passkey_table(results: Sequence, position: str, skipped: Sequence[dict] = ()
                 for n in lengths
             ]
             lines.append(_row(f"{depth:g}", cells))
+        nats = [
+            [r.answer_nats for r in results if (r.mode, r.length) == (mode, n)] for n in lengths
+        ]
+        lines.append(_row("key nats", [f"{np.mean(v):.2f}" if v else "—" for v in nats]))
         lines.append("")
-    lines.append("accuracy: the fraction of keys the greedy continuation gives exactly")
+    lines.append(
+        "accuracy: the fraction of keys the greedy continuation gives exactly; key nats: "
+        "−log p(key | prompt), mean over depths"
+    )
     lines += [f"— {s['mode']} {s['length']}: {s['reason']}" for s in skipped]
     return "\n".join(lines)
 
@@ -368,6 +375,9 @@ def collect(out, specs, config, plan, timing) -> dict:
                 "perplexity": perplexity,
                 "resolution": resolution,
                 "passkey": _passkey_cells(workdir) if plan.get("passkey") else {},
+                "passkey_nats": _passkey_cells(workdir, "answer_nats")
+                if plan.get("passkey")
+                else {},
             }
         )
     m = config.model
@@ -404,6 +414,7 @@ def collect(out, specs, config, plan, timing) -> dict:
         "documents": {k: min(v, len(plan["documents"])) for k, v in plan["docs"].items()},
         "eval_split": plan.get("eval_split"),
         "tokenizer": plan["tokenizer"].describe(),
+        "passkey": plan.get("passkey"),
         "data": config.data.name,
         "model": {
             "num_layers": m.num_layers,
@@ -429,22 +440,25 @@ def collect(out, specs, config, plan, timing) -> dict:
     }
 
 
-def _passkey_cells(workdir) -> dict:
-    """``{mode: {length: {depth: accuracy}}}`` of a run's passkey.json (str keys)."""
+def _passkey_cells(workdir, field: str = "accuracy") -> dict:
+    """``{mode: {length: {depth: value}}}`` of a run's passkey.json (str keys); results
+    without ``field`` are left out."""
     cells = {}
     for r in _load(os.path.join(workdir, "passkey.json"))["results"]:
-        cells.setdefault(r["mode"], {}).setdefault(str(r["length"]), {})[str(r["depth"])] = r[
-            "accuracy"
-        ]
+        if field in r:
+            cells.setdefault(r["mode"], {}).setdefault(str(r["length"]), {})[str(r["depth"])] = r[
+                field
+            ]
     return cells
 
 
-def _passkey_mean(runs, mode, length, depth=None):
-    """Accuracy of a (mode, length) cell, averaged over depths (or at ``depth``), per seed:
-    the list over the seeds that have it."""
+def _passkey_mean(runs, mode, length, depth=None, key="passkey"):
+    """``key``'s value (``passkey``: accuracy, ``passkey_nats``: the key's nats) of a
+    (mode, length) cell, averaged over depths (or at ``depth``), per seed: the list over
+    the seeds that have it."""
     values = []
     for r in runs:
-        cell = r["passkey"].get(mode, {}).get(str(length))
+        cell = r.get(key, {}).get(mode, {}).get(str(length))
         if cell:
             values.append(
                 cell[str(depth)] if depth is not None else float(np.mean([*cell.values()]))
@@ -452,22 +466,36 @@ def _passkey_mean(runs, mode, length, depth=None):
     return values
 
 
-def study_passkey_table(c) -> str:
-    """Passkey accuracy by length, averaged over depths: mean ± std over seeds."""
-    lengths = sorted({int(n) for r in c["runs"] for m in r["passkey"].values() for n in m})
+def study_passkey_table(c, key: str = "passkey") -> str:
+    """Passkey accuracy (``key="passkey_nats"``: the key's teacher-forced nats) by
+    length, averaged over depths: mean ± std over seeds."""
+    lengths = sorted({int(n) for r in c["runs"] for m in r.get(key, {}).values() for n in m})
     if not lengths:
         return "The study measured no passkey retrieval."
     lines = [_header("model", lengths)]
     for label, _, _, group in _variants(c["runs"]):
-        modes = [m for m in MODE_NAMES if any(m in r["passkey"] for r in group)]
+        modes = [m for m in MODE_NAMES if any(m in r.get(key, {}) for r in group)]
         for mode in modes:
             cells = []
             for n in lengths:
-                values = _passkey_mean(group, mode, n)
+                values = _passkey_mean(group, mode, n, key=key)
                 std = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
                 cells.append(f"{np.mean(values):.2f}{std}" if values else "–")
             lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
     return "\n".join(lines)
+
+
+def study_passkey_tables(c) -> str:
+    """The accuracy table and, where measured, the key's nats beside chance."""
+    text = study_passkey_table(c)
+    chance = (c.get("passkey") or {}).get("chance_nats")
+    if chance is not None and any(r.get("passkey_nats") for r in c["runs"]):
+        text += (
+            "\n\nThe key's negative log-likelihood given the prompt (nats, teacher-forced in "
+            f"the same mode; {chance:.2f} = the format known, the key not):\n\n"
+            + study_passkey_table(c, "passkey_nats")
+        )
+    return text
 
 
 def plot_passkey_grid(c, path) -> None:
@@ -882,7 +910,7 @@ def write_all(out, c) -> None:
         "seeds.md": ("Seeds", seeds_table(c)),
         "table4.md": ("Rotation ablation at the training length (paper Table 4)", table4(c)),
         "scalings.md": ("RoPE extensions at inference, without BCA", scalings_table(c)),
-        "passkey.md": ("Passkey retrieval accuracy, mean over depths", study_passkey_table(c)),
+        "passkey.md": ("Passkey retrieval, mean over depths", study_passkey_tables(c)),
     }
     for name, (title, body) in tables.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:

@@ -32,10 +32,12 @@ def _run(out):
     )
 
 
-def _table(path):
-    """Rows of a markdown table file as lists of cells; checks every row has the header's width."""
+def _table(path, which=0):
+    """Rows of the ``which``-th markdown table of a file as lists of cells; checks every
+    row has the header's width."""
     with open(path, encoding="utf-8") as f:
-        rows = [line for line in f.read().splitlines() if line.startswith("|")]
+        blocks = [b for b in f.read().split("\n\n") if b.lstrip().startswith("|")]
+    rows = [line for line in blocks[which].splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
     assert len(cells) >= 3 and re.fullmatch(r"(---\|)+", rows[1].lstrip("|"))
     assert all(len(row) == len(cells[0]) for row in cells), path
@@ -143,6 +145,16 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         cells[r["mode"], r["length"]].append(r["accuracy"])
     xpos_bca = next(row for row in rows if row[0] == "XPOS b=8 with BCA")
     assert xpos_bca[1:] == [f"{np.mean(cells['bca', n]):.2f}" for n in (128, 256)]
+    # The key's nats, beside chance (ln 90000), in a second table of the same rows.
+    assert all(r["answer_nats"] > 0 for r in stored["results"])
+    assert stored["chance_nats"] == pytest.approx(np.log(90000))
+    nats_header, nats_rows = _table(out / "passkey.md", which=1)
+    assert nats_header == header and [r[0] for r in nats_rows] == [r[0] for r in rows]
+    nats = {(r["mode"], r["length"]): [] for r in stored["results"]}
+    for r in stored["results"]:
+        nats[r["mode"], r["length"]].append(r["answer_nats"])
+    xpos_full = next(row for row in nats_rows if row[0] == "XPOS b=8 without BCA")
+    assert xpos_full[1:] == [f"{np.mean(nats['full', n]):.2f}" for n in (128, 256)]
     for name in ("perplexity.png", "scalings.png", "passkey.png", "figure1.png", "scores.png"):
         assert os.path.getsize(out / name) > 1000
     with open(out / "summary.md") as f:

@@ -239,6 +239,37 @@ def test_accuracy_counts_the_keys_decoding_gives(model_params, monkeypatch):
     assert all(shape[0] == 4 for _, shape in calls if shape[1] == 96 - 5)
 
 
+def test_answer_nats_is_the_keys_negative_log_likelihood_under_a_dense_forward(model_params):
+    """Without BCA, answer_nats equals −log p(key | prompt) from one plain forward pass
+    of the whole sample (the model's own causal mask, no cache, no chunks)."""
+    config, model, params = model_params
+    depths, trials = [0.0, 0.6], 3
+    results = passkey.passkey_accuracy(
+        model,
+        params,
+        block=config.block,
+        lengths=[96],
+        depths=depths,
+        trials=trials,
+        modes=("full", "bca"),
+        seed=5,
+    )
+    for depth in depths:
+        nats = []
+        for t in range(trials):
+            sample = passkey.make_sample([5, t], 96, depth)
+            tokens = np.concatenate([sample.prompt, sample.answer])
+            logits = model.apply({"params": params}, jnp.asarray(tokens[None, :-1]))[0]
+            logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
+            k = len(sample.prompt)
+            nats.append(-float(sum(logp[k - 1 + i, a] for i, a in enumerate(sample.answer))))
+        (full,) = [r for r in results if (r.mode, r.depth) == ("full", depth)]
+        (bca,) = [r for r in results if (r.mode, r.depth) == ("bca", depth)]
+        assert full.answer_nats == pytest.approx(np.mean(nats), rel=1e-4)
+        assert np.isfinite(bca.answer_nats) and bca.answer_nats > 0
+    assert pytest.approx(np.log(90000)) == passkey.CHANCE_NATS
+
+
 def test_cells_generation_cannot_decode_are_skipped_with_a_reason(model_params, monkeypatch):
     config, model, params = model_params
     monkeypatch.setattr(passkey.evaluation, "MODES", ("bca", "full", "sinks"))
@@ -284,8 +315,8 @@ def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params
         (m, n, d) for m in ("bca", "full") for n in (96,) for d in (0.0, 1.0)
     }
     for r in rows:
-        assert set(r) == {"mode", "length", "depth", "accuracy", "trials"}
-        assert r["trials"] == 2 and 0 <= r["accuracy"] <= 1
+        assert set(r) == {"mode", "length", "depth", "accuracy", "trials", "answer_nats"}
+        assert r["trials"] == 2 and 0 <= r["accuracy"] <= 1 and r["answer_nats"] > 0
     assert {(s["mode"], s["length"]) for s in summary["skipped"]} == {("bca", 48), ("full", 48)}
     assert "| xpos with BCA: depth | 48 | 96 |" in out
     assert "| xpos without BCA: depth | 48 | 96 |" in out

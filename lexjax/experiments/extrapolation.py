@@ -58,6 +58,8 @@ __all__ = ["ExperimentError", "RunSpec", "parse_runs", "eval_lengths", "run_expe
 # one budget, and resolution is also given at equal N. Evaluations written by another
 # protocol are redone when the command runs again; trainings are kept.
 PROTOCOL = 2
+# The passkey stage's protocol: 3 adds the key's teacher-forced nats (answer_nats).
+PASSKEY = 3
 
 
 class ExperimentError(ConfigError):
@@ -312,7 +314,7 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
     """Passkey retrieval of one trained run (lexjax.passkey) by length, depth and mode."""
     settings = plan["passkey"]
     path = os.path.join(workdir, "passkey.json")
-    if settings is None or _stage_done(path, config, protocol=PROTOCOL) is not None:
+    if settings is None or _stage_done(path, config, protocol=PASSKEY) is not None:
         return
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
@@ -343,7 +345,7 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
         by_length = {n: [r.accuracy for r in cells if r.length == n] for n in settings["lengths"]}
         shown = ", ".join(f"{n}: {sum(a) / len(a):.2f}" for n, a in by_length.items() if a)
         say(f"  passkey {mode}: {shown}")
-    record = {"config": to_dict(config), "run": spec.name, "step": step, "protocol": PROTOCOL}
+    record = {"config": to_dict(config), "run": spec.name, "step": step, "protocol": PASSKEY}
     record.update(settings, seconds=time.perf_counter() - start)
     reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
@@ -363,7 +365,14 @@ def _passkey_plan(exp, train_len: int) -> dict | None:
     if not depths or not all(0 <= d <= 1 for d in depths):
         raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: use numbers in [0, 1]")
     modes = _names(exp.get("passkey_modes", "bca,full"), "passkey_modes", generation.MODES)
-    return {"lengths": lengths, "depths": depths, "trials": trials, "modes": modes, "seed": 0}
+    return {
+        "lengths": lengths,
+        "depths": depths,
+        "trials": trials,
+        "modes": modes,
+        "seed": 0,
+        "chance_nats": passkey.CHANCE_NATS,
+    }
 
 
 def _perplexity_path(workdir: str, key: str) -> str:
