@@ -591,19 +591,45 @@ def _fmt_stats(runs, mode, length, digits=3):
 
 
 def compare(a, b, mode, length) -> dict | None:
-    """Difference of the seed means of two variants' cells, ``a − b``, with twice its
-    standard error sqrt(s_a²/n_a + s_b²/n_b). The verdict calls a difference within
-    two standard errors "within seed noise"; with a single seed on either side there
-    is no estimate of the noise, and the verdict says so."""
+    """Difference of two variants' cells, ``a − b``, with twice its standard error.
+
+    When both sides ran the same seeds (≥ 2; a seed fixes the initialisation and the
+    data order, so seed s of one variant is paired with seed s of the other), the
+    difference is the mean of the per-seed differences and its standard error
+    std(d)/sqrt(n) (paired); otherwise the difference of the seed means with
+    sqrt(s_a²/n_a + s_b²/n_b). The verdict calls a difference within two standard
+    errors "within seed noise"; with a single seed on either side there is no
+    estimate of the noise, and the verdict says so."""
     (ma, sa, na), (mb, sb, nb) = _stats(a, mode, length), _stats(b, mode, length)
     if ma is None or mb is None:
         return None
-    diff = ma - mb
-    if sa is None or sb is None:
-        return {"diff": diff, "two_se": None, "seeds": [na, nb], "verdict": "one seed"}
-    two_se = 2 * float(np.sqrt(sa**2 / na + sb**2 / nb))
+    pairs = _paired(a, b, mode, length)
+    if pairs is not None:
+        diff = float(np.mean(pairs))
+        two_se = 2 * float(np.std(pairs, ddof=1)) / np.sqrt(len(pairs))
+        n = [len(pairs)] * 2
+    elif sa is None or sb is None:
+        return {"diff": ma - mb, "two_se": None, "seeds": [na, nb], "verdict": "one seed"}
+    else:
+        diff, two_se, n = ma - mb, 2 * float(np.sqrt(sa**2 / na + sb**2 / nb)), [na, nb]
     verdict = "within seed noise" if abs(diff) <= two_se else ("lower" if diff < 0 else "higher")
-    return {"diff": diff, "two_se": two_se, "seeds": [na, nb], "verdict": verdict}
+    return {
+        "diff": diff,
+        "two_se": two_se,
+        "seeds": n,
+        "paired": pairs is not None,
+        "verdict": verdict,
+    }
+
+
+def _paired(a, b, mode, length) -> list[float] | None:
+    """Per-seed differences ``a − b`` when both sides hold the same ≥ 2 seeds, else None."""
+    cell = lambda r: r["perplexity"].get(mode, {}).get(str(length))
+    x = {r["seed"]: cell(r) for r in a if "seed" in r and cell(r) is not None}
+    y = {r["seed"]: cell(r) for r in b if "seed" in r and cell(r) is not None}
+    if len(x) < 2 or set(x) != set(y) or len(x) != len(a) or len(y) != len(b):
+        return None
+    return [x[s] - y[s] for s in sorted(x)]
 
 
 def _row(label, cells):
@@ -692,8 +718,10 @@ def seeds_table(c) -> str:
     if rope and xpos:
         lines += [
             "",
-            f"XPOS b={xpos[0][1]:g} − RoPE, difference of the seed means ± twice its standard "
-            "error; within that, the difference is seed noise:",
+            f"XPOS b={xpos[0][1]:g} − RoPE ± twice its standard error; within that, the "
+            "difference is seed noise. Seed s of both trains from the same initialisation "
+            "seed and data order, so the seeds are paired: the mean and standard error of "
+            "the per-seed differences (the next table):",
             "",
             _header("mode", c["lengths"]),
         ]

@@ -39,3 +39,22 @@ def test_api_docs_render_the_public_api_only(tmp_path):
         assert f'id="{name}"' in page or f"lexjax/{name}.html" in page, name
     # The docstrings are rendered, not only the signatures.
     assert "XPOS (paper eq. 5-6)" in page and "Perplexity by length exactly as" in page
+
+
+def _table_rows(path):
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip() for line in f if line.startswith("|")]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/results.md"])
+def test_study_tables_in_the_docs_are_rows_the_study_wrote(page):
+    """Every table row with a measured number in the README and docs/results.md is a
+    row of a markdown file the study command wrote (docs/results*/), unedited."""
+    written = set()
+    for folder in ("docs/results", "docs/results_tokens"):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith(".md"):
+                written.update(_table_rows(os.path.join(ROOT, folder, name)))
+    measured = [row for row in _table_rows(os.path.join(ROOT, page)) if re.search(r"\d\.\d", row)]
+    assert measured, f"{page} shows no study table"
+    assert [row for row in measured if row not in written] == []

@@ -222,3 +222,20 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     assert reports.compare(runs(7.0), rope, "bca", 8)["verdict"] == "one seed"
     assert reports.compare(xpos, rope, "bca", 16) is None
     assert reports._fmt_stats(runs(7.0), "bca", 8) == "7.000"
+
+    # Seeds paired (same initialisation and data order): per-seed differences.
+    def seeded(*values):
+        return [{"seed": s, "perplexity": {"bca": {"8": v}}} for s, v in enumerate(values)]
+
+    paired = reports.compare(seeded(7.0, 7.2, 7.4), seeded(8.0, 8.1, 8.3), "bca", 8)
+    # differences −1.0, −0.9, −0.9: mean −0.9333, sample std sqrt(0.01/3)
+    assert paired["paired"] and paired["diff"] == pytest.approx(-2.8 / 3)
+    assert paired["two_se"] == pytest.approx(2 * np.sqrt(0.01 / 3) / np.sqrt(3))
+    # A shift every seed shares is no noise when paired, though unpaired it is.
+    a, b = (8.0, 8.4, 8.8), (8.1, 8.5, 8.9)
+    assert reports.compare(runs(*a), runs(*b), "bca", 8)["verdict"] == "within seed noise"
+    shift = reports.compare(seeded(*a), seeded(*b), "bca", 8)
+    assert shift["verdict"] == "lower" and shift["diff"] == pytest.approx(-0.1)
+    # Different seeds on the two sides: unpaired.
+    other = [{**r, "seed": r["seed"] + 5} for r in seeded(*b)]
+    assert not reports.compare(seeded(*a), other, "bca", 8)["paired"]
