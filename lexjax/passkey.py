@@ -376,8 +376,10 @@ def passkey_accuracy(
             group = [(d, s) for d, s in samples if len(s.prompt) == prompt_len]
             for start in range(0, len(group), batch):
                 part = group[start : start + batch]
-                prompts = np.stack([s.prompt for _, s in part])
-                prompts = np.concatenate([prompts, np.repeat(prompts[:1], batch - len(part), 0)])
+                # Prompt and key of each sample; short calls repeat the first row.
+                whole = np.stack([np.concatenate([s.prompt, s.answer]) for _, s in part])
+                whole = np.concatenate([whole, np.repeat(whole[:1], batch - len(part), 0)])
+                prompts = whole[:, :prompt_len]
                 out = generation.generate(
                     model,
                     params,
@@ -389,9 +391,6 @@ def passkey_accuracy(
                     mode=mode,
                 )
                 out = np.asarray(out)
-                answers = np.stack([s.answer for _, s in part])
-                whole = np.concatenate([prompts, np.repeat(answers[:1], batch, 0)], axis=1)
-                whole[: len(part), prompt_len:] = answers
                 logprobs = np.asarray(_logprobs(model, params, whole, mode, block))
                 for row, (depth, sample) in enumerate(part):
                     correct[depth] += is_correct(continuation_text(out[row], tokenizer), sample.key)

@@ -347,6 +347,7 @@ def collect(out, specs, config, plan, timing) -> dict:
             stored = _load(os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json"))
             eval_seconds += stored["seconds"]
             perplexity[key] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
+        passkey = _passkey_cells(workdir) if plan.get("passkey") else {}
         stored = _load(os.path.join(workdir, "resolution.json"))
         eval_seconds += stored["seconds"]
         resolution = {}
@@ -374,10 +375,8 @@ def collect(out, specs, config, plan, timing) -> dict:
                 "eval_seconds": eval_seconds,
                 "perplexity": perplexity,
                 "resolution": resolution,
-                "passkey": _passkey_cells(workdir) if plan.get("passkey") else {},
-                "passkey_nats": _passkey_cells(workdir, "answer_nats")
-                if plan.get("passkey")
-                else {},
+                "passkey": passkey.get("accuracy", {}),
+                "passkey_nats": passkey.get("answer_nats", {}),
             }
         )
     m = config.model
@@ -440,15 +439,15 @@ def collect(out, specs, config, plan, timing) -> dict:
     }
 
 
-def _passkey_cells(workdir, field: str = "accuracy") -> dict:
-    """``{mode: {length: {depth: value}}}`` of a run's passkey.json (str keys); results
-    without ``field`` are left out."""
+def _passkey_cells(workdir) -> dict:
+    """``{field: {mode: {length: {depth: value}}}}`` (str keys) of a run's passkey.json
+    for ``accuracy`` and ``answer_nats``; a field its results lack is left out."""
     cells = {}
     for r in _load(os.path.join(workdir, "passkey.json"))["results"]:
-        if field in r:
-            cells.setdefault(r["mode"], {}).setdefault(str(r["length"]), {})[str(r["depth"])] = r[
-                field
-            ]
+        for field in ("accuracy", "answer_nats"):
+            if field in r:
+                by_mode = cells.setdefault(field, {}).setdefault(r["mode"], {})
+                by_mode.setdefault(str(r["length"]), {})[str(r["depth"])] = r[field]
     return cells
 
 
