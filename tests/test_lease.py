@@ -127,13 +127,14 @@ def complete_steps(workdir) -> list[int]:
 
 
 def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
-    steps = 60
     workdir = ctx[0] / "shared"
-    overrides = {"num_train_steps": steps, "checkpoint_every": 4, "keep_checkpoints": 100}
-    first = P.start(args(ctx, workdir, **overrides), ctx[3])
+    overrides = {"checkpoint_every": 4, "keep_checkpoints": 100}
+    # The first job is killed long before its last step: it must still be running (and
+    # holding the lease) however fast the machine trains while the others start and read.
+    first = P.start(args(ctx, workdir, num_train_steps=100_000, **overrides), ctx[3])
     P.wait_until(lambda: P.last_step(workdir) >= 2, first)
 
-    second = P.run(args(ctx, workdir, **overrides), ctx[3])
+    second = P.run(args(ctx, workdir, num_train_steps=100_000, **overrides), ctx[3])
     assert second.returncode == CheckpointError.exit_code, second.stderr[-3000:]
     assert "Traceback" not in second.stderr
     assert second.stderr.strip().splitlines() == [
@@ -161,7 +162,8 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
     assert logged == list(range(1, len(logged) + 1)), "the refused job wrote metrics"
     assert not (workdir / "checkpoints" / "superseded").exists()  # nothing saved over
 
-    third = P.run(args(ctx, workdir, **overrides), ctx[3])
+    steps = complete_steps(workdir)[-1] + 8  # the third job resumes and trains a little more
+    third = P.run(args(ctx, workdir, num_train_steps=steps, **overrides), ctx[3])
     assert third.returncode == 0, third.stderr[-3000:]
     assert (
         f"note: took over the stale lease of host {HOST} pid {first.pid} "
