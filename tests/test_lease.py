@@ -123,7 +123,10 @@ def args(ctx, workdir, **overrides):
 
 def complete_steps(workdir) -> list[int]:
     root = pathlib.Path(workdir, "checkpoints")
-    return sorted(int(p.name) for p in root.iterdir() if (p / "integrity").is_dir())
+    # Digits only: a step being written is "<step>.orbax-checkpoint-tmp…" until renamed.
+    return sorted(
+        int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "integrity").is_dir()
+    )
 
 
 def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
