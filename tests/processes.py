@@ -124,6 +124,15 @@ def last_step(workdir) -> int:
     return logged[-1][0] if logged else 0
 
 
+def complete_steps(workdir) -> list[int]:
+    """The steps whose checkpoint is finished (integrity record written), ascending.
+    Digits only: a step orbax is still writing is ``<step>.orbax-checkpoint-tmp…``."""
+    root = pathlib.Path(workdir, "checkpoints")
+    return sorted(
+        int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "integrity").is_dir()
+    )
+
+
 def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180, poll: float = 0.02):
     """Polls `predicate()` until true; fails if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout

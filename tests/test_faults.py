@@ -65,13 +65,6 @@ def assert_losses_match(workdir, reference_losses, steps=range(1, N + 1)):
         assert loss == reference_losses[s], f"step {s}: {loss} != {reference_losses[s]}"
 
 
-def complete_steps(workdir) -> list[int]:
-    root = pathlib.Path(workdir, "checkpoints")
-    return sorted(
-        int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "integrity").is_dir()
-    )
-
-
 def tree_digest(path) -> dict[str, str]:
     return {
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -94,7 +87,7 @@ def reference(ctx):
     workdir = ctx[0] / "reference"
     result = P.run(args(ctx, workdir), ctx[3])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert complete_steps(workdir) == [6, 8, 10, 12]
+    assert P.complete_steps(workdir) == [6, 8, 10, 12]
     step, params = final_params(workdir)
     assert step == N
     return workdir, dict(P.losses(workdir)), params
@@ -121,7 +114,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
     code, _, _ = P.kill(proc)
     assert code == -signal.SIGKILL
     assert (ckpts / tmp).exists(), "the write finished before the kill landed"
-    first_resume = complete_steps(workdir)[-1]
+    first_resume = P.complete_steps(workdir)[-1]
     assert first_resume == int(tmp.split(".")[0]) - 2
 
     seed = int.from_bytes(os.urandom(2), "little")
@@ -131,7 +124,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
     P.wait_until(lambda: len(P.losses(workdir)) > logged and P.last_step(workdir) >= kill_at, proc)
     code, out, _ = P.kill(proc)
     assert f"resumed from {ckpts} at step {first_resume}" in out, (seed, out)
-    second_resume = complete_steps(workdir)[-1]
+    second_resume = P.complete_steps(workdir)[-1]
 
     result = P.run(args(ctx, workdir), ctx[3])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -152,7 +145,7 @@ def test_sigterm_saves_the_current_step_and_exits_0(ctx, reference):
     assert code == 0, err[-3000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
     assert 3 <= stopped < N, out
-    assert complete_steps(workdir)[-1] == stopped
+    assert P.complete_steps(workdir)[-1] == stopped
 
     result = P.run(args(ctx, workdir), ctx[3])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -232,7 +225,7 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference)
     assert result.returncode == TrainingError.exit_code, result.stderr[-3000:]
     assert "non-finite loss (nan) or gradient at step 5" in line, line
     assert "last checkpoint: step 4" in line, line
-    assert complete_steps(workdir) == [2, 4]
+    assert P.complete_steps(workdir) == [2, 4]
     assert_losses_match(workdir, ref_losses, steps=range(1, 5))
     assert final_params(workdir)[0] == 4  # restores, checksums verified
 

@@ -121,14 +121,6 @@ def args(ctx, workdir, **overrides):
     return P.train_args(workdir, files, data_dir, **overrides)
 
 
-def complete_steps(workdir) -> list[int]:
-    root = pathlib.Path(workdir, "checkpoints")
-    # Digits only: a step being written is "<step>.orbax-checkpoint-tmp…" until renamed.
-    return sorted(
-        int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "integrity").is_dir()
-    )
-
-
 def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
     workdir = ctx[0] / "shared"
     overrides = {"checkpoint_every": 4, "keep_checkpoints": 100}
@@ -149,11 +141,11 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
     # Readers take no lease, and read the newest complete step, verified, while it writes.
     reads = []
     while first.poll() is None and len(reads) < 3:
-        if not complete_steps(workdir):
+        if not P.complete_steps(workdir):
             continue
-        newest = complete_steps(workdir)[-1]
+        newest = P.complete_steps(workdir)[-1]
         _, _, step = ckpt_lib.load_params(workdir)  # checksums verified inside
-        assert newest <= step <= complete_steps(workdir)[-1]
+        assert newest <= step <= P.complete_steps(workdir)[-1]
         reads.append(step)
     assert reads and first.poll() is None, "the run ended before the readers read"
     assert lease_record(workdir)["pid"] == first.pid
@@ -165,7 +157,7 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
     assert logged == list(range(1, len(logged) + 1)), "the refused job wrote metrics"
     assert not (workdir / "checkpoints" / "superseded").exists()  # nothing saved over
 
-    steps = complete_steps(workdir)[-1] + 8  # the third job resumes and trains a little more
+    steps = P.complete_steps(workdir)[-1] + 8  # the third job resumes and trains a little more
     third = P.run(args(ctx, workdir, num_train_steps=steps, **overrides), ctx[3])
     assert third.returncode == 0, third.stderr[-3000:]
     assert (
@@ -173,5 +165,5 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
         in third.stdout.splitlines()[0]
     )
     assert third.stdout.splitlines()[0].endswith(f"pid {first.pid} is gone")
-    assert complete_steps(workdir)[-1] == steps
+    assert P.complete_steps(workdir)[-1] == steps
     assert not (workdir / lease_lib.LEASE_FILE).exists()
