@@ -41,6 +41,7 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
         assert key in entry
     assert entry["value"] > 0
     assert set(entry["by_dtype"]) == {"float32", "bfloat16"}
+    assert entry["model_overrides"] == {"num_layers": 2}  # --quick: a smoke test, not a figure
     assert "mfu:" in proc.stdout
 
 
