@@ -86,14 +86,15 @@ def train_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[dict]
     ]
 
 
-def train_timer(config, batches: list[dict], steps: int):
+def train_timer(config, batches: list[dict], steps: int, **setup_kwargs):
     """``(setup, timer)``: the library's jitted train step on one device, warm;
-    ``timer()`` runs ``steps`` steps (cycling over ``batches``) and returns their seconds."""
+    ``timer()`` runs ``steps`` steps (cycling over ``batches``) and returns their seconds.
+    ``setup_kwargs`` go to :class:`lexjax.steps.TrainSetup` (e.g. ``compiler_options``)."""
     import jax
 
     from lexjax.steps import TrainSetup
 
-    setup = TrainSetup(config, devices=jax.devices()[:1])
+    setup = TrainSetup(config, devices=jax.devices()[:1], **setup_kwargs)
     device_batches = [setup.global_batch(b) for b in batches]
     box = {"state": setup.init_state()}
 

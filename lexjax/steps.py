@@ -14,6 +14,7 @@ Batches are dicts of int32 ``[B, T]`` arrays: ``inputs``, ``targets``,
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import flax
@@ -126,6 +127,33 @@ def init_state(rng, *, model: Decoder, tx: optax.GradientTransformation, train_l
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
+# XLA:CPU hands dots, elementwise loops and reductions to YNNPACK "library
+# fusions" by default. For the train step, XLA's own dots and loops are faster
+# with jaxlib 0.10 (bench/, docs/benchmarks.md) and equal with 0.12; the block
+# scan is slower without YNNPACK, so only the train step turns it off.
+_CPU_TRAIN_STEP_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+
+
+@functools.cache
+def _compiler_accepts(options: tuple) -> bool:
+    """Whether this jaxlib's CPU compiler knows every option (unknown ones fail)."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(np.float32(0)).compile()
+    except jax.errors.JaxRuntimeError:  # INVALID_ARGUMENT: no such compile option
+        return False
+    return True
+
+
+def train_step_compiler_options(devices) -> dict:
+    """XLA options for the jitted train step on these devices: on CPUs, YNNPACK off,
+    unless ``XLA_FLAGS`` sets a YNNPACK option itself or this jaxlib lacks it."""
+    if any(d.platform != "cpu" for d in devices):
+        return {}
+    if "ynn" in os.environ.get("XLA_FLAGS", "") or not _compiler_accepts(_CPU_TRAIN_STEP_OPTIONS):
+        return {}
+    return dict(_CPU_TRAIN_STEP_OPTIONS)
+
+
 class TrainSetup:
     """The model, optimizer, mesh, shardings and jitted steps of one config.
 
@@ -134,11 +162,16 @@ class TrainSetup:
     batch)`` (state donated) and ``eval_step(params, batch)`` are the jitted,
     sharded :func:`train_step` and :func:`eval_step`; ``abstract_state`` is the
     state's ``ShapeDtypeStruct`` tree with shardings, a restore target.
+    ``compiler_options``: XLA options of the train step (default:
+    :func:`train_step_compiler_options`; ``{}`` for XLA's defaults).
     """
 
-    def __init__(self, config: Config, devices=None):
+    def __init__(self, config: Config, devices=None, *, compiler_options: dict | None = None):
         self.config = config
         self.mesh = shard_lib.make_mesh(config, devices)
+        if compiler_options is None:
+            compiler_options = train_step_compiler_options(self.mesh.devices.flat)
+        self.compiler_options = compiler_options
         rules = shard_lib.rules(config)
         self.model = Decoder(config.model)
         self.tx = make_optimizer(config)
@@ -161,6 +194,7 @@ class TrainSetup:
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, repl),
             donate_argnums=(0,),
+            compiler_options=self.compiler_options,
         )
         self.eval_step = jax.jit(
             functools.partial(eval_step, model=self.model),

@@ -57,6 +57,35 @@ def test_gradient_accumulation_equals_one_big_batch():
     )
 
 
+def test_train_step_compiler_options_are_cpu_only_and_change_no_number(monkeypatch):
+    """The CPU train step's XLA options (YNNPACK off) select other kernels, not other
+    math: three steps equal XLA's defaults to float32 rounding. Never on other
+    platforms, and a user's own YNNPACK flag in XLA_FLAGS wins."""
+    from lexjax.steps import train_step_compiler_options
+
+    cpu = jax.devices()[:1]
+    options = train_step_compiler_options(cpu)
+    assert options in ({}, {"xla_cpu_experimental_ynn_fusion_type": ""})  # {}: jaxlib lacks it
+    gpu = type("Device", (), {"platform": "gpu"})()
+    assert train_step_compiler_options([gpu]) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=reduce")
+    assert train_step_compiler_options(cpu) == {}
+    monkeypatch.undo()
+
+    batches = [packed_batch(np.random.default_rng(s), 8, 16) for s in range(3)]
+    config = small_config(**{"mesh.data": 1})
+    tuned = TrainSetup(config, cpu)
+    assert tuned.compiler_options == options
+    (p1, l1), (p2, l2) = (
+        _run_steps(tuned, batches),
+        _run_steps(TrainSetup(config, cpu, compiler_options={}), batches),
+    )
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p2
+    )
+
+
 MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 2, 4), "tensor")]
 
 
