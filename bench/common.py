@@ -115,11 +115,14 @@ class Summary:
     min: float
     max: float
     values: list[float]
+    q25: float | None = None  # quartiles: the middle half of the rounds
+    q75: float | None = None
 
     @classmethod
     def of(cls, values) -> Summary:
         values = [float(v) for v in values]
-        return cls(statistics.median(values), min(values), max(values), values)
+        q25, q75 = statistics.quantiles(values, n=4)[::2] if len(values) > 1 else (values[0],) * 2
+        return cls(statistics.median(values), min(values), max(values), values, q25, q75)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
