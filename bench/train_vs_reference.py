@@ -92,17 +92,17 @@ class Reference:
             self.proc.wait(timeout=60)
 
 
-def loss_curves(num_steps: int) -> dict:
+def loss_curves(num_steps: int, model: dict) -> dict:
     """float32 vs bfloat16 lexjax from the same init on the same text batches."""
     import jax
 
     from lexjax.steps import TrainSetup
 
-    config = common.tiny_config()
+    config = common.tiny_config(**model)
     batches = common.train_batches(config.batch_size, config.train_len, num_steps, seed=1)
     curves = {}
     for dtype in ("float32", "bfloat16"):
-        setup = TrainSetup(common.tiny_config(dtype=dtype), devices=jax.devices()[:1])
+        setup = TrainSetup(common.tiny_config(dtype=dtype, **model), devices=jax.devices()[:1])
         state = setup.init_state(seed=0)
         losses = []
         with jax.set_mesh(setup.mesh):
@@ -125,7 +125,9 @@ def loss_curves(num_steps: int) -> dict:
 
 def run(args) -> dict:
     python = resolve_python(args.reference_python)
-    config = common.tiny_config()
+    # --quick checks the code path, not a speed: two layers compile in half the time.
+    model = {"num_layers": 2} if args.quick else {}
+    config = common.tiny_config(**model)
     m = config.model
     rounds, steps = (2, 1) if args.quick else (7, 2)
     batches = common.train_batches(config.batch_size, config.train_len, 4)
@@ -143,12 +145,14 @@ def run(args) -> dict:
     )
     reference = Reference(python, settings)
     try:
-        setup, f32 = common.train_timer(common.tiny_config(dtype="float32"), batches, steps)
-        _, bf16 = common.train_timer(common.tiny_config(dtype="bfloat16"), batches, steps)
+        setup, f32 = common.train_timer(
+            common.tiny_config(dtype="float32", **model), batches, steps
+        )
+        _, bf16 = common.train_timer(common.tiny_config(dtype="bfloat16", **model), batches, steps)
         sides = {"lexjax_float32": f32, "lexjax_bfloat16": bf16}
         if setup.compiler_options:  # the library's XLA options against XLA's defaults
             f32_defaults = common.train_timer(
-                common.tiny_config(dtype="float32"), batches, steps, compiler_options={}
+                common.tiny_config(dtype="float32", **model), batches, steps, compiler_options={}
             )[1]
             sides["lexjax_float32_xla_defaults"] = f32_defaults
         ref_losses = []
@@ -172,13 +176,14 @@ def run(args) -> dict:
         options_gain = common.ratios(
             seconds["lexjax_float32_xla_defaults"], seconds["lexjax_float32"]
         ).as_dict()
-    curves = loss_curves(6 if args.quick else 30)
+    curves = loss_curves(6 if args.quick else 30, model)
     return common.result(
         ratio[best].median,
         "× reference tokens/s",
         "≥ 1.0× (parity; aim 1.2×)",
         ratio[best].median >= 1.0,
         best=best,
+        model_overrides=model,
         compiler_options=setup.compiler_options,
         compiler_options_gain=options_gain,
         ratio={k: v.as_dict() for k, v in ratio.items()},

@@ -45,6 +45,35 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     assert "mfu:" in proc.stdout
 
 
+@pytest.mark.reference
+def test_train_vs_reference_quick_times_every_side_against_torchscale(tmp_path):
+    """Live (torch + torchscale in this interpreter): the parity benchmark's JSON, with
+    XLA's default options timed beside the library's whenever the library sets some."""
+    from lexjax.steps import train_step_compiler_options
+
+    out = tmp_path / "bench.json"
+    args = ["--quick", "--only", "train_vs_reference", "--reference_python", sys.executable]
+    proc = _run(["bench/run.py", *args, "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entry = json.loads(out.read_text())["train_vs_reference"]
+    assert entry["unit"] == "× reference tokens/s" and entry["value"] > 0
+    sides = {"lexjax_float32", "lexjax_bfloat16", "reference"}
+    import jax
+
+    options = train_step_compiler_options(jax.devices()[:1])
+    assert entry["compiler_options"] == options
+    if options:
+        sides.add("lexjax_float32_xla_defaults")
+        assert entry["compiler_options_gain"]["median"] > 0
+    assert set(entry["tokens_per_sec"]) == sides
+    assert set(entry["ratio"]) == sides - {"reference"}
+    assert entry["value"] == max(
+        entry["ratio"][k]["median"] for k in ("lexjax_float32", "lexjax_bfloat16")
+    )
+    assert entry["model_overrides"] == {"num_layers": 2}  # --quick: a smoke test, not a figure
+    assert "torchscale tokens/s" in proc.stdout
+
+
 def test_unknown_benchmark_is_a_one_line_error(tmp_path):
     proc = _run(["bench/run.py", "--only", "nope"], tmp_path)
     assert proc.returncode == 2
