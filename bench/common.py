@@ -50,6 +50,11 @@ def tiny_config(**model):
     return make_config(config_dict("tiny"), model=model)
 
 
+# Model overrides of a benchmark's --quick run, which checks the code path, not a
+# speed: two layers compile in half the time. Recorded in its JSON as model_overrides.
+QUICK_MODEL = {"num_layers": 2}
+
+
 def text_tokens(count: int, seed: int = 0) -> np.ndarray:
     """``count`` byte tokens of real text: the standard library's own sources, concatenated.
 

@@ -42,10 +42,6 @@ def peak(dtype, sizes=SIZES):
     return {n: _matmul(n, dtype) for n in sizes}
 
 
-# --quick checks the benchmark's code path, not a speed: two layers compile in half the time.
-QUICK_MODEL = {"num_layers": 2}
-
-
 def _train_rate(dtype: str, steps: int, model: dict):
     """``(setup, batches, rate)``: ``rate()`` times ``steps`` train steps → tokens/s."""
     config = common.tiny_config(dtype=dtype, **model)
@@ -94,7 +90,7 @@ def breakdown(setup, batch, reps: int) -> dict:
 def run(args) -> dict:
     rounds, steps = (2, 1) if args.quick else (5, 2)
     sizes = (512, 1024) if args.quick else SIZES
-    model = QUICK_MODEL if args.quick else {}
+    model = common.QUICK_MODEL if args.quick else {}
     config = common.tiny_config(**model)
     flops = flops_per_token(config)
     peaks = {"float32": peak(jnp.float32, sizes), "bfloat16": peak(jnp.bfloat16, sizes)}

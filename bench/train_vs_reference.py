@@ -125,8 +125,7 @@ def loss_curves(num_steps: int, model: dict) -> dict:
 
 def run(args) -> dict:
     python = resolve_python(args.reference_python)
-    # --quick checks the code path, not a speed: two layers compile in half the time.
-    model = {"num_layers": 2} if args.quick else {}
+    model = common.QUICK_MODEL if args.quick else {}
     config = common.tiny_config(**model)
     m = config.model
     rounds, steps = (2, 1) if args.quick else (7, 2)
@@ -145,16 +144,14 @@ def run(args) -> dict:
     )
     reference = Reference(python, settings)
     try:
-        setup, f32 = common.train_timer(
-            common.tiny_config(dtype="float32", **model), batches, steps
-        )
+        f32_config = common.tiny_config(dtype="float32", **model)
+        setup, f32 = common.train_timer(f32_config, batches, steps)
         _, bf16 = common.train_timer(common.tiny_config(dtype="bfloat16", **model), batches, steps)
         sides = {"lexjax_float32": f32, "lexjax_bfloat16": bf16}
         if setup.compiler_options:  # the library's XLA options against XLA's defaults
-            f32_defaults = common.train_timer(
-                common.tiny_config(dtype="float32", **model), batches, steps, compiler_options={}
+            sides["lexjax_float32_xla_defaults"] = common.train_timer(
+                f32_config, batches, steps, compiler_options={}
             )[1]
-            sides["lexjax_float32_xla_defaults"] = f32_defaults
         ref_losses = []
 
         def reference_side():

@@ -49,6 +49,8 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
 def test_train_vs_reference_quick_times_every_side_against_torchscale(tmp_path):
     """Live (torch + torchscale in this interpreter): the parity benchmark's JSON, with
     XLA's default options timed beside the library's whenever the library sets some."""
+    import jax
+
     from lexjax.steps import train_step_compiler_options
 
     out = tmp_path / "bench.json"
@@ -58,8 +60,6 @@ def test_train_vs_reference_quick_times_every_side_against_torchscale(tmp_path):
     entry = json.loads(out.read_text())["train_vs_reference"]
     assert entry["unit"] == "× reference tokens/s" and entry["value"] > 0
     sides = {"lexjax_float32", "lexjax_bfloat16", "reference"}
-    import jax
-
     options = train_step_compiler_options(jax.devices()[:1])
     assert entry["compiler_options"] == options
     if options:
