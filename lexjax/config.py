@@ -133,6 +133,9 @@ class DataConfig:
     worker_count: int = 0
     # Fraction of training rows that are passkey documents of train_len (lexjax.passkey).
     passkey_fraction: float = 0.0
+    # Fraction of training rows that are copy documents of train_len (random strings, each
+    # repeated: lexjax.passkey.copy_document), which teach the copying a passkey needs.
+    copy_fraction: float = 0.0
     # Packed rows are shuffled in windows of this many rows before batching (0: off).
     shuffle_rows: int = 1024
 
@@ -541,6 +544,11 @@ def _validated(config: Config) -> Config:
         raise ConfigError(f"data.shuffle_rows={d.shuffle_rows} must be ≥ 0 (0: packing order)")
     if not 0 <= d.passkey_fraction < 1:
         raise ConfigError(f"data.passkey_fraction={d.passkey_fraction} must be in [0, 1) (0: none)")
+    if not 0 <= d.copy_fraction < 1 or d.passkey_fraction + d.copy_fraction >= 1:
+        raise ConfigError(
+            f"data.copy_fraction={d.copy_fraction} must be in [0, 1) and leave text rows: "
+            f"with data.passkey_fraction={d.passkey_fraction} they must sum to less than 1"
+        )
     if d.name == "textfiles" and not d.files:
         raise ConfigError(
             "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"

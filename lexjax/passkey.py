@@ -28,9 +28,12 @@ its leading run of digits is exactly the key: ``"12345. The"`` is right,
 **Training** (:class:`PasskeyMix`): a small model retrieves nothing unless it
 has learned to copy, so ``data.passkey_fraction`` adds passkey documents of
 exactly one training row (length ``train_len``, plus EOS) to the training
-source, at random depths. The fraction is of training *rows*, estimated from a
-fixed sample of the source's documents: with long documents a fraction of
-documents would be almost no rows.
+source, at random depths, and ``data.copy_fraction`` copy documents
+(:func:`copy_document`: random strings, each repeated), from which a small
+model learns to copy much sooner than from passkey documents alone. The
+fractions are of training *rows*, estimated from a fixed sample of the
+source's documents: with long documents a fraction of documents would be
+almost no rows.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ _KEY_BEFORE = "\nThe pass key is "
 _KEY_AFTER = ".\n"
 _QUESTION = "\nWhat is the pass key? The pass key is "
 _MIX_STREAM = 1  # seeds training documents apart from evaluation samples
+_COPY_STREAM = 2  # seeds copy documents apart from passkey documents
+# A copy document's units: a random string of COPY_SPAN letters (drawn per unit),
+# "|", the same string again, a newline.
+COPY_SPAN = (8, 40)
 
 
 def _stderr(message: str) -> None:
@@ -181,6 +188,30 @@ def training_document(
     return np.concatenate([sample.prompt, sample.answer, [tokenizer.eos]]).astype(np.int32)
 
 
+def copy_document(
+    seed: int, index: int, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
+) -> np.ndarray:
+    """Copy document ``index`` of the training mix of ``seed``: BOS, then units of a
+    random string of lowercase letters, ``|``, the same string, a newline, cut to
+    ``length`` tokens, then EOS (int32 ``[length + 1]``, one packed row).
+
+    The second half of every unit can only be predicted by finding the first: an
+    induction head's task (Olsson et al. 2022), which a passkey's answer needs
+    and which a small model barely meets in text or passkey documents alone. The
+    strings' lengths vary, so no fixed attention offset predicts them."""
+    rng = np.random.default_rng([seed, index, _COPY_STREAM])
+    letters = [tokenizer.encode(ch) for ch in "abcdefghijklmnopqrstuvwxyz"]
+    bar, newline = tokenizer.encode("|"), tokenizer.encode("\n")
+    ids = [np.asarray([tokenizer.bos])]
+    total = 1
+    while total < length:
+        span = rng.integers(len(letters), size=int(rng.integers(*COPY_SPAN)))
+        text = np.concatenate([letters[i] for i in span])
+        ids += [text, bar, text, newline]
+        total += 2 * len(text) + len(bar) + len(newline)
+    return np.concatenate([np.concatenate(ids)[:length], [tokenizer.eos]]).astype(np.int32)
+
+
 def mix_count(
     source: Sequence,
     fraction: float,
@@ -188,7 +219,7 @@ def mix_count(
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     sample: int = 64,
 ) -> int:
-    """How many passkey documents make ``fraction`` of the training rows: the
+    """How many generated documents make ``fraction`` of the training rows: the
     source's rows (its (input, target) pairs / ``length``) are estimated from
     ``sample`` documents evenly spread over it, so the count is deterministic."""
     if not 0 <= fraction < 1:
@@ -202,12 +233,13 @@ def mix_count(
 
 
 class PasskeyMix:
-    """A training source (``len`` and ``[i]``) with passkey documents added.
+    """A training source (``len`` and ``[i]``) with passkey and copy documents added.
 
-    Items ``0 … n−1`` are the source's, unchanged; items ``n … n+count−1`` are
-    :func:`training_document` ``(seed, i − n)``, int32 ids the pipeline passes
-    through untokenized. ``count`` (:func:`mix_count`) makes them ``fraction`` of
-    the rows. Deterministic and stateless, so the pipeline's shuffle, sharding
+    Items ``0 … n−1`` are the source's, unchanged; then ``count`` passkey
+    documents (:func:`training_document`), then ``copies`` copy documents
+    (:func:`copy_document`), int32 ids the pipeline passes through untokenized.
+    The counts (:func:`mix_count`) make them ``fraction`` and ``copy_fraction``
+    of the rows. Deterministic and stateless, so the pipeline's shuffle, sharding
     and checkpointed iterator state work as for any source.
     """
 
@@ -219,9 +251,17 @@ class PasskeyMix:
         length: int,
         tokenizer: data_lib.Tokenizer = data_lib.BYTES,
         seed: int = 0,
+        copy_fraction: float = 0.0,
     ):
         self.source, self.length, self.tokenizer, self.seed = source, length, tokenizer, seed
-        self.count = mix_count(source, fraction, length, tokenizer)
+        if not 0 <= copy_fraction < 1 or fraction + copy_fraction >= 1:
+            raise ConfigError(
+                f"data.passkey_fraction={fraction} and data.copy_fraction={copy_fraction} "
+                "must each be ≥ 0 and sum to less than 1"
+            )
+        mixed = mix_count(source, fraction + copy_fraction, length, tokenizer)
+        self.copies = round(mixed * copy_fraction / (fraction + copy_fraction)) if mixed else 0
+        self.count = mixed - self.copies
         if self.count and length < min_length(tokenizer):
             raise ConfigError(
                 f"train_len={length} is below the {min_length(tokenizer)} tokens of a passkey "
@@ -229,7 +269,7 @@ class PasskeyMix:
             )
 
     def __len__(self) -> int:
-        return len(self.source) + self.count
+        return len(self.source) + self.count + self.copies
 
     def __getitem__(self, index: int):
         index = int(index)
@@ -240,7 +280,9 @@ class PasskeyMix:
             raise IndexError(f"index {index} of a source of {len(self)} documents")
         if index < n:
             return self.source[index]
-        return training_document(self.seed, index - n, self.length, self.tokenizer)
+        if index < n + self.count:
+            return training_document(self.seed, index - n, self.length, self.tokenizer)
+        return copy_document(self.seed, index - n - self.count, self.length, self.tokenizer)
 
 
 # --------------------------------------------------------------------------- evaluation

@@ -63,13 +63,15 @@ def _source(config: Config, split: str) -> data_lib.TextSource:
 
 
 def _train_source(config: Config, tokenizer: data_lib.Tokenizer):
-    """The train split, with passkey documents mixed in when ``data.passkey_fraction`` > 0."""
+    """The train split, with passkey and copy documents mixed in when
+    ``data.passkey_fraction`` or ``data.copy_fraction`` > 0."""
     source = _source(config, "train")
-    if config.data.passkey_fraction == 0:
+    if config.data.passkey_fraction == 0 and config.data.copy_fraction == 0:
         return source
     return passkey.PasskeyMix(
         source,
         fraction=config.data.passkey_fraction,
+        copy_fraction=config.data.copy_fraction,
         length=config.train_len,
         tokenizer=tokenizer,
         seed=config.seed,

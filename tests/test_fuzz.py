@@ -41,6 +41,7 @@ FIELDS = {
     "data.text_feature": (["content"], [""]),
     "data.worker_count": (["2"], ["-1"]),
     "data.passkey_fraction": (["0.2", "0"], ["1.0", "-0.1", "nan"]),
+    "data.copy_fraction": (["0.3", "0"], ["1.0", "-0.1", "nan"]),
     "data.shuffle_rows": (["0", "4096"], ["-1"]),
     "data.tokenizer": (["sentencepiece"], ["words", ""]),
     "data.vocab_size": (

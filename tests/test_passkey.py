@@ -164,6 +164,53 @@ def test_the_fraction_is_of_training_rows(fraction):
     assert abs(passkey_rows / rows - fraction) < 0.03, (passkey_rows, rows)
 
 
+def test_copy_documents_repeat_each_random_string_once_and_fill_one_row():
+    rows = [passkey.copy_document(3, i, 80) for i in range(20)]
+    assert all(r.dtype == np.int32 and len(r) == 81 for r in rows)
+    assert all(r[0] == data_lib.BOS and r[-1] == data_lib.EOS for r in rows)
+    np.testing.assert_array_equal(rows[0], passkey.copy_document(3, 0, 80))
+    assert len({r.tobytes() for r in rows}) == 20
+    assert not np.array_equal(rows[0], passkey.copy_document(4, 0, 80))
+    spans = []
+    for row in rows:
+        *units, cut = data_lib.decode(row[1:-1]).split("\n")
+        first, _, second = cut.partition("|")  # the unit the row's end cuts
+        assert first.startswith(second)
+        for unit in units:
+            first, second = unit.split("|")
+            assert first == second and first.isalpha() and first.islower()
+            spans.append(len(first))
+    assert min(spans) >= passkey.COPY_SPAN[0] and max(spans) < passkey.COPY_SPAN[1]
+    assert len(set(spans)) > 10  # no fixed offset predicts the copy
+
+
+def test_passkey_and_copy_fractions_are_of_training_rows():
+    source = _documents(400)
+    mix = passkey.PasskeyMix(source, fraction=0.2, copy_fraction=0.3, length=80)
+    assert mix.count > 0 and mix.copies > 0
+    it = data_lib.make_train_iterator(mix, seq_len=80, batch_size=16, seed=0, num_epochs=1)
+    rows = passkey_rows = copy_rows = 0
+    for batch in it:
+        for row in batch["inputs"]:
+            rows += 1
+            text = data_lib.decode(row)
+            passkey_rows += "What is the pass key?" in text
+            copy_rows += "|" in text
+    assert rows > 500
+    assert abs(passkey_rows / rows - 0.2) < 0.03, (passkey_rows, rows)
+    assert abs(copy_rows / rows - 0.3) < 0.03, (copy_rows, rows)
+
+
+def test_copy_fraction_out_of_range_or_leaving_no_text_is_a_config_error():
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ConfigError, match="data.copy_fraction"):
+            small_config(**{"data.copy_fraction": bad})
+    with pytest.raises(ConfigError, match="sum to less than 1"):
+        small_config(**{"data.copy_fraction": 0.5, "data.passkey_fraction": 0.5})
+    with pytest.raises(ConfigError, match="sum to less than 1"):
+        passkey.PasskeyMix(_documents(10), fraction=0.6, copy_fraction=0.4, length=80)
+
+
 def test_passkey_fraction_out_of_range_or_a_train_len_too_short_is_a_config_error():
     for bad in (1.0, -0.1, float("nan")):
         with pytest.raises(ConfigError, match="data.passkey_fraction"):
@@ -185,7 +232,11 @@ def test_training_reads_the_mix_and_validation_stays_plain(tmp_path):
     mixed = small_config(**overrides, **{"data.passkey_fraction": 0.25})
     source = training._train_source(mixed, data_lib.BYTES)
     assert isinstance(source, passkey.PasskeyMix) and source.count > 0
+    assert source.copies == 0
     assert len(source.source) == len(training._train_source(plain, data_lib.BYTES))
+    copying = small_config(**overrides, **{"data.copy_fraction": 0.25})
+    source = training._train_source(copying, data_lib.BYTES)
+    assert isinstance(source, passkey.PasskeyMix) and source.count == 0 and source.copies > 0
     assert not isinstance(training._source(mixed, "validation"), passkey.PasskeyMix)
 
 
