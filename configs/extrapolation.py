@@ -65,9 +65,9 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         # b = train_len/2 keeps the ratio of torchscale's default b = 512 at the paper's
         # l = 1024 (the paper itself states no scale base): the same decay over one window.
         c.train.model.update(dict(num_layers=4, scale_base=64.0))
-        # 1000 steps × 16 × 128 = 2.05 M tokens: about 4.5 minutes a run at ~8,000 tokens/s
-        # (2 idle cores). At equal tokens batch 16 beat batch 8 (twice the steps) and
-        # lr 3e-3 beat 6e-3.
+        # 1000 steps × 16 × 128 = 2.05 M tokens a run (each run's train.json has its
+        # seconds). At equal tokens batch 16 beat batch 8 (twice the steps) and lr 3e-3
+        # beat 6e-3.
         c.train.update(
             dict(
                 train_len=128,

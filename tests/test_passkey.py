@@ -84,6 +84,10 @@ def test_a_sentencepiece_sample_is_exact_in_its_tokens():
             filler = len(before) + len(text.split(KEY_LINE.format(sample.key))[1]) - len(QUESTION)
             assert abs(len(before) / filler - depth) < 0.1
     assert passkey.min_length(tok) <= passkey.min_length()
+    row = passkey.copy_document(0, 0, 150, tok)  # copy documents too are exact in tokens
+    assert len(row) == 151 and row[0] == tok.bos and row[-1] == tok.eos
+    *units, _ = tok.decode(row[1:-1]).split("\n")
+    assert units and all(u.split("|")[0] == u.split("|")[1] for u in units)
 
 
 def test_lengths_below_the_format_and_depths_outside_zero_one_are_refused():
