@@ -28,7 +28,7 @@ def _python(*args, timeout=120):
 def test_tiny_is_the_defaults_and_presets_validate():
     assert cfg.from_configdict(tiny.get_config()) == cfg.from_configdict({})
     assert cfg.from_configdict({}).learning_rate == 2e-3  # what configs/tiny.py always trained with
-    for preset in ("small", "paper", "smoke"):
+    for preset in ("small", "tokens", "retrieval", "paper", "smoke"):
         train = cfg.from_configdict(extrapolation.get_config(preset).train)
         assert train.model.max_len == train.train_len
     big = cfg.from_configdict(paper.get_config())
