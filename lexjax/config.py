@@ -133,8 +133,9 @@ class DataConfig:
     worker_count: int = 0
     # Fraction of training rows that are passkey documents of train_len (lexjax.passkey).
     passkey_fraction: float = 0.0
-    # Fraction of training rows that are copy documents of train_len (random strings, each
-    # repeated: lexjax.passkey.copy_document), which teach the copying a passkey needs.
+    # Fraction of training rows that are copy documents of train_len (random strings of
+    # letters and digits, each repeated: lexjax.passkey.copy_document), which teach the
+    # copying a passkey needs.
     copy_fraction: float = 0.0
     # Packed rows are shuffled in windows of this many rows before batching (0: off).
     shuffle_rows: int = 1024

@@ -69,6 +69,9 @@ __all__ = [
     "is_correct",
     "PasskeyMix",
     "training_document",
+    "copy_document",
+    "COPY_SPAN",
+    "COPY_ALPHABET",
     "mix_count",
     "PasskeyResult",
     "default_lengths",
@@ -94,9 +97,12 @@ _KEY_AFTER = ".\n"
 _QUESTION = "\nWhat is the pass key? The pass key is "
 _MIX_STREAM = 1  # seeds training documents apart from evaluation samples
 _COPY_STREAM = 2  # seeds copy documents apart from passkey documents
-# A copy document's units: a random string of COPY_SPAN letters (drawn per unit),
-# "|", the same string again, a newline.
+# A copy document's units: a random string of COPY_SPAN characters (drawn per unit)
+# of COPY_ALPHABET, "|", the same string again, a newline. Digits are in the
+# alphabet because a key is digits: heads that learned to copy letters only did
+# not copy a key (docs/results.md, "Passkey retrieval after copy training").
 COPY_SPAN = (8, 40)
+COPY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def _stderr(message: str) -> None:
@@ -192,7 +198,7 @@ def copy_document(
     seed: int, index: int, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
 ) -> np.ndarray:
     """Copy document ``index`` of the training mix of ``seed``: BOS, then units of a
-    random string of lowercase letters, ``|``, the same string, a newline, cut to
+    random string of lowercase letters and digits, ``|``, the same string, a newline, cut to
     ``length`` tokens, then EOS (int32 ``[length + 1]``, one packed row).
 
     The second half of every unit can only be predicted by finding the first: an
@@ -200,7 +206,7 @@ def copy_document(
     and which a small model barely meets in text or passkey documents alone. The
     strings' lengths vary, so no fixed attention offset predicts them."""
     rng = np.random.default_rng([seed, index, _COPY_STREAM])
-    letters = [tokenizer.encode(ch) for ch in "abcdefghijklmnopqrstuvwxyz"]
+    letters = [tokenizer.encode(ch) for ch in COPY_ALPHABET]
     bar, newline = tokenizer.encode("|"), tokenizer.encode("\n")
     ids = [np.asarray([tokenizer.bos])]
     total = 1

@@ -175,17 +175,19 @@ def test_copy_documents_repeat_each_random_string_once_and_fill_one_row():
     np.testing.assert_array_equal(rows[0], passkey.copy_document(3, 0, 80))
     assert len({r.tobytes() for r in rows}) == 20
     assert not np.array_equal(rows[0], passkey.copy_document(4, 0, 80))
-    spans = []
+    spans, characters = [], set()
     for row in rows:
         *units, cut = data_lib.decode(row[1:-1]).split("\n")
         first, _, second = cut.partition("|")  # the unit the row's end cuts
         assert first.startswith(second)
         for unit in units:
             first, second = unit.split("|")
-            assert first == second and first.isalpha() and first.islower()
+            assert first == second and set(first) <= set(passkey.COPY_ALPHABET)
             spans.append(len(first))
+            characters |= set(first)
     assert min(spans) >= passkey.COPY_SPAN[0] and max(spans) < passkey.COPY_SPAN[1]
     assert len(set(spans)) > 10  # no fixed offset predicts the copy
+    assert characters == set("abcdefghijklmnopqrstuvwxyz0123456789")  # a key's digits too
 
 
 def test_passkey_and_copy_fractions_are_of_training_rows():
