@@ -4,6 +4,7 @@ import collections
 import glob
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -143,7 +144,37 @@ def test_one_build_per_corpus_and_a_changed_file_gets_a_new_one(tmp_path):
     assert edited.data_path not in (first.data_path, second.data_path)
     for builder in (first, second, edited):
         assert builder.is_prepared()
-    assert len(os.listdir(data_dir / "textfiles")) == 3
+    assert len([p for p in (data_dir / "textfiles").iterdir() if p.is_dir()]) == 3
+
+
+_PREPARE_AT_A_SIGNAL = """
+import os, sys, time
+from lexjax import data
+print("ready", flush=True)
+while not os.path.exists(sys.argv[1]):  # every process imports first, then all start at once
+    time.sleep(0.005)
+print(data.prepare("textfiles", sys.argv[2], sys.argv[3]).data_path, flush=True)
+"""
+
+
+def test_processes_preparing_one_corpus_at_once_build_it_once(tmp_path):
+    """Before the build lock, all but the first to finish failed renaming their
+    build onto the first's (FileExistsError)."""
+    _write_corpus(str(tmp_path / "corpus"), 60)
+    signal, data_dir = tmp_path / "go", tmp_path / "tfds"
+    args = [sys.executable, "-c", _PREPARE_AT_A_SIGNAL, str(signal), str(data_dir)]
+    args.append(str(tmp_path / "corpus" / "**" / "*.txt"))
+    procs = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 3
+    signal.touch()
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    paths = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(paths) == 1 and os.path.isdir(paths.pop())
+    assert sum(out.count("building dataset") for out, _ in outputs) == 1
 
 
 def test_builds_leave_no_temporary_directories(tmp_path, monkeypatch):

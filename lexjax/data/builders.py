@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import glob
 import hashlib
@@ -464,26 +465,41 @@ def prepare(
     The build lives in `<data_dir>/<name>/<fingerprint>/2.0.0/`; changing,
     adding or removing a file makes a new one beside it. Prints one line while
     building: the file count, the split rule and what was skipped or replaced.
+    Processes preparing one corpus at once build it once (a file lock beside the
+    build, `.<fingerprint>.lock`); the others wait and read that build.
     """
     data_dir = resolve_data_dir(data_dir)
     plan = plan_corpus(
         name, files, validation_files=validation_files, test_files=test_files, max_files=max_files
     )
-    with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
-        builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
-        prepared = builder.is_prepared()
-    if not prepared:
-        skipped = ", ".join(f"{n} {kind}" for kind, n in plan.skipped.items() if n)
-        print(
-            f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
-            f"{'; skipped ' + skipped if skipped else ''})...",
-            end="",
-            flush=True,
-        )
-        with _quiet_tfds():
-            builder.download_and_prepare()
-        replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
-        print(f" done{replaced if builder.replaced else ''}", flush=True)
+
+    def builder_of_plan():
+        with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
+            builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
+            return builder, builder.is_prepared()
+
+    builder, prepared = builder_of_plan()
+    if prepared:
+        return builder
+    # Processes that start together on one host (the local processes of a
+    # multi-process run, two runs launched at once) build a corpus once: the
+    # first to take the lock builds, the others wait and then read its build.
+    os.makedirs(os.path.join(data_dir, name), exist_ok=True)
+    with open(os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        builder, prepared = builder_of_plan()
+        if not prepared:
+            skipped = ", ".join(f"{n} {kind}" for kind, n in plan.skipped.items() if n)
+            print(
+                f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
+                f"{'; skipped ' + skipped if skipped else ''})...",
+                end="",
+                flush=True,
+            )
+            with _quiet_tfds():
+                builder.download_and_prepare()
+            replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
+            print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
 
 
