@@ -18,9 +18,9 @@ Presets (the part after ``:``):
   rotation, NoPE with one), sized for 2 CPU cores.
 - ``tokens``: ``small`` at SentencePiece token level (2048 ids learned from the train
   split), RoPE and XPOS, 0.25× … 8×.
-- ``retrieval``: ``small``'s RoPE and XPOS trained to copy (half the rows copy documents,
-  30% passkey documents, 3000 steps at lr 1e-3), 1× … 8×: passkey retrieval works
-  within the training length (every key at 1×), so the passkey table measures
+- ``retrieval``: ``small``'s RoPE and XPOS (two seeds each) trained to copy (half the rows
+  copy documents, 30% passkey documents, 3000 steps at lr 1e-3), 1× … 8×: passkey
+  retrieval works within the training length, so the passkey table measures
   extrapolation (docs/results.md).
 - ``paper``: configs/paper.py (24 layers, d_model 1024, train_len 1024, bfloat16) with
   b = 512 (torchscale's default; the paper states no scale base), evaluated at 256 … 16,384
@@ -103,10 +103,10 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
     elif preset == "retrieval":
         # The small study's models score 0 on passkey retrieval even at the training length:
         # at 1000 steps with a fifth of passkey rows they learn the format, not to copy. Copy
-        # documents (random strings, each repeated) grow induction heads; a throwaway probe
-        # that fed this mix to the train step directly learned to retrieve by step ~1800,
-        # but through the study's pipeline 3000 steps did not (docs/results.md). A fifth of
-        # the rows stay text; the budget is 3× small's in steps (6.1 M tokens a run).
+        # documents (random strings of letters and digits, each repeated) grow induction
+        # heads that also copy a key's digits; with them both models retrieve every key at
+        # 1× (docs/results.md). A fifth of the rows stay text; the budget is 3× small's in
+        # steps (6.1 M tokens a run); two seeds each.
         c = get_config("small")
         c.train.update(
             dict(
@@ -118,7 +118,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
             )
         )
         c.train.data.update(dict(passkey_fraction=0.3, copy_fraction=0.5))
-        c.runs = "rope,xpos"
+        c.runs = "rope/seeds=2,xpos/seeds=2"
         c.modes = "bca,full"
         c.scalings = ""
         c.multipliers = "1,2,4,8"
