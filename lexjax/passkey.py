@@ -198,21 +198,22 @@ def copy_document(
     seed: int, index: int, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
 ) -> np.ndarray:
     """Copy document ``index`` of the training mix of ``seed``: BOS, then units of a
-    random string of lowercase letters and digits, ``|``, the same string, a newline, cut to
-    ``length`` tokens, then EOS (int32 ``[length + 1]``, one packed row).
+    random string of :data:`COPY_ALPHABET` (lowercase letters and digits), ``|``, the
+    same string, a newline, cut to ``length`` tokens, then EOS (int32
+    ``[length + 1]``, one packed row).
 
     The second half of every unit can only be predicted by finding the first: an
     induction head's task (Olsson et al. 2022), which a passkey's answer needs
     and which a small model barely meets in text or passkey documents alone. The
     strings' lengths vary, so no fixed attention offset predicts them."""
     rng = np.random.default_rng([seed, index, _COPY_STREAM])
-    letters = [tokenizer.encode(ch) for ch in COPY_ALPHABET]
+    characters = [tokenizer.encode(ch) for ch in COPY_ALPHABET]
     bar, newline = tokenizer.encode("|"), tokenizer.encode("\n")
     ids = [np.asarray([tokenizer.bos])]
     total = 1
     while total < length:
-        span = rng.integers(len(letters), size=int(rng.integers(*COPY_SPAN)))
-        text = np.concatenate([letters[i] for i in span])
+        span = rng.integers(len(characters), size=int(rng.integers(*COPY_SPAN)))
+        text = np.concatenate([characters[i] for i in span])
         ids += [text, bar, text, newline]
         total += 2 * len(text) + len(bar) + len(newline)
     return np.concatenate([np.concatenate(ids)[:length], [tokenizer.eos]]).astype(np.int32)
