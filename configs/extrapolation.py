@@ -18,7 +18,7 @@ Presets (the part after ``:``):
   rotation, NoPE with one), sized for 2 CPU cores.
 - ``tokens``: ``small`` at SentencePiece token level (2048 ids learned from the train
   split), RoPE and XPOS, 0.25× … 8×.
-- ``retrieval``: ``small``'s RoPE and XPOS (two seeds each) trained to copy (half the rows
+- ``retrieval``: ``small``'s RoPE and XPOS (three seeds each) trained to copy (half the rows
   copy documents, 30% passkey documents, 3000 steps at lr 1e-3), 1× … 8×: passkey
   retrieval works within the training length, so the passkey table measures
   extrapolation (docs/results.md).
@@ -106,7 +106,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         # documents (random strings of letters and digits, each repeated) grow induction
         # heads that also copy a key's digits; with them both models retrieve every key at
         # 1× (docs/results.md). A fifth of the rows stay text; the budget is 3× small's in
-        # steps (6.1 M tokens a run); two seeds each.
+        # steps (6.1 M tokens a run); three seeds each.
         c = get_config("small")
         c.train.update(
             dict(
@@ -118,7 +118,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
             )
         )
         c.train.data.update(dict(passkey_fraction=0.3, copy_fraction=0.5))
-        c.runs = "rope/seeds=2,xpos/seeds=2"
+        c.runs = "rope/seeds=3,xpos/seeds=3"
         c.modes = "bca,full"
         c.scalings = ""
         c.multipliers = "1,2,4,8"
