@@ -102,8 +102,7 @@ def get_config(preset: str = "small") -> config_dict.ConfigDict:
         c.runs = "rope,xpos"
         c.multipliers = "0.25,0.5,1,2,4,8"
     elif preset == "retrieval":
-        # The small study's models score 0 on passkey retrieval even at the training length:
-        # at 1000 steps with a fifth of passkey rows they learn the format, not to copy. Copy
+        # small's models do not learn to copy (see its passkey_fraction). Copy
         # documents (random strings of letters and digits, each repeated) grow induction
         # heads that also copy a key's digits; with them both models retrieve every key at
         # 1× (docs/results.md). A fifth of the rows stay text; the budget is 3× small's in
