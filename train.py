@@ -19,6 +19,11 @@ from __future__ import annotations
 import os
 import sys
 
+if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # before JAX loads; see lexjax/hugepages.py
+
 from absl import app, flags, logging
 
 from lexjax import cli, distributed

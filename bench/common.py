@@ -204,6 +204,7 @@ def machine() -> dict:
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # lexjax/hugepages.py
     }
 
 

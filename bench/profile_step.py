@@ -22,6 +22,11 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # as train.py does; see lexjax/hugepages.py
+
 import jax
 
 from bench import common

@@ -4,8 +4,8 @@
                         [--reference_python PY] [--threads 2]
 
 Benchmarks (stable names, also the JSON keys): ``train_vs_reference``,
-``xpos_overhead``, ``eval_scaling``, ``mfu``, ``remat``. Each JSON entry has its headline
-figure under ``value`` with ``unit``, ``target``, ``met`` and the raw
+``xpos_overhead``, ``eval_scaling``, ``mfu``, ``remat``, ``hugepages``. Each JSON entry
+has its headline figure under ``value`` with ``unit``, ``target``, ``met`` and the raw
 measurements; ``machine`` records where and when. Every comparison is
 measured in one run, alternating its sides, as a median with min–max over
 rounds. ``--quick`` runs fewer rounds and shorter lengths (a smoke test, not
@@ -33,9 +33,14 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # as train.py does; see lexjax/hugepages.py
+
 from bench import common
 
-BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu", "remat")
+BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu", "remat", "hugepages")
 
 
 def parse(argv=None) -> argparse.Namespace:

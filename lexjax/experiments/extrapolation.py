@@ -515,6 +515,9 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
     _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _ROOT)  # configs/*.py import each other
 

@@ -1,0 +1,84 @@
+"""Transparent huge pages for XLA:CPU's temporaries: restart a program once with glibc's
+``glibc.malloc.hugetlb=1`` tunable.
+
+XLA:CPU allocates all temporaries of one execution as one block: about 760 MB for
+configs/tiny.py's train step. glibc serves a block that large with a fresh ``mmap``
+and unmaps it when it is freed, so at every step the kernel faults the block in again
+4 KiB at a time — about 186,000 page faults a step, a seventh of the step's CPU time on
+2 cores (docs/benchmarks.md §10). With the tunable, glibc ≥ 2.35 asks for transparent
+huge pages (``madvise``) on such mappings: 512× fewer faults, and fewer TLB misses in
+every kernel that reads them.
+
+glibc reads tunables when a process starts, so :func:`reexec_with_hugepages` re-executes
+the program (``os.execv``: same pid, same arguments) with the tunable added to
+``GLIBC_TUNABLES``. The programs — ``train.py``, ``eval.py``, the experiment and
+``bench/`` — call it first; importing lexjax never does. In a notebook, start Jupyter
+with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead. ``LEXJAX_HUGEPAGES=0`` turns the
+restart off. This module imports nothing heavy, so the restart happens before JAX loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["OPT_OUT", "TUNABLE", "reason_to_skip", "reexec_with_hugepages"]
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+OPT_OUT = "LEXJAX_HUGEPAGES"  # "0": never restart
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
+
+
+def _glibc_version() -> tuple[int, ...] | None:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+    except (AttributeError, OSError, ValueError):
+        return None
+    if name != "glibc":
+        return None
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+def _thp_mode(path: str = _THP_MODE) -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def reason_to_skip(
+    environ=None, glibc: tuple[int, ...] | None = None, thp: str | None = None
+) -> str | None:
+    """Why this process should not restart with the tunable, or None if it should.
+
+    ``glibc`` and ``thp`` default to this machine's glibc version and kernel mode."""
+    environ = os.environ if environ is None else environ
+    if environ.get(OPT_OUT, "1") == "0":
+        return f"{OPT_OUT}=0"
+    if "glibc.malloc.hugetlb" in environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES already sets glibc.malloc.hugetlb"
+    glibc = _glibc_version() if glibc is None else glibc
+    if glibc is None or glibc < _MIN_GLIBC:
+        return "not glibc ≥ 2.35"
+    thp = _thp_mode() if thp is None else thp
+    if thp != "madvise":
+        # always: every mapping gets huge pages already; never/unknown: none can.
+        return f"transparent huge pages are {thp or 'unavailable'}, not madvise"
+    return None
+
+
+def reexec_with_hugepages() -> None:
+    """Re-executes this program with ``GLIBC_TUNABLES`` += ``glibc.malloc.hugetlb=1``
+    unless :func:`reason_to_skip` finds a reason; returns only when it skips."""
+    if reason_to_skip() is not None:
+        return
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), TUNABLE]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -1,0 +1,86 @@
+"""The programs' restart with glibc's huge-page tunable (lexjax/hugepages.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lexjax import hugepages
+
+MADVISE = dict(glibc=(2, 36), thp="madvise")
+
+
+def test_restarts_only_where_it_helps_and_is_wanted():
+    assert hugepages.reason_to_skip({}, **MADVISE) is None
+    assert (
+        hugepages.reason_to_skip({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **MADVISE) is None
+    )
+    assert "LEXJAX_HUGEPAGES=0" in hugepages.reason_to_skip({"LEXJAX_HUGEPAGES": "0"}, **MADVISE)
+    assert "already" in hugepages.reason_to_skip(
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, **MADVISE
+    )
+    assert "2.35" in hugepages.reason_to_skip({}, glibc=(2, 31), thp="madvise")
+    for mode in ("always", "never"):
+        assert mode in hugepages.reason_to_skip({}, glibc=(2, 36), thp=mode)
+
+
+# A child that reports itself, restarts, and reports again: what survives the exec, and
+# whether a 64 MiB malloc'd block (glibc mmaps it) is backed by huge pages afterwards.
+CHILD = textwrap.dedent(
+    """
+    import ctypes, json, os, re, sys
+    from lexjax import hugepages
+
+    def huge_kib():
+        with open("/proc/self/smaps_rollup") as f:
+            return int(re.search(r"AnonHugePages:\\s+(\\d+) kB", f.read()).group(1))
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    size = 64 << 20
+    before = huge_kib()
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    print(json.dumps(dict(pid=os.getpid(), argv=sys.argv[1:], huge_kib=huge_kib() - before,
+                          tunables=os.environ.get("GLIBC_TUNABLES", ""))), flush=True)
+    hugepages.reexec_with_hugepages()
+    print("done", flush=True)
+    """
+)
+
+
+def _run_child(env):
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, "--flag=1", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    return [json.loads(line) for line in out[:-1]], out[-1]
+
+
+@pytest.mark.skipif(
+    hugepages.reason_to_skip(environ={}) is not None,
+    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
+)
+def test_restart_keeps_pid_and_arguments_and_gives_huge_pages():
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEXJAX_HUGEPAGES")}
+    env["GLIBC_TUNABLES"] = "glibc.malloc.arena_max=4"
+    (first, second), last = _run_child(env)
+    assert last == "done"
+    assert first["pid"] == second["pid"]
+    assert first["argv"] == second["argv"] == ["--flag=1", "x"]
+    assert first["tunables"] == "glibc.malloc.arena_max=4"
+    assert second["tunables"] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
+    # Without the tunable the kernel (madvise mode) gives the block 4 KiB pages only.
+    assert first["huge_kib"] == 0
+    assert second["huge_kib"] >= 32 << 10
+
+    env["LEXJAX_HUGEPAGES"] = "0"
+    (only,), last = _run_child(env)
+    assert last == "done" and only["tunables"] == "glibc.malloc.arena_max=4"
