@@ -39,11 +39,6 @@ WORKDIR/eval/passkey.json and a heat map per mode, passkey-MODE.png.
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    from lexjax import hugepages
-
-    hugepages.reexec_with_hugepages()  # before JAX loads; see lexjax/hugepages.py
-
 import logging as py_logging
 import os
 import sys

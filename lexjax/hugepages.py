@@ -10,11 +10,14 @@ huge pages (``madvise``) on such mappings: 512× fewer faults, and fewer TLB mis
 every kernel that reads them.
 
 glibc reads tunables when a process starts, so :func:`reexec_with_hugepages` re-executes
-the program (``os.execv``: same pid, same arguments) with the tunable added to
-``GLIBC_TUNABLES``. The programs — ``train.py``, ``eval.py``, the experiment and
-``bench/`` — call it first; importing lexjax never does. In a notebook, start Jupyter
-with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead. ``LEXJAX_HUGEPAGES=0`` turns the
-restart off. This module imports nothing heavy, so the restart happens before JAX loads.
+the program (``os.execve``: same pid, same arguments) with the tunable added to
+``GLIBC_TUNABLES``. The programs that train — ``train.py``, the experiment, ``bench/run.py``
+and ``bench/profile_step.py`` — call it first; importing lexjax never does. In a notebook,
+start Jupyter with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead.
+``LEXJAX_HUGEPAGES=0`` turns the restart off. ``eval.py`` does not restart: the block
+scan's temporaries are a few MiB that glibc reuses, and with the tunable a short
+``eval.py`` run measured about 10% slower (its compilation's allocations get huge pages
+too). This module imports nothing heavy, so the restart happens before JAX loads.
 """
 
 from __future__ import annotations
