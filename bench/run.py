@@ -4,7 +4,7 @@
                         [--reference_python PY] [--threads 2]
 
 Benchmarks (stable names, also the JSON keys): ``train_vs_reference``,
-``xpos_overhead``, ``eval_scaling``, ``mfu``, ``remat``, ``hugepages``. Each JSON entry
+``xpos_overhead``, ``eval_scaling``, ``mfu``, ``remat``, ``train_processes``. Each JSON entry
 has its headline figure under ``value`` with ``unit``, ``target``, ``met`` and the raw
 measurements; ``machine`` records where and when. Every comparison is
 measured in one run, alternating its sides, as a median with min–max over
@@ -40,7 +40,14 @@ if __name__ == "__main__":
 
 from bench import common
 
-BENCHMARKS = ("train_vs_reference", "xpos_overhead", "eval_scaling", "mfu", "remat", "hugepages")
+BENCHMARKS = (
+    "train_vs_reference",
+    "xpos_overhead",
+    "eval_scaling",
+    "mfu",
+    "remat",
+    "train_processes",
+)
 
 
 def parse(argv=None) -> argparse.Namespace:
