@@ -1,13 +1,13 @@
 """Transparent huge pages for XLA:CPU's temporaries: restart a program once with glibc's
 ``glibc.malloc.hugetlb=1`` tunable.
 
-XLA:CPU allocates all temporaries of one execution as one block: about 760 MB for
+XLA:CPU allocates all temporaries of one execution as one block: about 730 MiB for
 configs/tiny.py's train step. glibc serves a block that large with a fresh ``mmap``
 and unmaps it when it is freed, so at every step the kernel faults the block in again
-4 KiB at a time — about 186,000 page faults a step, a seventh of the step's CPU time on
-2 cores (docs/benchmarks.md §10). With the tunable, glibc ≥ 2.35 asks for transparent
-huge pages (``madvise``) on such mappings: 512× fewer faults, and fewer TLB misses in
-every kernel that reads them.
+4 KiB at a time: about 187,000 page faults a step (docs/benchmarks.md §10). With the
+tunable, glibc ≥ 2.35 asks for transparent huge pages (``madvise``) on such mappings:
+2 MiB pages, so a few hundred faults, and fewer TLB misses in every kernel that reads
+them.
 
 glibc reads tunables when a process starts, so :func:`reexec_with_hugepages` re-executes
 the program (``os.execve``: same pid, same arguments) with the tunable added to
@@ -15,9 +15,8 @@ the program (``os.execve``: same pid, same arguments) with the tunable added to
 and ``bench/profile_step.py`` — call it first; importing lexjax never does. In a notebook,
 start Jupyter with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead.
 ``LEXJAX_HUGEPAGES=0`` turns the restart off. ``eval.py`` does not restart: the block
-scan's temporaries are a few MiB that glibc reuses, and with the tunable a short
-``eval.py`` run measured about 10% slower (its compilation's allocations get huge pages
-too). This module imports nothing heavy, so the restart happens before JAX loads.
+scan's temporaries are a few MiB that glibc reuses, and short ``eval.py`` runs measured
+slower with the tunable (its compilation's allocations get huge pages too). This module imports nothing heavy, so the restart happens before JAX loads.
 """
 
 from __future__ import annotations
