@@ -16,7 +16,8 @@ and ``bench/profile_step.py`` — call it first; importing lexjax never does. In
 start Jupyter with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead.
 ``LEXJAX_HUGEPAGES=0`` turns the restart off. ``eval.py`` does not restart: the block
 scan's temporaries are a few MiB that glibc reuses, and short ``eval.py`` runs measured
-slower with the tunable (its compilation's allocations get huge pages too). This module imports nothing heavy, so the restart happens before JAX loads.
+slower with the tunable (its compilation's allocations get huge pages too). This module
+imports nothing heavy, so the restart happens before JAX loads.
 """
 
 from __future__ import annotations
