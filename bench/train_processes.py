@@ -30,20 +30,14 @@ EXPECTED_ERRORS = tvr.EXPECTED_ERRORS
 CALLS = 3  # timed calls per process; each side's figure is their median
 
 
-def _env(on: bool) -> dict:
-    """This environment with the huge-page tunable added (``on``) or removed."""
-    env = dict(os.environ)
-    kept = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and "hugetlb" not in t]
-    if on:
-        kept.append(hugepages.TUNABLE)
-    if kept:
-        env["GLIBC_TUNABLES"] = ":".join(kept)
-    return env
+def _config(quick: bool):
+    """The tiny config's f32 train step (two layers with ``--quick``), both sides' shape."""
+    return common.tiny_config(dtype="float32", **(common.QUICK_MODEL if quick else {}))
 
 
 def _child(steps: int, quick: bool) -> dict:
     """One lexjax process: the train step's tokens/s and page faults per step."""
-    config = common.tiny_config(dtype="float32", **(common.QUICK_MODEL if quick else {}))
+    config = _config(quick)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     _, timer = common.train_timer(config, batches, steps)
     timer()  # warm: the first calls after compiling touch fresh memory either way
@@ -62,27 +56,15 @@ def run(args) -> dict:
     skip = hugepages.reason_to_skip(environ={})
     quick = args.quick
     rounds, steps = (1, 1) if quick else (7, 2)
-    config = common.tiny_config(dtype="float32", **(common.QUICK_MODEL if quick else {}))
-    m = config.model
-    settings = dict(
-        layers=m.num_layers,
-        d_model=m.d_model,
-        heads=m.num_heads,
-        mlp=m.mlp_dim,
-        vocab=m.vocab_size,
-        seq=config.train_len,
-        batch=config.batch_size,
-        threads=args.threads,
-        lr=config.learning_rate,
-        seed=0,
-    )
+    config = _config(quick)
+    settings = tvr.reference_settings(config, args.threads)
     tokens = steps * config.batch_size * config.train_len
     replies = {"huge_pages": [], "small_pages": []}
 
     def lexjax_side(name):
         def once():
             command = [sys.executable, __file__, "--child", str(steps)] + ["--quick"] * quick
-            env = _env(name == "huge_pages")
+            env = hugepages.environ_with_tunable(os.environ, on=name == "huge_pages")
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             replies[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             return replies[name][-1]["tokens_per_sec"]

@@ -52,6 +52,24 @@ def resolve_python(requested: str | None) -> str:
     return python
 
 
+def reference_settings(config, threads: int) -> dict:
+    """The torchscale process's settings (``bench/reference_train.py``'s argv[1]) for
+    lexjax ``config``'s shape, batch and learning rate."""
+    m = config.model
+    return dict(
+        layers=m.num_layers,
+        d_model=m.d_model,
+        heads=m.num_heads,
+        mlp=m.mlp_dim,
+        vocab=m.vocab_size,
+        seq=config.train_len,
+        batch=config.batch_size,
+        threads=threads,
+        lr=config.learning_rate,
+        seed=0,
+    )
+
+
 class Reference:
     """The torchscale training process, driven one request per line."""
 
@@ -127,21 +145,9 @@ def run(args) -> dict:
     python = resolve_python(args.reference_python)
     model = common.QUICK_MODEL if args.quick else {}
     config = common.tiny_config(**model)
-    m = config.model
     rounds, steps = (2, 1) if args.quick else (7, 2)
     batches = common.train_batches(config.batch_size, config.train_len, 4)
-    settings = dict(
-        layers=m.num_layers,
-        d_model=m.d_model,
-        heads=m.num_heads,
-        mlp=m.mlp_dim,
-        vocab=m.vocab_size,
-        seq=config.train_len,
-        batch=config.batch_size,
-        threads=args.threads,
-        lr=config.learning_rate,
-        seed=0,
-    )
+    settings = reference_settings(config, args.threads)
     reference = Reference(python, settings)
     try:
         f32_config = common.tiny_config(dtype="float32", **model)

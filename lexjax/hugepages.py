@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["OPT_OUT", "TUNABLE", "reason_to_skip", "reexec_with_hugepages"]
+__all__ = ["OPT_OUT", "TUNABLE", "environ_with_tunable", "reason_to_skip", "reexec_with_hugepages"]
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "LEXJAX_HUGEPAGES"  # "0": never restart
@@ -75,13 +75,25 @@ def reason_to_skip(
     return None
 
 
+def environ_with_tunable(environ, on: bool = True) -> dict:
+    """A copy of ``environ`` whose ``GLIBC_TUNABLES`` keeps its other tunables and has
+    :data:`TUNABLE` appended (``on``) or any ``glibc.malloc.hugetlb`` setting removed."""
+    env = dict(environ)
+    kept = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and "hugetlb" not in t]
+    if on:
+        kept.append(TUNABLE)
+    if kept:
+        env["GLIBC_TUNABLES"] = ":".join(kept)
+    return env
+
+
 def reexec_with_hugepages() -> None:
     """Re-executes this program with ``GLIBC_TUNABLES`` += ``glibc.malloc.hugetlb=1``
     unless :func:`reason_to_skip` finds a reason; returns only when it skips."""
     if reason_to_skip() is not None:
         return
-    env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), TUNABLE]))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    os.execve(
+        sys.executable, [sys.executable, *sys.orig_argv[1:]], environ_with_tunable(os.environ)
+    )
