@@ -129,9 +129,11 @@ def init_state(rng, *, model: Decoder, tx: optax.GradientTransformation, train_l
 
 # XLA:CPU hands dots, elementwise loops and reductions to YNNPACK "library
 # fusions" by default. For the train step, XLA's own dots and loops are faster
-# with jaxlib 0.10 (bench/, docs/benchmarks.md) and equal with 0.12; the block
-# scan is slower without YNNPACK, so only the train step turns it off.
-_CPU_TRAIN_STEP_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+# with jaxlib 0.10 and equal with 0.12, but its reductions (the bias gradients'
+# sums over batch and time) are ~8x slower than YNNPACK's, so the train step
+# keeps YNNPACK for reductions only (docs/benchmarks.md §11); the block scan is
+# slower without YNNPACK and keeps XLA's defaults.
+_CPU_TRAIN_STEP_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
 
 
 @functools.cache
@@ -145,8 +147,8 @@ def _compiler_accepts(options: tuple) -> bool:
 
 
 def train_step_compiler_options(devices) -> dict:
-    """XLA options for the jitted train step on these devices: on CPUs, YNNPACK off,
-    unless ``XLA_FLAGS`` sets a YNNPACK option itself or this jaxlib lacks it."""
+    """XLA options for the jitted train step on these devices: on CPUs, YNNPACK for
+    reductions only, unless ``XLA_FLAGS`` sets a YNNPACK option itself or this jaxlib lacks it."""
     if any(d.platform != "cpu" for d in devices):
         return {}
     if "ynn" in os.environ.get("XLA_FLAGS", "") or not _compiler_accepts(_CPU_TRAIN_STEP_OPTIONS):

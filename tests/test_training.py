@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,14 +59,15 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_train_step_compiler_options_are_cpu_only_and_change_no_number(monkeypatch):
-    """The CPU train step's XLA options (YNNPACK off) select other kernels, not other
-    math: three steps equal XLA's defaults to float32 rounding. Never on other
-    platforms, and a user's own YNNPACK flag in XLA_FLAGS wins."""
+    """The CPU train step's XLA options (YNNPACK for reductions only) select other
+    kernels, not other math: three steps equal XLA's defaults to float32 rounding.
+    Never on other platforms, and a user's own YNNPACK flag in XLA_FLAGS wins."""
     from lexjax.steps import train_step_compiler_options
 
     cpu = jax.devices()[:1]
     options = train_step_compiler_options(cpu)
-    assert options in ({}, {"xla_cpu_experimental_ynn_fusion_type": ""})  # {}: jaxlib lacks it
+    reduce_only = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+    assert options in ({}, reduce_only)  # {}: jaxlib lacks the option
     gpu = type("Device", (), {"platform": "gpu"})()
     assert train_step_compiler_options([gpu]) == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=reduce")
@@ -84,6 +86,15 @@ def test_train_step_compiler_options_are_cpu_only_and_change_no_number(monkeypat
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p2
     )
+    if options:  # the option took effect: YNNPACK runs reductions and nothing else
+        with jax.set_mesh(tuned.mesh):
+            hlo = (
+                tuned.train_step.lower(tuned.init_state(), tuned.global_batch(batches[0]))
+                .compile()
+                .as_text()
+            )
+        ops = re.findall(r'op_name="[^"]*/(\w+)"[^\n]*"__ynn_fusion"', hlo)
+        assert ops and set(ops) <= {"reduce_sum", "reduce_max"}, sorted(set(ops))
 
 
 MESHES = [((8, 1, 1), "data"), ((2, 4, 1), "fsdp"), ((2, 2, 2), "tensor"), ((1, 2, 4), "tensor")]
