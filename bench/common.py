@@ -138,7 +138,7 @@ class Summary:
 
 
 def alternate(
-    sides: dict[str, Callable[[], float]], rounds: int, pause: float = 0.2
+    sides: dict[str, Callable[[], float]], rounds: int, pause: float = 0.2, warm: bool = False
 ) -> dict[str, list[float]]:
     """Runs each side once per round and returns ``{name: [figure per round]}``.
 
@@ -147,6 +147,10 @@ def alternate(
     order rotates every round so no side always runs first (after another
     side's threads, or at the start of a slower period); ``pause`` lets the
     previous side's spinning worker threads go idle before the next starts.
+    ``warm``: each side runs once untimed right before its timed call, so every
+    figure is a side in steady state, as in a training loop, rather than its first
+    call after another side (in one process, those first calls of the train step
+    were up to 1.5x slower in some rounds and not others, docs/benchmarks.md §12).
     """
     names = list(sides)
     out: dict[str, list[float]] = {n: [] for n in names}
@@ -154,6 +158,8 @@ def alternate(
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             time.sleep(pause)
+            if warm:
+                sides[name]()
             out[name].append(sides[name]())
     return out
 

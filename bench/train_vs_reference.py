@@ -165,7 +165,7 @@ def run(args) -> dict:
             ref_losses.extend(reply["losses"])
             return reply["seconds"]
 
-        seconds = common.alternate({**sides, "reference": reference_side}, rounds)
+        seconds = common.alternate({**sides, "reference": reference_side}, rounds, warm=True)
     finally:
         reference.close()
     tokens = steps * config.batch_size * config.train_len

@@ -46,8 +46,9 @@ def run(args) -> dict:
     train = common.alternate(
         {k: common.train_timer(common.tiny_config(position=k), batches, steps)[1] for k in KINDS},
         rounds,
+        warm=True,
     )
-    evals = common.alternate({k: _eval_timer(k, tokens) for k in KINDS}, rounds)
+    evals = common.alternate({k: _eval_timer(k, tokens) for k in KINDS}, rounds, warm=True)
     out = {}
     for name, seconds, count in (
         ("train_step", train, steps * config.batch_size * config.train_len),
