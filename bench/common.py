@@ -149,8 +149,7 @@ def alternate(
     previous side's spinning worker threads go idle before the next starts.
     ``warm``: each side runs once untimed right before its timed call, so every
     figure is a side in steady state, as in a training loop, rather than its first
-    call after another side (in one process, those first calls of the train step
-    were up to 1.5x slower in some rounds and not others, docs/benchmarks.md §12).
+    call after another side, which swings from round to round (docs/benchmarks.md §12).
     """
     names = list(sides)
     out: dict[str, list[float]] = {n: [] for n in names}

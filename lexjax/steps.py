@@ -130,9 +130,9 @@ def init_state(rng, *, model: Decoder, tx: optax.GradientTransformation, train_l
 # XLA:CPU hands dots, elementwise loops and reductions to YNNPACK "library
 # fusions" by default. For the train step, XLA's own dots and loops are faster
 # with jaxlib 0.10 and equal with 0.12, but its reductions (the bias gradients'
-# sums over batch and time) are ~8x slower than YNNPACK's, so the train step
-# keeps YNNPACK for reductions only (docs/benchmarks.md §11); the block scan is
-# slower without YNNPACK and keeps XLA's defaults.
+# sums over batch and time) were the slowest operations of the step, so the train
+# step keeps YNNPACK for reductions only (docs/benchmarks.md §11); the block scan
+# is slower without YNNPACK and keeps XLA's defaults.
 _CPU_TRAIN_STEP_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
 
 
