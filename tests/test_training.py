@@ -89,7 +89,7 @@ def test_train_step_compiler_options_are_cpu_only_and_change_no_number(monkeypat
     if options:  # the option took effect: YNNPACK runs reductions and nothing else
         with jax.set_mesh(tuned.mesh):
             hlo = (
-                tuned.train_step.lower(tuned.init_state(), tuned.global_batch(batches[0]))
+                tuned.train_step.lower(tuned.abstract_state, tuned.global_batch(batches[0]))
                 .compile()
                 .as_text()
             )
