@@ -144,19 +144,18 @@ def loss_curves(num_steps: int, model: dict) -> dict:
 def run(args) -> dict:
     python = resolve_python(args.reference_python)
     model = common.QUICK_MODEL if args.quick else {}
-    config = common.tiny_config(**model)
+    config = common.tiny_config(dtype="float32", **model)  # the reference trains in float32
     rounds, steps = (2, 1) if args.quick else (7, 2)
     batches = common.train_batches(config.batch_size, config.train_len, 4)
     settings = reference_settings(config, args.threads)
     reference = Reference(python, settings)
     try:
-        f32_config = common.tiny_config(dtype="float32", **model)
-        setup, f32 = common.train_timer(f32_config, batches, steps)
+        setup, f32 = common.train_timer(config, batches, steps)
         _, bf16 = common.train_timer(common.tiny_config(dtype="bfloat16", **model), batches, steps)
         sides = {"lexjax_float32": f32, "lexjax_bfloat16": bf16}
         if setup.compiler_options:  # the library's XLA options against XLA's defaults
             sides["lexjax_float32_xla_defaults"] = common.train_timer(
-                f32_config, batches, steps, compiler_options={}
+                config, batches, steps, compiler_options={}
             )[1]
         ref_losses = []
 
