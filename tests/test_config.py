@@ -10,6 +10,7 @@ import pytest
 from configs import extrapolation, paper, tiny
 from lexjax import config as cfg
 from lexjax import positions, sharding
+from lexjax.experiments import extrapolation as study
 from tests.helpers import leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +29,61 @@ def _python(*args, timeout=120):
 def test_tiny_is_the_defaults_and_presets_validate():
     assert cfg.from_configdict(tiny.get_config()) == cfg.from_configdict({})
     assert cfg.from_configdict({}).learning_rate == 2e-3  # what configs/tiny.py always trained with
-    for preset in ("small", "tokens", "retrieval", "paper", "smoke"):
+    for preset in ("small", "text", "tokens", "retrieval", "paper", "smoke"):
         train = cfg.from_configdict(extrapolation.get_config(preset).train)
         assert train.model.max_len == train.train_len
     big = cfg.from_configdict(paper.get_config())
     assert (big.model.num_layers, big.train_len, big.model.max_len) == (24, 1024, 1024)
+
+
+@pytest.mark.parametrize(
+    "folder, preset",
+    [
+        ("results", "small"),
+        ("results_text", "text"),
+        ("results_tokens", "tokens"),
+        ("results_retrieval", "retrieval"),
+    ],
+)
+def test_each_published_study_is_what_its_preset_runs(folder, preset):
+    """docs/results.md names a preset for each folder of results: the settings the study
+    recorded in that folder's results.json are the preset's today, so its command still
+    makes those numbers."""
+    with open(os.path.join(ROOT, "docs", folder, "results.json"), encoding="utf-8") as f:
+        written = json.load(f)
+    c = extrapolation.get_config(preset)
+    train = cfg.from_configdict(c.train)
+    m = train.model
+    assert written["model"] == {
+        "num_layers": m.num_layers,
+        "d_model": m.d_model,
+        "num_heads": m.num_heads,
+        "head_dim": m.d_model // m.num_heads,
+        "mlp_dim": m.mlp_dim,
+        "dtype": m.dtype,
+    }
+    assert written["train"] == {
+        "batch_size": train.batch_size,
+        "num_train_steps": train.num_train_steps,
+        "learning_rate": train.learning_rate,
+        "schedule": train.optim.schedule,
+        "warmup_steps": train.warmup_steps,
+    }
+    assert written["train_len"] == train.train_len
+    assert written["lengths"] == [
+        round(float(x) * train.train_len) for x in c.multipliers.split(",")
+    ]
+    assert written["documents"] == {"perplexity": c.eval_docs, "resolution": c.resolution_docs}
+    assert written["tokenizer"].split()[0] == train.data.tokenizer
+    passkey = written["passkey"]
+    assert passkey["trials"] == c.passkey_trials
+    assert passkey["modes"] == c.passkey_modes.split(",")
+    assert passkey["depths"] == [float(x) for x in c.passkey_depths.split(",")]
+    assert passkey["lengths"] == [
+        int(x) * train.train_len for x in c.passkey_multipliers.split(",")
+    ]
+    specs = study.parse_runs(c.runs, scale_base=m.scale_base, seed=train.seed)
+    assert sorted(r["name"] for r in written["runs"]) == sorted(spec.name for spec in specs)
 
 
 def test_paper_states_only_what_differs():
