@@ -58,7 +58,7 @@ def test_each_published_study_is_what_its_preset_runs(folder, preset):
         "num_layers": m.num_layers,
         "d_model": m.d_model,
         "num_heads": m.num_heads,
-        "head_dim": m.d_model // m.num_heads,
+        "head_dim": m.head_dim,
         "mlp_dim": m.mlp_dim,
         "dtype": m.dtype,
     }
@@ -70,18 +70,14 @@ def test_each_published_study_is_what_its_preset_runs(folder, preset):
         "warmup_steps": train.warmup_steps,
     }
     assert written["train_len"] == train.train_len
-    assert written["lengths"] == [
-        round(float(x) * train.train_len) for x in c.multipliers.split(",")
-    ]
+    assert written["lengths"] == study.eval_lengths(c.multipliers, train.train_len)
     assert written["documents"] == {"perplexity": c.eval_docs, "resolution": c.resolution_docs}
     assert written["tokenizer"].split()[0] == train.data.tokenizer
     passkey = written["passkey"]
     assert passkey["trials"] == c.passkey_trials
     assert passkey["modes"] == c.passkey_modes.split(",")
     assert passkey["depths"] == [float(x) for x in c.passkey_depths.split(",")]
-    assert passkey["lengths"] == [
-        int(x) * train.train_len for x in c.passkey_multipliers.split(",")
-    ]
+    assert passkey["lengths"] == study.eval_lengths(c.passkey_multipliers, train.train_len)
     specs = study.parse_runs(c.runs, scale_base=m.scale_base, seed=train.seed)
     assert sorted(r["name"] for r in written["runs"]) == sorted(spec.name for spec in specs)
 
