@@ -6,7 +6,9 @@ equal. (With unrolled layers XLA's CPU scheduler keeps every recomputed
 activation alive at once, so remat then saves no memory on a CPU.) Memory is
 XLA's own account of the compiled step (``memory_analysis()``: temporaries,
 i.e. activations kept for the backward and workspace), exact and
-load-independent; time alternates the policies round by round. The headline
+load-independent; time alternates the policies round by round, each timed call
+right after an untimed one of the same policy (steady state, as in a training
+loop; docs/benchmarks.md §12). The headline
 is the slowdown of ``full`` over ``none``; the other figures are the
 trade-off table of docs/benchmarks.md.
 """
@@ -26,7 +28,7 @@ def _temp_bytes(setup, batch) -> int:
 
 
 def run(args) -> dict:
-    rounds, steps = (2, 1) if args.quick else (5, 2)
+    rounds, steps = (2, 1) if args.quick else (9, 2)
     config = common.tiny_config(scan_layers=True)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     timers, memory = {}, {}
@@ -36,7 +38,7 @@ def run(args) -> dict:
         )
         with jax.set_mesh(setup.mesh):
             memory[policy] = _temp_bytes(setup, batches[0])
-    seconds = common.alternate(timers, rounds)
+    seconds = common.alternate(timers, rounds, warm=True)
     tokens = steps * config.batch_size * config.train_len
     slowdown = {
         p: common.Summary.of([a / b - 1 for a, b in zip(seconds[p], seconds["none"])]).as_dict()
