@@ -336,6 +336,29 @@ def _score_range(curves) -> float:
     return float(np.mean([np.max(c) - np.min(c) for c in curves]))
 
 
+def recorded_settings(config) -> dict:
+    """The model shape and training schedule a study records in results.json
+    (``{"model": {...}, "train": {...}}``), from a run's :class:`lexjax.config.Config`."""
+    m = config.model
+    return {
+        "model": {
+            "num_layers": m.num_layers,
+            "d_model": m.d_model,
+            "num_heads": m.num_heads,
+            "head_dim": m.head_dim,
+            "mlp_dim": m.mlp_dim,
+            "dtype": m.dtype,
+        },
+        "train": {
+            "batch_size": config.batch_size,
+            "num_train_steps": config.num_train_steps,
+            "learning_rate": config.learning_rate,
+            "schedule": config.optim.schedule,
+            "warmup_steps": config.warmup_steps,
+        },
+    }
+
+
 def collect(out, specs, config, plan, timing) -> dict:
     """Everything the tables need, as plain JSON-able values."""
     runs = []
@@ -415,21 +438,7 @@ def collect(out, specs, config, plan, timing) -> dict:
         "tokenizer": plan["tokenizer"].describe(),
         "passkey": plan.get("passkey"),
         "data": config.data.name,
-        "model": {
-            "num_layers": m.num_layers,
-            "d_model": m.d_model,
-            "num_heads": m.num_heads,
-            "head_dim": m.head_dim,
-            "mlp_dim": m.mlp_dim,
-            "dtype": m.dtype,
-        },
-        "train": {
-            "batch_size": config.batch_size,
-            "num_train_steps": config.num_train_steps,
-            "learning_rate": config.learning_rate,
-            "schedule": config.optim.schedule,
-            "warmup_steps": config.warmup_steps,
-        },
+        **recorded_settings(config),
         "machine": timing["machine"],
         "wall_seconds": sum(i["wall_seconds"] for i in invocations),
         "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],

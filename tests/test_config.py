@@ -9,7 +9,7 @@ import pytest
 
 from configs import extrapolation, paper, tiny
 from lexjax import config as cfg
-from lexjax import positions, sharding
+from lexjax import positions, reports, sharding
 from lexjax.experiments import extrapolation as study
 from tests.helpers import leaves
 
@@ -53,22 +53,9 @@ def test_each_published_study_is_what_its_preset_runs(folder, preset):
         written = json.load(f)
     c = extrapolation.get_config(preset)
     train = cfg.from_configdict(c.train)
-    m = train.model
-    assert written["model"] == {
-        "num_layers": m.num_layers,
-        "d_model": m.d_model,
-        "num_heads": m.num_heads,
-        "head_dim": m.head_dim,
-        "mlp_dim": m.mlp_dim,
-        "dtype": m.dtype,
-    }
-    assert written["train"] == {
-        "batch_size": train.batch_size,
-        "num_train_steps": train.num_train_steps,
-        "learning_rate": train.learning_rate,
-        "schedule": train.optim.schedule,
-        "warmup_steps": train.warmup_steps,
-    }
+    recorded = reports.recorded_settings(train)
+    assert written["model"] == recorded["model"]
+    assert written["train"] == recorded["train"]
     assert written["train_len"] == train.train_len
     assert written["lengths"] == study.eval_lengths(c.multipliers, train.train_len)
     assert written["documents"] == {"perplexity": c.eval_docs, "resolution": c.resolution_docs}
@@ -78,7 +65,7 @@ def test_each_published_study_is_what_its_preset_runs(folder, preset):
     assert passkey["modes"] == c.passkey_modes.split(",")
     assert passkey["depths"] == [float(x) for x in c.passkey_depths.split(",")]
     assert passkey["lengths"] == study.eval_lengths(c.passkey_multipliers, train.train_len)
-    specs = study.parse_runs(c.runs, scale_base=m.scale_base, seed=train.seed)
+    specs = study.parse_runs(c.runs, scale_base=train.model.scale_base, seed=train.seed)
     assert sorted(r["name"] for r in written["runs"]) == sorted(spec.name for spec in specs)
 
 
