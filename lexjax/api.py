@@ -190,6 +190,7 @@ class Run:
                 eval_files=eval_files,
                 seed=seed,
                 tokenizer=self.tokenizer,
+                mesh=self.mesh,
             )
         return results
 

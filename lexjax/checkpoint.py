@@ -63,6 +63,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from lexjax import data as data_lib
+from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
@@ -109,12 +110,9 @@ def _sha256(text: str) -> str:
 
 def _host_value(x: Any) -> np.ndarray:
     """The global value of one leaf as a C-ordered numpy array on this host."""
-    if isinstance(x, jax.Array):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True), order="C")
-    return np.asarray(x, order="C")  # not ascontiguousarray: it makes scalars 1-d
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return shard_lib.host_array(x)
 
 
 def _leaf_record(x: Any) -> dict[str, Any]:

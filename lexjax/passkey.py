@@ -50,6 +50,7 @@ import numpy as np
 
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
+from lexjax import sharding as shard_lib
 from lexjax.config import Config, ConfigError, ModelConfig
 from lexjax.errors import DataError, EvaluationError
 from lexjax.model import Decoder
@@ -379,6 +380,7 @@ def passkey_accuracy(
     strict: bool = True,
     progress: bool = False,
     say: Callable[[str], None] = _stderr,
+    batch_sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[PasskeyResult]:
     """Passkey accuracy per (mode, length, depth) by greedy decoding
     (:func:`lexjax.generation.generate` in that mode), and the key's mean
@@ -389,7 +391,10 @@ def passkey_accuracy(
     ``strict``: a cell :func:`cell_problem` refuses raises; otherwise it is
     skipped with a note through ``say`` and missing from the results (a mode of
     :data:`lexjax.evaluation.MODES` that generation cannot decode yet, a length
-    too short, or one the full mode cannot reach).
+    too short, or one the full mode cannot reach). ``batch_sharding``: where
+    each batch of samples goes (``sharding.batch_sharding`` of the run's mesh;
+    batches are rounded up to a multiple of its parts), as in
+    :func:`lexjax.evaluation.perplexity`.
     """
     lengths = sorted(set(int(n) for n in lengths))
     depths = sorted(set(float(d) for d in depths))
@@ -420,6 +425,9 @@ def passkey_accuracy(
         ]
         correct, nats = dict.fromkeys(depths, 0), dict.fromkeys(depths, 0.0)
         batch = max(1, min(len(samples), tokens_per_batch // length))
+        if batch_sharding is not None:
+            parts = shard_lib.batch_shards(batch_sharding)
+            batch = -(-batch // parts) * parts
         # A key of another token count gives another prompt length: one call per length.
         for prompt_len in sorted({len(s.prompt) for _, s in samples}):
             group = [(d, s) for d, s in samples if len(s.prompt) == prompt_len]
@@ -429,6 +437,8 @@ def passkey_accuracy(
                 whole = np.stack([np.concatenate([s.prompt, s.answer]) for _, s in part])
                 whole = np.concatenate([whole, np.repeat(whole[:1], batch - len(part), 0)])
                 prompts = whole[:, :prompt_len]
+                if batch_sharding is not None:
+                    whole, prompts = jax.device_put((whole, prompts), batch_sharding)
                 out = generation.generate(
                     model,
                     params,
@@ -439,8 +449,8 @@ def passkey_accuracy(
                     temperature=0.0,
                     mode=mode,
                 )
-                out = np.asarray(out)
-                logprobs = np.asarray(_logprobs(model, params, whole, mode, block))
+                out = shard_lib.host_array(out)
+                logprobs = shard_lib.host_array(_logprobs(model, params, whole, mode, block))
                 for row, (depth, sample) in enumerate(part):
                     correct[depth] += is_correct(continuation_text(out[row], tokenizer), sample.key)
                     nats[depth] -= float(logprobs[row, prompt_len - 1 :].sum())
@@ -479,6 +489,7 @@ def evaluate_passkey(
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     say: Callable[[str], None] = _stderr,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[list[PasskeyResult], list[str]]:
     """``eval.py --passkey``: accuracy at each length (default 1, 2, 4, 8 ×
     train_len), depth (default :data:`DEPTHS`) and mode, ``trials`` keys each.
@@ -488,7 +499,9 @@ def evaluate_passkey(
     Prints a table per mode and writes ``WORKDIR/eval/passkey.json``
     (``{"train_len", ..., "skipped", "results": [{"mode", "length", "depth",
     "accuracy", "trials"}]}``) and a length × depth heat map per mode,
-    ``passkey-MODE.png``. Returns the results and the paths written.
+    ``passkey-MODE.png``. Returns the results and the paths written. ``mesh``:
+    the evaluation mesh (``params`` sharded on it, called under
+    ``jax.set_mesh``); the samples of a batch are split over its batch axes.
     """
     check_settings(trials=trials, filler=filler)
     train_len, position = config.train_len, config.model.position
@@ -519,6 +532,9 @@ def evaluate_passkey(
         strict=False,
         progress=True,
         say=say,
+        batch_sharding=None
+        if mesh is None
+        else shard_lib.batch_sharding(mesh, shard_lib.rules(config)),
     )
     print(
         f"passkey retrieval of {workdir} (step {step}, position={position}, "

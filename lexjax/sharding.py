@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +38,7 @@ __all__ = [
     "param_shardings",
     "batch_sharding",
     "replicated",
+    "host_array",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -216,3 +218,12 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def host_array(x) -> np.ndarray:
+    """The global value of ``x`` as a C-ordered numpy array on this host: an array
+    sharded over other processes' devices too is gathered from them (every
+    process must call this with its part of the same array)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True), order="C")
+    return np.asarray(x, order="C")  # not ascontiguousarray: it makes scalars 1-d

@@ -1,4 +1,5 @@
-"""Evaluation on the mesh: 8 simulated devices give one device's perplexities.
+"""Evaluation on the mesh: 8 simulated devices give one device's perplexities,
+passkey results and generated tokens.
 
 Run with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (as CI does).
 """
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lexjax import evaluation
+from lexjax import evaluation, generation, passkey
 from lexjax import sharding as shard_lib
 from lexjax.config import MeshConfig
 from lexjax.model import Decoder
@@ -82,3 +83,90 @@ def test_load_on_mesh_reads_parameters_into_their_shardings():
     jax.tree.map(lambda p, s: p.sharding.is_equivalent_to(s, p.ndim) or pytest.fail(), params, want)
     _, one, _, _ = evaluation.load_on_mesh(FIXTURE, jax.devices()[:1])
     jax.tree.map(np.testing.assert_array_equal, params, one)
+
+
+PRESETS = [("tensor", dict(data=2, fsdp=2, tensor=2)), ("fsdp", dict(data=1, fsdp=-1))]
+
+
+def _on_mesh(preset, mesh, devices, train_len=16):
+    """A seeded small model of ``preset`` with its parameters placed on the eval mesh."""
+    config = small_config(
+        sharding=preset,
+        train_len=train_len,
+        **{"model.max_len": 4 * train_len},
+        **{f"mesh.{k}": v for k, v in mesh.items()},
+    )
+    model = Decoder(config.model)
+    params = model.init(jax.random.key(3), jnp.zeros((1, train_len), jnp.int32))["params"]
+    on = shard_lib.eval_mesh(config, devices)
+    params = jax.device_put(nn.unbox(params), shard_lib.model_param_shardings(config, on))
+    return config, model, params, on
+
+
+@needs_8
+@pytest.mark.parametrize("preset, mesh", PRESETS)
+def test_eight_devices_give_one_devices_passkey_results(preset, mesh, monkeypatch):
+    """Samples are split over data × fsdp (batches rounded up to a multiple of its
+    parts), and every cell's accuracy and answer log-likelihood match one device's."""
+    placed = []
+    real_generate = generation.generate
+
+    def spy(model, params, prompts, **kwargs):
+        placed.append(prompts.sharding)
+        return real_generate(model, params, prompts, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", spy)
+    cells = {}
+    for devices in (jax.devices(), jax.devices()[:1]):
+        config, model, params, on = _on_mesh(preset, mesh, devices, train_len=48)
+        batch_sharding = shard_lib.batch_sharding(on, shard_lib.rules(config))
+        with jax.set_mesh(on):
+            results = passkey.passkey_accuracy(
+                model,
+                params,
+                block=config.block,
+                lengths=[144],
+                depths=[0.0, 0.5],
+                trials=3,
+                tokens_per_batch=3 * 144,  # 3 samples a call at 144: padded to the parts
+                batch_sharding=batch_sharding,
+            )
+        cells[len(devices)] = {(r.mode, r.length, r.depth): r for r in results}
+        if len(devices) == 8:
+            parts = shard_lib.batch_shards(batch_sharding)
+            assert parts >= 2 and all(s.is_equivalent_to(batch_sharding, 2) for s in placed)
+    assert cells[8].keys() == cells[1].keys() and len(cells[1]) == 4
+    for cell, one in cells[1].items():
+        eight = cells[8][cell]
+        assert eight.accuracy == one.accuracy, cell
+        assert eight.answer_nats == pytest.approx(one.answer_nats, rel=1e-4), cell
+
+
+@needs_8
+@pytest.mark.parametrize("preset, mesh", PRESETS)
+@pytest.mark.parametrize("mode", ["bca", "full"])
+def test_generation_on_eight_devices_gives_one_devices_tokens(preset, mesh, mode):
+    """Greedy decoding of a batch split over data × fsdp with sharded parameters writes
+    one device's tokens, past the training length in the BCA mode."""
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(3, 258, (8, 21)).astype(np.int32)
+    tokens = {}
+    for devices in (jax.devices(), jax.devices()[:1]):
+        config, model, params, on = _on_mesh(preset, mesh, devices)
+        batch = jax.device_put(prompts, shard_lib.batch_sharding(on, shard_lib.rules(config)))
+        with jax.set_mesh(on):
+            out = generation.generate(
+                model,
+                params,
+                batch,
+                block=config.block,
+                max_new_tokens=40 if mode == "bca" else 20,
+                rng=jax.random.key(0),
+                temperature=0.0,
+                mode=mode,
+            )
+            text = generation.complete(config, params, "The pass key is", max_new_tokens=24)
+        tokens[len(devices)] = (shard_lib.host_array(out), text)
+    np.testing.assert_array_equal(tokens[8][0], tokens[1][0])
+    assert len(set(tokens[1][0].ravel().tolist())) > 3  # not one token over and over
+    assert tokens[8][1] == tokens[1][1]
