@@ -35,27 +35,7 @@ _WORKDIR = flags.DEFINE_string(
     os.path.join("runs", "tiny"),
     "Directory for checkpoints, metrics.jsonl and TensorBoard logs.",
 )
-_DISTRIBUTED = flags.DEFINE_enum(
-    "distributed",
-    "auto",
-    ["auto", "on", "off"],
-    "auto: join a multi-process run if the coordinator flags are given or a cluster "
-    "(Cloud TPU, SLURM, Open MPI, Kubernetes) is detected; on: always call "
-    "jax.distributed.initialize(); off: single process.",
-)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id, 0..num_processes-1.")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_s",
-    100,
-    "A process that sends no heartbeat for this long is dead; "
-    "the others then stop (exit status 134) instead of waiting forever.",
-    lower_bound=1,
-)
-_INIT_TIMEOUT = flags.DEFINE_integer(
-    "initialization_timeout_s", 300, "How long to wait for every process to join.", lower_bound=1
-)
+_CLUSTER = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 _LEASE_TIMEOUT = flags.DEFINE_float(
     "lease_timeout_s",
     120.0,
@@ -68,16 +48,8 @@ _LEASE_TIMEOUT = flags.DEFINE_float(
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    cluster = distributed.ClusterOptions(
-        mode=_DISTRIBUTED.value,
-        coordinator_address=_COORDINATOR.value,
-        num_processes=_NUM_PROCESSES.value,
-        process_id=_PROCESS_ID.value,
-        heartbeat_timeout_s=_HEARTBEAT.value,
-        initialization_timeout_s=_INIT_TIMEOUT.value,
-    )
     return cli.run_training(
-        flags.FLAGS.config, _WORKDIR.value, cluster, lease_timeout_s=_LEASE_TIMEOUT.value
+        flags.FLAGS.config, _WORKDIR.value, _CLUSTER(), lease_timeout_s=_LEASE_TIMEOUT.value
     )
 
 

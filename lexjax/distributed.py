@@ -36,6 +36,7 @@ from lexjax.errors import ConfigError, DistributedError
 __all__ = [
     "ClusterOptions",
     "DistributedError",
+    "define_flags",
     "detect_cluster",
     "initialize",
     "any_process",
@@ -52,6 +53,45 @@ class ClusterOptions:
     heartbeat_timeout_s: int = 100  # a silent peer is declared dead after this
     initialization_timeout_s: int = 300  # waiting for every process to join
     shutdown_timeout_s: int = 120  # waiting for the others at exit
+
+
+def define_flags():
+    """Defines the multi-process flags train.py and eval.py share; returns a
+    function that reads them into :class:`ClusterOptions` (after parsing)."""
+    from absl import flags
+
+    mode = flags.DEFINE_enum(
+        "distributed",
+        "auto",
+        ["auto", "on", "off"],
+        "auto: join a multi-process run if the coordinator flags are given or a cluster "
+        "(Cloud TPU, SLURM, Open MPI, Kubernetes) is detected; on: always call "
+        "jax.distributed.initialize(); off: single process.",
+    )
+    address = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
+    count = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+    index = flags.DEFINE_integer("process_id", None, "This process's id, 0..num_processes-1.")
+    heartbeat = flags.DEFINE_integer(
+        "heartbeat_timeout_s",
+        100,
+        "A process that sends no heartbeat for this long is dead; "
+        "the others then stop (exit status 134) instead of waiting forever.",
+        lower_bound=1,
+    )
+    joining = flags.DEFINE_integer(
+        "initialization_timeout_s",
+        300,
+        "How long to wait for every process to join.",
+        lower_bound=1,
+    )
+    return lambda: ClusterOptions(
+        mode=mode.value,
+        coordinator_address=address.value,
+        num_processes=count.value,
+        process_id=index.value,
+        heartbeat_timeout_s=heartbeat.value,
+        initialization_timeout_s=joining.value,
+    )
 
 
 def _int_env(name: str) -> int:
