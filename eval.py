@@ -30,6 +30,12 @@ dynamic_ntk (NTK with the factor of the positions processed so far) or yarn
 (ramped interpolation and attention temperature); --rope_factor=0 uses each
 evaluated length / train_len. The scaling is in every result row and the file name.
 
+Multi-process, as train.py (one process per host, all over the run's mesh;
+process 0 alone prints and writes): on a Cloud TPU VM, under SLURM, mpirun or
+a Kubernetes Indexed Job the processes find each other; elsewhere start each with
+
+    python eval.py --workdir=DIR --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
+
 --passkey measures passkey retrieval instead (lexjax/passkey.py): a random
 5-digit key hidden at each depth of filler text, asked for at the end; the
 accuracy of the greedy answer per length (--lengths, default 1,2,4,8 ×
@@ -45,7 +51,7 @@ import sys
 
 from absl import app, flags, logging
 
-from lexjax import cli, evaluation
+from lexjax import cli, distributed, evaluation
 from lexjax.config import ROPE_SCALINGS
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,6 +125,7 @@ _PASSKEY_DEPTHS = flags.DEFINE_list(
     "Depths of the key in the filler, in [0, 1] (0: first; default 0,0.25,0.5,0.75,1).",
 )
 _PASSKEY_TRIALS = flags.DEFINE_integer("passkey_trials", 10, "Keys per length and depth.")
+_CLUSTER = distributed.define_flags()  # as train.py: --coordinator_address, --num_processes, ...
 _PASSKEY_FILLER = flags.DEFINE_enum(
     "passkey_filler",
     "repeat",
@@ -157,6 +164,7 @@ def main(argv):
         top_k=_TOP_K.value,
         top_p=_TOP_P.value,
         seed=_SEED.value,
+        cluster=_CLUSTER(),
     )
 
 

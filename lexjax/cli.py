@@ -7,6 +7,8 @@ table in :mod:`lexjax.errors`), never as a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import jax
@@ -128,6 +130,7 @@ def run_eval(
     passkey_depths=None,
     passkey_trials: int = 10,
     passkey_filler: str = "repeat",
+    cluster: distributed.ClusterOptions | None = None,
     **sampling,
 ) -> int:
     """eval.py (run it through :func:`main`): perplexity by length, resolution and
@@ -135,7 +138,8 @@ def run_eval(
     an inference-time RoPE extension), with ``generate`` a continuation of
     ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
     top_p, seed; :meth:`lexjax.api.Run.generate`), or with ``passkey_run``
-    passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``)."""
+    passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``). Joins the
+    processes of ``cluster`` first: all of them compute, process 0 alone speaks."""
     _check_workdir_flag(workdir)
     modes = parse_modes(modes, bca)
     if sinks < 0:
@@ -156,27 +160,47 @@ def run_eval(
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
-    run = api.load(workdir)
-    # Like train.py's; on stderr with --generate, whose stdout is the text alone.
-    print(f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True)
-    if generate:
-        sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+    distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
+    with _first_process_speaks():
+        run = api.load(workdir)
+        # Like train.py's; on stderr with --generate, whose stdout is the text alone.
+        print(
+            f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
+        )
+        if generate:
+            sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+            return 0
+        if passkey_run:
+            settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
+            seed = sampling.get("seed", 0)
+            run.passkey(requested, modes=modes, eval_files=eval_files, seed=seed, **settings)
+            return 0
+        run.evaluate(
+            requested,
+            max_length=max_length,
+            modes=modes,
+            sinks=sinks,
+            eval_files=eval_files,
+            max_docs=max_docs,
+            resolution=resolution,
+            figure=figure,
+            rope_scaling=rope_scaling,
+            rope_factor=rope_factor,
+        )
         return 0
-    if passkey_run:
-        settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
-        seed = sampling.get("seed", 0)
-        run.passkey(requested, modes=modes, eval_files=eval_files, seed=seed, **settings)
-        return 0
-    run.evaluate(
-        requested,
-        max_length=max_length,
-        modes=modes,
-        sinks=sinks,
-        eval_files=eval_files,
-        max_docs=max_docs,
-        resolution=resolution,
-        figure=figure,
-        rope_scaling=rope_scaling,
-        rope_factor=rope_factor,
-    )
-    return 0
+
+
+@contextlib.contextmanager
+def _first_process_speaks():
+    """On processes other than 0, stdout and stderr go nowhere inside the block (the
+    reports are written by process 0 alone); an error still leaves the block and
+    reaches :func:`main`, which reports it on every process."""
+    if jax.process_index() == 0:
+        yield
+        return
+    with (
+        open(os.devnull, "w") as sink,
+        contextlib.redirect_stdout(sink),
+        contextlib.redirect_stderr(sink),
+    ):
+        yield

@@ -638,11 +638,11 @@ def measure_resolution(
     model = at_length(model, n)
     if mode == "full":
         check_full_length(model.config, n)
-        scores = np.asarray(_compiled_dense_scores(model)(params, tokens_BxN))
+        scores = shard_lib.host_array(_compiled_dense_scores(model)(params, tokens_BxN))
         mask = np.tril(np.ones((n, n), bool))
         curves = _pooled_expected_scores([scores], [mask])
     else:
-        windows = np.asarray(
+        windows = shard_lib.host_array(
             _compiled_window_scores(model, block)(params, pad_to(tokens_BxN, block))
         )
         score_sets = list(windows)

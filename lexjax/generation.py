@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lexjax import data as data_lib
+from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
 from lexjax.config import Config
 from lexjax.errors import ConfigError, EvaluationError
@@ -296,6 +297,6 @@ def complete(
         top_k=top_k,
         top_p=top_p,
     )
-    out = np.asarray(out[0])
+    out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]
     return tokenizer.decode(out[: end[0]] if len(end) else out)

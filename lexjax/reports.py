@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from lexjax import resolution as res_lib
@@ -102,7 +103,16 @@ def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {"train_len": train_len, **extra, "results": rows}
 
 
+def _writes() -> bool:
+    """Whether this process writes report files: in a multi-process run every process
+    computes the same results and process 0 alone writes them."""
+    return jax.process_index() == 0
+
+
 def write_json(path: str, value: dict) -> None:
+    """``value`` as indented JSON at ``path``, replaced atomically (process 0 only)."""
+    if not _writes():
+        return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -122,6 +132,12 @@ def _figure(*grid, **kwargs):
 
     fig = Figure(figsize=kwargs.pop("figsize"))
     return fig, fig.subplots(*grid, **kwargs)
+
+
+def _save(fig, path: str, dpi: int = 120) -> None:
+    if _writes():
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fig.savefig(path, dpi=dpi)
 
 
 def plot_perplexity(
@@ -164,8 +180,7 @@ def plot_perplexity(
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
 
 
 def resolution_table(results: Sequence, position: str) -> str:
@@ -225,8 +240,7 @@ def plot_expectation(
     ax.set_title(f"head_dim {head_dim}, scale_base {scale_base:g}")
     ax.legend()
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
 
 
 def passkey_table(results: Sequence, position: str, skipped: Sequence[dict] = ()) -> str:
@@ -273,8 +287,7 @@ def plot_passkey(results: Sequence, path: str, *, train_len: int, title: str) ->
     image = _draw_passkey(ax, results, train_len=train_len, title=title)
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
 
 
 def _draw_passkey(ax, results: Sequence, *, train_len: int, title: str):
@@ -529,7 +542,7 @@ def plot_passkey_grid(c, path) -> None:
                 title = f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}"
                 _draw_passkey(ax, cells, train_len=c["train_len"], title=title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
 
 
 def _variant_stats(runs, lengths) -> list[dict]:
@@ -882,7 +895,7 @@ def plot_figure1(c, path) -> None:
         ax.set_title(f"head_dim {m['head_dim']}, b = {b:g}")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
 
 
 def plot_scores(c, path) -> None:
@@ -902,7 +915,7 @@ def plot_scores(c, path) -> None:
     axes[0].set_ylabel("mean pre-softmax score s[n]")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
 
 
 def _settings(c) -> str:

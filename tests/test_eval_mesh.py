@@ -170,3 +170,17 @@ def test_generation_on_eight_devices_gives_one_devices_tokens(preset, mesh, mode
     np.testing.assert_array_equal(tokens[8][0], tokens[1][0])
     assert len(set(tokens[1][0].ravel().tolist())) > 3  # not one token over and over
     assert tokens[8][1] == tokens[1][1]
+
+
+def test_only_process_0_writes_report_files(tmp_path, monkeypatch):
+    """In a multi-process evaluation every process computes the results; the JSON and
+    the figures are written by process 0 alone (the others would race on one file)."""
+    from lexjax import reports
+
+    result = passkey.PasskeyResult("bca", 32, 0.5, 1.0, 2, 0.1)
+    for index in (1, 0):
+        monkeypatch.setattr(jax, "process_index", lambda i=index: i)
+        reports.write_json(str(tmp_path / f"p{index}" / "passkey.json"), {"index": index})
+        reports.plot_passkey([result], str(tmp_path / f"p{index}.png"), train_len=16, title="t")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p0", "p0.png"]
+    assert (tmp_path / "p0" / "passkey.json").read_text().strip() == '{\n  "index": 0\n}'

@@ -1,7 +1,7 @@
 """Two train.py processes joined by jax.distributed on 127.0.0.1 (4 CPU devices each,
 gloo collectives) train like one process on 8 devices, resume elastically (2 → 1 → 2
 processes) on the same token stream, and a survivor stops on its own when its peer
-is killed.
+is killed; two eval.py processes evaluate and generate like one.
 
 The mesh is (data=2, fsdp=4) with the FSDP sharding preset: each process holds one
 data row of the mesh and feeds its rows of every global batch (process i: rows
@@ -99,6 +99,65 @@ def test_only_process_0_prints_and_logs(two_process_run):
     # load their writes interleave, splitting a line; what is left must be gloo's too.
     assert [line for line in out1.splitlines() if not _gloo(line)] == []
     assert [s for s, _ in P.losses(workdir)] == list(range(1, STEPS + 1))  # one writer
+
+
+def _eval_pair(ctx, workdir, *args):
+    """eval.py as two processes joined on 127.0.0.1 (4 devices each): their outputs."""
+    port = P.free_port()
+    procs = [
+        P.start(
+            [
+                f"--workdir={workdir}",
+                *args,
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                "--initialization_timeout_s=60",
+            ],
+            ctx[3],
+            program="eval.py",
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return outputs
+
+
+def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
+    """eval.py over the two processes' (data=2, fsdp=4) mesh, each holding its shards of
+    the parameters: process 0 alone prints and writes WORKDIR/eval, and the perplexities
+    equal those of one process on 8 devices (1e-4 relative); greedy text is the same."""
+    base, files, _, environ = ctx
+    one, two = base / "eval-one", base / "eval-two"
+    for workdir in (one, two):
+        shutil.copytree(two_process_run[0], workdir)
+    args = ["--lengths=32,64", "--max_length=64", f"--eval_files={files}", "--max_docs=6"]
+    env8 = P.env(8, environ["JAX_COMPILATION_CACHE_DIR"])
+    done = P.run([f"--workdir={one}", *args], env8, program="eval.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (out0, _), (out1, err1) = _eval_pair(ctx, two, *args)
+    spoken = [line for line in out0.splitlines() if not _gloo(line)]
+    assert spoken[0] == "mesh {'data': 2, 'fsdp': 4, 'tensor': 1}", out0[-2000:]
+    assert [line for line in out1.splitlines() if not _gloo(line)] == []
+    assert [line for line in err1.splitlines() if not _gloo(line)] == []
+    cells = {}
+    for workdir in (one, two):
+        written = json.loads((workdir / "eval" / "perplexity.json").read_text())
+        cells[workdir] = {(r["mode"], r["length"]): r["perplexity"] for r in written["results"]}
+    assert len(cells[one]) == 4 and cells[two].keys() == cells[one].keys()
+    for cell, value in cells[one].items():
+        assert cells[two][cell] == pytest.approx(value, rel=1e-4), cell
+
+    greedy = ["--generate", "--prompt=alpha beta", "--temperature=0", "--max_new_tokens=40"]
+    done = P.run([f"--workdir={one}", *greedy], env8, program="eval.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (text, _), (silent, _) = _eval_pair(ctx, two, *greedy)
+    gloo = ("[Gloo]", "peer ranks")
+    text = "".join(x for x in text.splitlines(keepends=True) if not any(g in x for g in gloo))
+    assert text == done.stdout and text.startswith("alpha beta"), (text, done.stdout)
+    assert [line for line in silent.splitlines() if not _gloo(line)] == []
 
 
 def _reference(config, steps):
