@@ -127,13 +127,15 @@ def _eval_pair(ctx, workdir, *args):
 
 def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
     """eval.py over the two processes' (data=2, fsdp=4) mesh, each holding its shards of
-    the parameters: process 0 alone prints and writes WORKDIR/eval, and the perplexities
-    equal those of one process on 8 devices (1e-4 relative); greedy text is the same."""
+    the parameters: process 0 alone prints and writes WORKDIR/eval, and perplexities,
+    attention resolution and passkey results equal those of one process on 8 devices
+    (1e-4 relative); greedy text is the same."""
     base, files, _, environ = ctx
     one, two = base / "eval-one", base / "eval-two"
     for workdir in (one, two):
         shutil.copytree(two_process_run[0], workdir)
     args = ["--lengths=32,64", "--max_length=64", f"--eval_files={files}", "--max_docs=6"]
+    args.append("--resolution")
     env8 = P.env(8, environ["JAX_COMPILATION_CACHE_DIR"])
     done = P.run([f"--workdir={one}", *args], env8, program="eval.py")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -149,6 +151,23 @@ def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
     assert len(cells[one]) == 4 and cells[two].keys() == cells[one].keys()
     for cell, value in cells[one].items():
         assert cells[two][cell] == pytest.approx(value, rel=1e-4), cell
+    resolution = [json.loads((w / "eval" / "resolution.json").read_text()) for w in (one, two)]
+    want = [(r["mode"], r["length"], r["mean"]) for r in resolution[0]["results"]]
+    got = [(r["mode"], r["length"], r["mean"]) for r in resolution[1]["results"]]
+    assert [w[:2] for w in got] == [w[:2] for w in want] and len(want) == 4
+    np.testing.assert_allclose([g[2] for g in got], [w[2] for w in want], rtol=1e-4)
+
+    keys = ["--passkey", "--lengths=80", "--passkey_depths=0,1", "--passkey_trials=3"]
+    done = P.run([f"--workdir={one}", *keys], env8, program="eval.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _eval_pair(ctx, two, *keys)
+    found = [json.loads((w / "eval" / "passkey.json").read_text())["results"] for w in (one, two)]
+    assert len(found[0]) == 4 and [r["accuracy"] for r in found[1]] == [
+        r["accuracy"] for r in found[0]
+    ]
+    np.testing.assert_allclose(
+        [r["answer_nats"] for r in found[1]], [r["answer_nats"] for r in found[0]], rtol=1e-4
+    )
 
     greedy = ["--generate", "--prompt=alpha beta", "--temperature=0", "--max_new_tokens=40"]
     done = P.run([f"--workdir={one}", *greedy], env8, program="eval.py")
