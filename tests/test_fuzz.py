@@ -115,8 +115,8 @@ FIELDS = {
 
 # Per flag of train.py / eval.py: (valid argument lists, invalid values). A value may be
 # followed by the other flags it needs, after a space.
-TRAIN_FLAGS = {
-    "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
+# train.py and eval.py join a multi-process run with the same flags.
+CLUSTER_FLAGS = {
     "distributed": ([["--distributed=off"]], ["maybe", ""]),
     "coordinator_address": (
         [["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]],
@@ -135,10 +135,15 @@ TRAIN_FLAGS = {
     ),
     "heartbeat_timeout_s": ([["--heartbeat_timeout_s=10"]], ["0", "-5"]),
     "initialization_timeout_s": ([["--initialization_timeout_s=10"]], ["0", "-1"]),
+}
+TRAIN_FLAGS = {
+    "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
+    **CLUSTER_FLAGS,
     "lease_timeout_s": ([["--lease_timeout_s=30"]], ["0", "-1"]),
 }
 EVAL_FLAGS = {
     "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
+    **CLUSTER_FLAGS,
     "lengths": ([["--lengths=256,64"]], ["", "0", "-5", "abc", "64,x"]),
     "bca": ([["--bca=on"], ["--bca=off"]], ["maybe", ""]),
     "modes": (
