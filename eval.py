@@ -125,13 +125,13 @@ _PASSKEY_DEPTHS = flags.DEFINE_list(
     "Depths of the key in the filler, in [0, 1] (0: first; default 0,0.25,0.5,0.75,1).",
 )
 _PASSKEY_TRIALS = flags.DEFINE_integer("passkey_trials", 10, "Keys per length and depth.")
-_CLUSTER = distributed.define_flags()  # as train.py: --coordinator_address, --num_processes, ...
 _PASSKEY_FILLER = flags.DEFINE_enum(
     "passkey_filler",
     "repeat",
     ["repeat", "text"],
     "Filler: a sentence repeated, or held-out text (--eval_files, else the test split).",
 )
+_CLUSTER = distributed.define_flags()  # as train.py: --coordinator_address, --num_processes, ...
 
 
 def main(argv):
