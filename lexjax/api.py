@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from lexjax import checkpoint, evaluation, generation, passkey, training
+from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import Tokenizer
 from lexjax.model import Decoder
@@ -87,7 +88,7 @@ class Run:
     @property
     def model(self) -> Decoder:
         """The Flax module: ``run.model.apply({"params": run.params}, tokens_BxT)``."""
-        return Decoder(self.config.model)
+        return Decoder(self.config.model, shard_lib.rules(self.config))
 
     def metrics(self) -> list[dict[str, float]]:
         """The records of ``WORKDIR/metrics.jsonl`` in the order training wrote them

@@ -164,7 +164,7 @@ def at_length(model: Decoder, length: int) -> Decoder:
     if c.rope_scaling in ("none", "dynamic_ntk") or c.rope_factor:
         return model
     factor = pos_lib.length_factor(length, c.rope_train_len)
-    return Decoder(dataclasses.replace(c, rope_factor=factor))
+    return model.clone(config=dataclasses.replace(c, rope_factor=factor))
 
 
 def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
@@ -837,8 +837,8 @@ def evaluate_run(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
         )
         config = dataclasses.replace(config, model=scaled)
-    model = Decoder(config.model)
     rules = shard_lib.rules(config)
+    model = Decoder(config.model, rules)
     train_len, position = config.train_len, config.model.position
     if "sinks" in modes:
         _check_sink_count(config.block, sinks)

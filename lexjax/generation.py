@@ -287,7 +287,7 @@ def complete(
     in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`)."""
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
-        Decoder(config.model),
+        Decoder(config.model, shard_lib.rules(config)),
         params,
         tokens[None],
         block=config.block,

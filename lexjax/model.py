@@ -46,6 +46,13 @@ def _init(axes, scale=1.0):
 _SAVED_BY_DOTS_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "attention", "out_proj")
 
 
+def _pin(x, rules, *names):
+    """``x`` constrained to the mesh axes the logical ``names`` map to in ``rules``
+    (``sharding.rules``: an activation name no rule names stays unsharded); a
+    no-op without rules or outside a mesh (``jax.set_mesh``)."""
+    return x if rules is None else nn.with_logical_constraint(x, names, rules=rules)
+
+
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of ``model.remat_policy`` (config.REMAT_POLICIES).
 
@@ -74,6 +81,7 @@ def _check_splash_backend() -> None:
 class Attention(nn.Module):
     config: ModelConfig
     return_scores: bool = False
+    rules: tuple | None = None
 
     @nn.compact
     def __call__(self, x_BxTxD, ctx: attn_lib.Context, kv_cache=None):
@@ -93,6 +101,7 @@ class Attention(nn.Module):
                 name=name,
                 kernel_init=_init(("embed", "heads", "kv")),
             )(x_BxTxD)
+            y_BxTxHxK = _pin(y_BxTxHxK, self.rules, "batch", "length", "act_heads", "act_kv")
             return checkpoint_name(y_BxTxHxK, f"{name}_proj")
 
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = proj("query"), proj("key"), proj("value")
@@ -130,6 +139,7 @@ class Block(nn.Module):
 
     config: ModelConfig
     return_scores: bool = False
+    rules: tuple | None = None
 
     @nn.compact
     def __call__(self, x_BxTxD, layer_cache, ctx: attn_lib.Context):
@@ -145,7 +155,7 @@ class Block(nn.Module):
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
             )
 
-        h, new_kv, scores = Attention(c, self.return_scores, name="attention")(
+        h, new_kv, scores = Attention(c, self.return_scores, self.rules, name="attention")(
             norm("ln_attention")(x_BxTxD), ctx, layer_cache
         )
         x_BxTxD = x_BxTxD + h
@@ -157,6 +167,7 @@ class Block(nn.Module):
             kernel_init=_init(("embed", "mlp")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
         )(norm("ln_mlp")(x_BxTxD))
+        h = _pin(h, self.rules, "batch", "length", "act_mlp")
         h = nn.gelu(checkpoint_name(h, "mlp_in"))
         h = nn.Dense(
             c.d_model,
@@ -166,7 +177,8 @@ class Block(nn.Module):
             kernel_init=_init(("mlp", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         )(h)
-        return x_BxTxD + checkpoint_name(h, "mlp_out"), (new_kv, scores)
+        x_BxTxD = x_BxTxD + checkpoint_name(h, "mlp_out")
+        return _pin(x_BxTxD, self.rules, "batch", "length", "act_embed"), (new_kv, scores)
 
 
 class Decoder(nn.Module):
@@ -205,6 +217,7 @@ class Decoder(nn.Module):
     """
 
     config: ModelConfig
+    rules: tuple | None = None
 
     @nn.compact
     def __call__(
@@ -238,7 +251,11 @@ class Decoder(nn.Module):
                 nn.initializers.normal(1.0), ("vocab", "embed")
             ),
         )
-        x_BxTxD = embed(tokens_BxT)
+        # The lookup reads the table pinned like the activations (under FSDP: gathered,
+        # as every other weight), so the batch stays sharded; XLA would otherwise look
+        # up in the table's embed shards and gather the whole batch's embeddings.
+        table_VxD = _pin(embed.embedding, self.rules, "act_vocab", "act_embed")
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(dtype)
         if c.position == "sinusoidal":
             x_BxTxD = x_BxTxD + pos_lib.sinusoidal(positions_BxT, c.d_model).astype(dtype)
         elif c.position == "learned":
@@ -257,6 +274,7 @@ class Decoder(nn.Module):
         # apply to any input shape.
         if not self.is_initializing():
             x_BxTxD = self.perturb("embedded", x_BxTxD)
+        x_BxTxD = _pin(x_BxTxD, self.rules, "batch", "length", "act_embed")
 
         splash = c.attention_impl == "splash" and not return_scores and sinks is None
         if splash:
@@ -326,16 +344,16 @@ class Decoder(nn.Module):
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(c, return_scores, name="layers")(
-                x_BxTxD, layer_caches, ctx
-            )
+            x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(
+                c, return_scores, self.rules, name="layers"
+            )(x_BxTxD, layer_caches, ctx)
         else:
             per_layer = []
             for layer in range(c.num_layers):
                 layer_cache = None
                 if layer_caches is not None:
                     layer_cache = tuple(x[layer] for x in layer_caches)
-                x_BxTxD, out = block_cls(c, return_scores, name=f"layer_{layer}")(
+                x_BxTxD, out = block_cls(c, return_scores, self.rules, name=f"layer_{layer}")(
                     x_BxTxD, layer_cache, ctx
                 )
                 per_layer.append(out)
@@ -361,7 +379,9 @@ class Decoder(nn.Module):
                 name="unembed",
                 kernel_init=_init(("embed", "vocab")),
             )(x_BxTxD)
-        logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+        logits_BxTxV = _pin(
+            logits_BxTxV.astype(jnp.float32), self.rules, "batch", "length", "act_vocab"
+        )
         if return_scores:
             return logits_BxTxV, new_kv, scores_LxBxHxTxS
         return logits_BxTxV, new_kv

@@ -519,7 +519,7 @@ def evaluate_passkey(
     if len(skipped) == len(modes) * len(lengths):
         raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}")
     results = passkey_accuracy(
-        Decoder(config.model),
+        Decoder(config.model, shard_lib.rules(config)),
         params,
         block=config.block,
         lengths=lengths,

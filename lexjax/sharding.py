@@ -52,7 +52,8 @@ SHARDING_PRESETS: dict[str, dict[str, Any]] = {
     "data": _DATA_PARALLEL,
     "fsdp": _DATA_PARALLEL | {"embed": "fsdp"},
     "tensor": _DATA_PARALLEL
-    | {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+    | {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+    | {"act_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor"},
 }
 
 
@@ -62,7 +63,9 @@ def rules(config: Config) -> tuple[tuple[str, Any], ...]:
         raise ConfigError(
             f"sharding={config.sharding!r}: choose one of {', '.join(SHARDING_PRESETS)}"
         )
-    return tuple((SHARDING_PRESETS[config.sharding] | dict(config.sharding_rules)).items())
+    table = SHARDING_PRESETS[config.sharding] | dict(config.sharding_rules)
+    # Hashable (a list of mesh axes from a config file becomes a tuple): the model keeps it.
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in table.items())
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:

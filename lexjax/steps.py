@@ -175,7 +175,7 @@ class TrainSetup:
             compiler_options = train_step_compiler_options(self.mesh.devices.flat)
         self.compiler_options = compiler_options
         rules = shard_lib.rules(config)
-        self.model = Decoder(config.model)
+        self.model = Decoder(config.model, rules)
         self.tx = make_optimizer(config)
         init = functools.partial(
             init_state, model=self.model, tx=self.tx, train_len=config.train_len
