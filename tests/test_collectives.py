@@ -21,6 +21,7 @@ import pytest
 
 from lexjax import evaluation
 from lexjax import sharding as shard_lib
+from lexjax.model import Decoder
 from lexjax.steps import TrainSetup
 from tests.helpers import small_config
 
@@ -76,7 +77,7 @@ def test_the_fsdp_train_step_moves_parameters_not_activations():
 def test_the_fsdp_block_scan_moves_parameters_not_activations():
     config = _config()
     setup = TrainSetup(config, jax.devices()[:8])
-    model = evaluation.Decoder(config.model, shard_lib.rules(config))
+    model = Decoder(config.model, shard_lib.rules(config))
     params = setup.abstract_state.params
     tokens = jax.ShapeDtypeStruct((16, 4 * T), np.int32, sharding=setup.batch_sharding)
     scan = evaluation._compiled_scan(model, config.block)  # inputs, targets: 8 blocks
