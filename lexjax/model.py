@@ -211,6 +211,13 @@ class Decoder(nn.Module):
     factor 0 is this call's length / ``rope_train_len`` without a cache and 1
     with one (:func:`lexjax.evaluation.at_length` resolves it per evaluated length).
 
+    ``rules`` (``sharding.rules(config)``; optional): under a mesh, the embedding
+    output, every layer's output, q/k/v, the MLP's activations and the logits are
+    constrained to the batch axes (``act_heads``/``act_mlp``/``act_vocab`` to the
+    axes those rules name), and the embedding table is read gathered like every
+    other weight, so FSDP moves weights and gradients, never activations; without
+    a mesh they change nothing.
+
     ``init`` creates only ``params``. Tests that differentiate with respect to
     each token's input vector pass ``{"perturbations": {"embedded":
     zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).

@@ -44,7 +44,10 @@ __all__ = [
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis name → mesh axes (None: replicated). ``config.sharding`` picks a
-# preset; ``config.sharding_rules`` may override single entries.
+# preset; ``config.sharding_rules`` may override single entries. Weights use
+# embed/heads/kv/mlp/vocab/layers/positions; activations use batch and the act_*
+# names (model._pin), unsharded unless a rule names them, so FSDP's ``embed``
+# shards of the weights never spread to the activations.
 _DATA_PARALLEL = {"batch": ("data", "fsdp")} | dict.fromkeys(
     ("embed", "heads", "kv", "mlp", "vocab", "layers", "positions")
 )
