@@ -499,10 +499,7 @@ def perplexity(
     for mode, length in cells:
         rows = segments(documents, length, max_length)
         batch = max(1, min(len(rows), tokens_per_batch // length))
-        if batch_sharding is not None:
-            batch = -(-batch // shard_lib.batch_shards(batch_sharding)) * (
-                shard_lib.batch_shards(batch_sharding)
-            )
+        batch = shard_lib.fit_batch(batch, batch_sharding)
         start = time.perf_counter()
         nll_sum, count = 0.0, 0
         for part, real in _batches(rows, batch):

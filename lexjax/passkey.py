@@ -425,9 +425,7 @@ def passkey_accuracy(
         ]
         correct, nats = dict.fromkeys(depths, 0), dict.fromkeys(depths, 0.0)
         batch = max(1, min(len(samples), tokens_per_batch // length))
-        if batch_sharding is not None:
-            parts = shard_lib.batch_shards(batch_sharding)
-            batch = -(-batch // parts) * parts
+        batch = shard_lib.fit_batch(batch, batch_sharding)
         # A key of another token count gives another prompt length: one call per length.
         for prompt_len in sorted({len(s.prompt) for _, s in samples}):
             group = [(d, s) for d, s in samples if len(s.prompt) == prompt_len]

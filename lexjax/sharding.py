@@ -34,6 +34,7 @@ __all__ = [
     "eval_mesh",
     "model_param_shardings",
     "batch_shards",
+    "fit_batch",
     "process_rows",
     "param_shardings",
     "batch_sharding",
@@ -189,6 +190,15 @@ def batch_shards(sharding: NamedSharding) -> int:
     axes = sharding.spec[0] if len(sharding.spec) else None
     axes = (axes,) if isinstance(axes, str) else (axes or ())
     return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def fit_batch(batch: int, sharding: NamedSharding | None) -> int:
+    """``batch`` rounded up to a multiple of the parts ``sharding`` splits a batch
+    into (unchanged without a sharding): every device gets the same rows."""
+    if sharding is None:
+        return batch
+    parts = batch_shards(sharding)
+    return -(-batch // parts) * parts
 
 
 def process_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
