@@ -72,14 +72,14 @@ def _compiled(config, setup, model):
         return step.lower(setup.abstract_state, batch).compile()
 
 
-def measure(config, pinned: bool) -> dict:
-    rules = shard_lib.rules(config) if pinned else None
-    model = dataclasses.replace(config.model, scan_layers=False)
-    unrolled = dataclasses.replace(config, model=model)
-    setup = steps.TrainSetup(unrolled, jax.devices()[:8])
-    moved = collective_bytes(_compiled(unrolled, setup, Decoder(model, rules)).as_text())
-    setup = steps.TrainSetup(config, jax.devices()[:8])
-    memory = _compiled(config, setup, Decoder(config.model, rules)).memory_analysis()
+def measure(setups, pinned: bool) -> dict:
+    """``setups``: the TrainSetups of the layers unrolled (collectives) and scanned (memory)."""
+    unrolled, scanned = setups
+    rules = shard_lib.rules(scanned.config) if pinned else None
+    model = Decoder(unrolled.config.model, rules)
+    moved = collective_bytes(_compiled(unrolled.config, unrolled, model).as_text())
+    model = Decoder(scanned.config.model, rules)
+    memory = _compiled(scanned.config, scanned, model).memory_analysis()
     return {
         "collective_MiB_per_device": {k: v / 2**20 for k, v in sorted(moved.items())},
         "collective_MiB_per_device_total": sum(moved.values()) / 2**20,
@@ -92,17 +92,23 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     config = from_configdict(paper.get_config())
+    model = dataclasses.replace(config.model, scan_layers=False)
+    devices = jax.devices()[:8]
+    setups = (
+        steps.TrainSetup(dataclasses.replace(config, model=model), devices),
+        steps.TrainSetup(config, devices),
+    )
     result = {
         "benchmark": "fsdp_collectives",
         "config": "configs/paper.py",
-        "mesh": dict(shard_lib.make_mesh(config, jax.devices()[:8]).shape),
+        "mesh": dict(setups[1].mesh.shape),
         "batch": [config.batch_size, config.train_len],
         "vocab_size": config.model.vocab_size,
         "param_dtype": config.model.param_dtype,
-        "parameters": steps.TrainSetup(config, jax.devices()[:8]).num_params,
+        "parameters": setups[1].num_params,
         "jax": jax.__version__,
-        "pinned": measure(config, pinned=True),
-        "unpinned": measure(config, pinned=False),
+        "pinned": measure(setups, pinned=True),
+        "unpinned": measure(setups, pinned=False),
     }
     pinned, unpinned = result["pinned"], result["unpinned"]
     result["value"] = (
