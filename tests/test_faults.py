@@ -24,6 +24,7 @@ import subprocess
 import jax
 import numpy as np
 import pytest
+import zstandard
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
@@ -162,12 +163,52 @@ def largest_data_file(step_dir) -> pathlib.Path:
 
 
 def flip_one_array_byte(step_dir):
-    """Flips the middle byte of the largest array data file: inside a chunk of the
-    stored (zstd-compressed) parameters, far from any file header or index."""
+    """Flips one bit of a stored array value so that its chunk still decodes: the
+    silent corruption only the checkpoint's checksums can catch.
+
+    OCDBT packs the arrays' chunks, each a zstd frame without a content checksum,
+    into data files in no fixed order, so a byte at a fixed offset sometimes lands
+    in zstd's own structure and the read fails in the decoder instead. This walks
+    the frames of the largest data file from its middle one outward and flips the
+    first bit, from the middle of a frame, after which the frame still decodes to
+    as many bytes as before and to different bytes."""
     path = largest_data_file(step_dir)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
+    frame_starts = [m.start() for m in re.finditer(re.escape(_ZSTD_MAGIC), data)]
+    # B-tree nodes (CRC-checked, their body a zstd frame too) are no array's value.
+    nodes = [m.start() for m in re.finditer(re.escape(_OCDBT_NODE_MAGIC), data)]
+    bounds = sorted({*frame_starts, *nodes, len(data)})
+    frames = [
+        (start, bounds[bounds.index(start) + 1])
+        for start in frame_starts
+        if not any(start - 16 <= node < start for node in nodes)
+    ]
+    middle = len(frames) // 2
+    for _, (start, end) in sorted(enumerate(frames), key=lambda f: abs(f[0] - middle)):
+        try:
+            original = _decode_frame(data[start:end])
+        except zstandard.ZstdError:
+            continue  # a magic number inside compressed bytes, not a frame
+        centre = (start + end) // 2
+        for offset in sorted(range(start + 16, end - 4), key=lambda i: abs(i - centre)):
+            data[offset] ^= 0x01
+            try:
+                changed = _decode_frame(data[start:end])
+            except zstandard.ZstdError:
+                changed = None
+            if changed is not None and len(changed) == len(original) and changed != original:
+                path.write_bytes(bytes(data))
+                return
+            data[offset] ^= 0x01
+    raise AssertionError(f"no bit of {path} changes a value and keeps its frame decodable")
+
+
+_ZSTD_MAGIC = bytes.fromhex("28b52ffd")
+_OCDBT_NODE_MAGIC = bytes.fromhex("0cdb20de")
+
+
+def _decode_frame(frame) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(bytes(frame))
 
 
 def test_damaged_checkpoints_are_named_and_skipped(ctx, reference):
