@@ -252,7 +252,7 @@ def test_iterator_state_of_other_process_counts_and_older_lexjax(
         _, _, step = ckpt.restore(abstract_state=target, data_iter=resumed)
     ckpt.close()
     assert step == 3
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"]
     if note is None:
         assert warnings == []
         assert [next(resumed).tolist() for _ in range(2)] == expected
@@ -315,7 +315,9 @@ def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
         restored, config, step = ckpt.restore(abstract_state=abstract(state2, mesh))
     assert (step, config) == (1, {"seed": 1})
     assert_same(restored, make_state(mesh, seed=1))
-    lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    # Only lexjax's own records: orbax can leave a failed read task of an earlier
+    # test behind, and asyncio logs it (with that test's "damaged" path) when freed.
+    lines = [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"]
     assert len(lines) == 1 and "step 2 " in lines[0] and "falling back to step 1" in lines[0]
     assert why in lines[0]
     assert ckpt.all_steps() == [1, 2]  # fallback deletes nothing
