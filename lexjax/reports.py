@@ -670,7 +670,11 @@ def _seeds_note(group):
 
 
 def table2(c) -> str:
-    """Paper Table 2: each model as published — absolute/ALiBi/RoPE without BCA, LEX with it."""
+    """Paper Table 2 as its values read: absolute/ALiBi/RoPE without BCA, LEX with it.
+
+    The paper's text says every model used BCA, but its baselines' values equal Table 5's
+    rows without BCA; only LEX's equal a row with it.
+    """
     lines = [_header("model", c["lengths"])]
     for label, position, _, group in _variants(c["runs"]):
         mode = "bca" if position == "xpos" else "full"
