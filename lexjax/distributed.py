@@ -20,6 +20,13 @@ if one dies (SIGKILL, a lost host), the others are told within
 errors ... another task died" (exit status 134), instead of leaving them
 blocked in a collective forever. Restart every process: training resumes from
 the last checkpoint. On CPU the cross-process collectives are gloo over TCP.
+
+Joining is bounded too, but JAX aborts (status 134) rather than raising when a
+process has not registered within ``initialization_timeout_s``. So a process
+given the coordinator's address first waits, in Python, for process 0 to accept
+connections, and stops with one line and status 7 if it never does (a wrong
+address or port, process 0 not started). A peer that never starts still ends
+the others through JAX's abort.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import socket
+import time
 
 import jax
 import numpy as np
@@ -153,12 +162,32 @@ def _check(options: ClusterOptions) -> bool:
     return len(named) == 3
 
 
+def _await_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once ``address`` (process 0's coordinator) accepts a TCP connection;
+    raises :class:`DistributedError` if it does not within ``timeout_s``."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"the coordinator {address} did not accept a connection within {timeout_s}s "
+                    f"({e.strerror or e}); start process 0 with the same --coordinator_address, "
+                    "or correct the address"
+                ) from e
+            time.sleep(0.5)
+
+
 def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     """Joins the multi-process run ``options`` describe; returns how, or None if single.
 
     Call once, before any JAX computation. Raises :class:`ConfigError` for
-    contradictory flags and :class:`DistributedError` when the processes
-    cannot join within ``initialization_timeout_s``.
+    contradictory flags, and :class:`DistributedError` when process 0's coordinator
+    does not answer within ``initialization_timeout_s`` or cannot start (its port is
+    taken). A peer that never joins makes JAX abort the others (status 134).
     """
     explicit = _check(options)
     if options.mode == "off":
@@ -169,6 +198,8 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     # gloo is JAX's default for CPU collectives today; set it so a change of
     # default cannot leave a CPU run without cross-process collectives.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit and options.process_id != 0:
+        _await_coordinator(options.coordinator_address, options.initialization_timeout_s)
     try:
         jax.distributed.initialize(
             coordinator_address=options.coordinator_address,

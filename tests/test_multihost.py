@@ -19,6 +19,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import time
 
 import jax
@@ -337,3 +338,29 @@ def test_killed_peer_stops_the_survivor_in_bounded_time(ctx, victim):
     assert elapsed < HEARTBEAT_S + 30, elapsed
     assert "Terminating process because the JAX distributed service detected fatal errors" in err
     assert "another task died" in err, err[-3000:]
+
+
+def test_unreachable_coordinator_or_taken_port_ends_in_one_line_and_status_7(ctx):
+    """JAX aborts (status 134, a C++ stack) when a process cannot register in time, so
+    a worker first waits for process 0 in Python; process 0's taken port is JAX's own
+    error. Both are a run that cannot start: one line, status 7."""
+    base, files, data_dir, environ = ctx
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        unused = P.free_port()
+        for process_id, address in [(1, f"127.0.0.1:{unused}"), (0, f"127.0.0.1:{port}")]:
+            flags = {
+                "-coordinator_address": address,
+                "-num_processes": 2,
+                "-process_id": process_id,
+                "-initialization_timeout_s": 3,
+            }
+            done = P.run(
+                P.train_args(base / f"join-{process_id}", files, data_dir, **flags), environ
+            )
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 7, done.stderr[-3000:]
+            assert lines[-1].startswith("error: ") and address in lines[-1], lines
+            assert "Traceback" not in done.stderr and "stack trace" not in done.stderr
