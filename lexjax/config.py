@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
-import importlib.util
+import inspect
 import os
 import re
+import runpy
 import sys
 import typing
 from collections.abc import Mapping
@@ -228,13 +229,14 @@ def flags_parser(default_file: str):
     As with ml_collections' ``DEFINE_config_file``: ``--config=FILE[:PRESET]``
     (default ``default_file``) is ``get_config([PRESET])`` of FILE, read as
     ``absl.flags.FLAGS.config``, and ``--config.FIELD=VALUE`` overrides a field.
-    Unlike it, a missing file, an unknown field (with the closest known name) or
-    a value of the wrong type raises a one-line :class:`ConfigError`, not a
-    traceback from inside flag parsing.
+    Unlike it, a missing file (or one with a syntax error, no ``get_config``, no
+    presets but a ``:PRESET``, or a ``get_config`` that returns no ConfigDict), an
+    unknown field (with the closest known name) or a value of the wrong type raises a
+    one-line :class:`ConfigError`, not a traceback from inside flag parsing.
     """
     # Imported here so the library (and bench/accelerator.py) runs without ml_collections.
     from absl import flags
-    from ml_collections import config_flags
+    from ml_collections import config_dict, config_flags
 
     def parse(argv: list[str]) -> list[str]:
         path, rest, args = default_file, argv[:1], iter(argv[1:])
@@ -244,6 +246,11 @@ def flags_parser(default_file: str):
             else:
                 rest.append(arg)
         config = _load_file(path)
+        if not isinstance(config, config_dict.ConfigDict):  # its fields could not be overridden
+            raise ConfigError(
+                f"--config={path}: get_config() returned a {type(config).__name__}, not a "
+                "ConfigDict; start from lexjax.config.default_configdict()"
+            )
         for arg in rest:
             if match := re.match(r"--?(?:no)?config\.([^=]+)", arg):
                 _check_field(config, match[1])
@@ -264,15 +271,25 @@ def flags_parser(default_file: str):
 def _load_file(path: str):
     """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]``."""
     file, _, preset = path.partition(":")
+    if os.path.isdir(file):
+        raise ConfigError(f"--config={path}: {file} is a directory; name a config file in it")
     if not os.path.isfile(file):
         siblings = glob.glob(os.path.join(os.path.dirname(file), "*.py"))
         close = difflib.get_close_matches(file, siblings, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"--config={path}: there is no file {file}{hint}")
-    spec = importlib.util.spec_from_file_location("lexjax_config_file", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(*[preset][: bool(preset)])
+    try:
+        get_config = runpy.run_path(file).get("get_config")
+    except SyntaxError as e:
+        raise ConfigError(f"--config={path}: {file} line {e.lineno}: {e.msg}") from None
+    if not callable(get_config):
+        raise ConfigError(
+            f"--config={path}: {file} defines no get_config(); a config file's "
+            "get_config() returns lexjax.config.default_configdict() with changes"
+        )
+    if preset and not inspect.signature(get_config).parameters:
+        raise ConfigError(f"--config={path}: {file} has no presets; drop ':{preset}'")
+    return get_config(*[preset][: bool(preset)])
 
 
 def _check_field(config, path: str) -> None:

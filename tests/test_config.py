@@ -124,6 +124,35 @@ def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.stderr
 
 
+@pytest.mark.parametrize(
+    "text,suffix,expected",
+    [
+        ("x = 1\n", "", "{file} defines no get_config()"),
+        ("def get_config():\n    return {\n", "", "{file} line 2: '{{' was never closed"),
+        ("def get_config():\n    return 1\n", ":small", "{file} has no presets; drop ':small'"),
+        (None, "", "{file} is a directory; name a config file in it"),
+        (
+            "def get_config():\n    return {'train_len': 32}\n",
+            "",
+            "get_config() returned a dict, not a ConfigDict; start from "
+            "lexjax.config.default_configdict()",
+        ),
+    ],
+)
+def test_a_bad_config_file_is_one_line_exit_2(tmp_path, text, suffix, expected):
+    file = tmp_path / "config.py"
+    if text is None:
+        file.mkdir()
+    else:
+        file.write_text(text)
+    result = _python("train.py", f"--workdir={tmp_path}/w", f"--config={file}{suffix}")
+    assert result.returncode == 2, result.stderr
+    expected = f"error: --config={file}{suffix}: " + expected.format(file=file)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_unknown_field_in_a_dict_names_the_closest():
     with pytest.raises(
         cfg.ConfigError,
