@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import glob
 import inspect
+import math
 import os
 import re
 import runpy
@@ -377,6 +378,8 @@ def _checked(path: str, value, hint):
     if not ok:
         expected = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
         raise ConfigError(f"{path}={value!r}: expected {expected[kind]}")
+    if kind is float and not math.isfinite(value):  # NaN passes every range check
+        raise ConfigError(f"{path}={value!r}: expected a finite number")
     return float(value) if kind is float else value
 
 

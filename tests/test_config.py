@@ -115,6 +115,7 @@ def _hint(dotted: str):
         ),
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
+        ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),
     ],
 )
 def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected):
@@ -199,6 +200,9 @@ def test_unknown_field_in_a_dict_names_the_closest():
             "does not apply to dynamic_ntk",
         ),
         ({"model": {"rope_train_len": 0}}, "model.rope_train_len=0 must be positive"),
+        ({"optim": {"grad_clip": float("nan")}}, "optim.grad_clip=nan: expected a finite number"),
+        ({"learning_rate": float("inf")}, "learning_rate=inf: expected a finite number"),
+        ({"peak_flops": float("nan")}, "peak_flops=nan: expected a finite number"),
     ],
 )
 def test_bad_values_are_rejected(values, message):
