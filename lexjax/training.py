@@ -341,10 +341,12 @@ class _Loop:
             if not bool(m["finite"]):
                 with contextlib.suppress(RuntimeError):  # a failed write is reported by close()
                     self.checkpointer.wait()  # so the message names a finished checkpoint
+                latest = self.checkpointer.latest_step()
+                saved = "no checkpoint yet" if latest is None else f"step {latest}"
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
-                    f"without saving that state (last checkpoint: step "
-                    f"{self.checkpointer.latest_step()} in {self.checkpointer.directory})"
+                    f"without saving that state (last checkpoint: {saved} in "
+                    f"{self.checkpointer.directory})"
                 )
         step, m = self.pending[-1][0], values[-1]
         self.pending.clear()
