@@ -43,6 +43,8 @@ __all__ = [
     "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
     "TOKENIZERS",
+    "MESH_AXES",
+    "LOGICAL_AXES",
     "tokenizer_vocab_size",
     "ConfigError",
     "ModelConfig",
@@ -86,6 +88,11 @@ _MIN_SENTENCEPIECE_VOCAB = 261
 # Top-level fields an older lexjax stored with its checkpoints; ignored on loading.
 # poison_step: fault injection, now a test hook (tests/), not a production setting.
 REMOVED_FIELDS = ("poison_step",)
+# The device mesh's axes (lexjax.sharding builds the mesh) and the logical axes the
+# model names, weights' and activations' (act_*), that config.sharding_rules maps to them.
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("embed", "heads", "kv", "mlp", "vocab", "layers", "positions", "batch")
+LOGICAL_AXES += ("length", "act_embed", "act_heads", "act_kv", "act_mlp", "act_vocab")
 _DTYPES = ("float32", "bfloat16", "float16")
 _SCHEDULES = ("cosine", "polynomial", "constant")
 
@@ -366,8 +373,8 @@ def _checked(path: str, value, hint):
     if value is None and type(None) in typing.get_args(hint):
         return None
     kind = _base_type(hint)
-    if kind is tuple:  # sharding_rules: a mapping or (key, value) pairs
-        return tuple((k, v) for k, v in (value.items() if isinstance(value, Mapping) else value))
+    if kind is tuple:
+        return _sharding_rules(value)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = {
         bool: isinstance(value, bool),
@@ -381,6 +388,29 @@ def _checked(path: str, value, hint):
     if kind is float and not math.isfinite(value):  # NaN passes every range check
         raise ConfigError(f"{path}={value!r}: expected a finite number")
     return float(value) if kind is float else value
+
+
+def _sharding_rules(value) -> tuple:
+    """``sharding_rules``, a mapping or (logical axis, mesh axes) pairs, as pairs whose
+    every name is known (a misspelt one would shard nothing, or fail at mesh time)."""
+    try:
+        table = dict(value.items() if isinstance(value, Mapping) else value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"sharding_rules={value!r}: expected a table such as {{'mlp': 'tensor'}}"
+        ) from None
+    for logical, axes in table.items():
+        _known_name("sharding_rules: logical axis", logical, LOGICAL_AXES)
+        for axis in axes if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]:
+            _known_name(f"sharding_rules[{logical!r}]: mesh axis", axis, MESH_AXES)
+    return tuple(table.items())
+
+
+def _known_name(what: str, name, known: tuple[str, ...]) -> None:
+    if name not in known:
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(known)}"
+        raise ConfigError(f"{what} {name!r} is unknown; {hint}")
 
 
 def check_rope_scaling(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -304,6 +305,27 @@ def test_rules_are_the_preset_with_overrides():
     assert table["embed"] == "fsdp" and table["mlp"] == "tensor" and table["heads"] is None
     with pytest.raises(cfg.ConfigError, match="sharding='fdsp': choose one of data, fsdp, tensor"):
         sharding.rules(cfg.from_configdict({"sharding": "fdsp"}))
+
+
+@pytest.mark.parametrize(
+    "rules,message",
+    [
+        (
+            {"mlp": "tensr"},
+            "sharding_rules['mlp']: mesh axis 'tensr' is unknown; did you mean 'tensor'?",
+        ),
+        ({"mpl": "tensor"}, "sharding_rules: logical axis 'mpl' is unknown; did you mean 'mlp'?"),
+        ({"embed": ["data", "x"]}, "mesh axis 'x' is unknown; use one of data, fsdp, tensor"),
+        (5, "sharding_rules=5: expected a table such as {'mlp': 'tensor'}"),
+    ],
+)
+def test_sharding_rules_name_known_axes(rules, message):
+    """Checked with the config, not when the mesh is built (a misspelt logical axis
+    would silently shard nothing)."""
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        cfg.from_configdict({"sharding_rules": rules})
+    for table in sharding.SHARDING_PRESETS.values():
+        assert set(table) <= set(cfg.LOGICAL_AXES)
 
 
 def test_check_mesh_needs_the_batch_and_model_to_divide():
