@@ -23,6 +23,7 @@ import difflib
 import glob
 import inspect
 import math
+import numbers
 import os
 import re
 import runpy
@@ -343,8 +344,14 @@ def to_dict(config: Config) -> dict:
     return out
 
 
-def _plain(values) -> dict:
-    return values.to_dict() if hasattr(values, "to_dict") else dict(values)
+def _plain(values, path: str = "config") -> dict:
+    if hasattr(values, "to_dict"):
+        return values.to_dict()
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"{path}={values!r}: expected a mapping of fields, e.g. {{'train_len': 64}}"
+        )
+    return dict(values)
 
 
 def _base_type(hint):
@@ -362,7 +369,7 @@ def _build(cls, values: Mapping, prefix: str):
         if name not in names:
             raise unknown_field(path, [prefix + n for n in names])
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], _plain(value or {}), path + ".")
+            kwargs[name] = _build(hints[name], _plain(value or {}, path), path + ".")
         else:
             kwargs[name] = _checked(path, value, hints[name])
     return cls(**kwargs)
@@ -375,10 +382,10 @@ def _checked(path: str, value, hint):
     kind = _base_type(hint)
     if kind is tuple:
         return _sharding_rules(value)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # also NumPy's
     ok = {
         bool: isinstance(value, bool),
-        int: number and isinstance(value, int),
+        int: number and isinstance(value, numbers.Integral),
         float: number,
         str: isinstance(value, str),
     }[kind]
@@ -387,7 +394,7 @@ def _checked(path: str, value, hint):
         raise ConfigError(f"{path}={value!r}: expected {expected[kind]}")
     if kind is float and not math.isfinite(value):  # NaN passes every range check
         raise ConfigError(f"{path}={value!r}: expected a finite number")
-    return float(value) if kind is float else value
+    return kind(value) if number else value
 
 
 def _sharding_rules(value) -> tuple:
