@@ -16,7 +16,7 @@ from absl import flags as absl_flags
 
 from lexjax import api, checkpoint, distributed, evaluation, generation, passkey
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
-from lexjax.errors import LexjaxError, one_line
+from lexjax.errors import one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
 
@@ -28,11 +28,7 @@ def main(program, *args, **kwargs) -> int:
     stderr and the exit status of its kind (see :mod:`lexjax.errors`).
     """
     checkpoint.quiet_background_errors()
-    try:
-        return program(*args, **kwargs) or 0
-    except LexjaxError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return e.exit_code
+    return report(program, *args, **kwargs)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -21,9 +21,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
-import importlib.util
+import inspect
+import math
+import numbers
 import os
 import re
+import runpy
 import sys
 import typing
 from collections.abc import Mapping
@@ -41,6 +44,8 @@ __all__ = [
     "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
     "TOKENIZERS",
+    "MESH_AXES",
+    "LOGICAL_AXES",
     "tokenizer_vocab_size",
     "ConfigError",
     "ModelConfig",
@@ -84,6 +89,11 @@ _MIN_SENTENCEPIECE_VOCAB = 261
 # Top-level fields an older lexjax stored with its checkpoints; ignored on loading.
 # poison_step: fault injection, now a test hook (tests/), not a production setting.
 REMOVED_FIELDS = ("poison_step",)
+# The device mesh's axes (lexjax.sharding builds the mesh) and the logical axes the
+# model names, weights' and activations' (act_*), that config.sharding_rules maps to them.
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("embed", "heads", "kv", "mlp", "vocab", "layers", "positions", "batch")
+LOGICAL_AXES += ("length", "act_embed", "act_heads", "act_kv", "act_mlp", "act_vocab")
 _DTYPES = ("float32", "bfloat16", "float16")
 _SCHEDULES = ("cosine", "polynomial", "constant")
 
@@ -228,13 +238,14 @@ def flags_parser(default_file: str):
     As with ml_collections' ``DEFINE_config_file``: ``--config=FILE[:PRESET]``
     (default ``default_file``) is ``get_config([PRESET])`` of FILE, read as
     ``absl.flags.FLAGS.config``, and ``--config.FIELD=VALUE`` overrides a field.
-    Unlike it, a missing file, an unknown field (with the closest known name) or
-    a value of the wrong type raises a one-line :class:`ConfigError`, not a
-    traceback from inside flag parsing.
+    Unlike it, a missing file (or one with a syntax error, no ``get_config``, no
+    presets but a ``:PRESET``, or a ``get_config`` that returns no ConfigDict), an
+    unknown field (with the closest known name) or a value of the wrong type raises a
+    one-line :class:`ConfigError`, not a traceback from inside flag parsing.
     """
     # Imported here so the library (and bench/accelerator.py) runs without ml_collections.
     from absl import flags
-    from ml_collections import config_flags
+    from ml_collections import config_dict, config_flags
 
     def parse(argv: list[str]) -> list[str]:
         path, rest, args = default_file, argv[:1], iter(argv[1:])
@@ -244,6 +255,11 @@ def flags_parser(default_file: str):
             else:
                 rest.append(arg)
         config = _load_file(path)
+        if not isinstance(config, config_dict.ConfigDict):  # its fields could not be overridden
+            raise ConfigError(
+                f"--config={path}: get_config() returned a {type(config).__name__}, not a "
+                "ConfigDict; start from lexjax.config.default_configdict()"
+            )
         for arg in rest:
             if match := re.match(r"--?(?:no)?config\.([^=]+)", arg):
                 _check_field(config, match[1])
@@ -264,15 +280,25 @@ def flags_parser(default_file: str):
 def _load_file(path: str):
     """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]``."""
     file, _, preset = path.partition(":")
+    if os.path.isdir(file):
+        raise ConfigError(f"--config={path}: {file} is a directory; name a config file in it")
     if not os.path.isfile(file):
         siblings = glob.glob(os.path.join(os.path.dirname(file), "*.py"))
         close = difflib.get_close_matches(file, siblings, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"--config={path}: there is no file {file}{hint}")
-    spec = importlib.util.spec_from_file_location("lexjax_config_file", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(*[preset][: bool(preset)])
+    try:
+        get_config = runpy.run_path(file).get("get_config")
+    except SyntaxError as e:
+        raise ConfigError(f"--config={path}: {file} line {e.lineno}: {e.msg}") from None
+    if not callable(get_config):
+        raise ConfigError(
+            f"--config={path}: {file} defines no get_config(); a config file's "
+            "get_config() returns lexjax.config.default_configdict() with changes"
+        )
+    if preset and not inspect.signature(get_config).parameters:
+        raise ConfigError(f"--config={path}: {file} has no presets; drop ':{preset}'")
+    return get_config(*[preset][: bool(preset)])
 
 
 def _check_field(config, path: str) -> None:
@@ -318,8 +344,14 @@ def to_dict(config: Config) -> dict:
     return out
 
 
-def _plain(values) -> dict:
-    return values.to_dict() if hasattr(values, "to_dict") else dict(values)
+def _plain(values, path: str = "config") -> dict:
+    if hasattr(values, "to_dict"):
+        return values.to_dict()
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"{path}={values!r}: expected a mapping of fields, e.g. {{'train_len': 64}}"
+        )
+    return dict(values)
 
 
 def _base_type(hint):
@@ -337,7 +369,7 @@ def _build(cls, values: Mapping, prefix: str):
         if name not in names:
             raise unknown_field(path, [prefix + n for n in names])
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], _plain(value or {}), path + ".")
+            kwargs[name] = _build(hints[name], _plain(value or {}, path), path + ".")
         else:
             kwargs[name] = _checked(path, value, hints[name])
     return cls(**kwargs)
@@ -348,19 +380,44 @@ def _checked(path: str, value, hint):
     if value is None and type(None) in typing.get_args(hint):
         return None
     kind = _base_type(hint)
-    if kind is tuple:  # sharding_rules: a mapping or (key, value) pairs
-        return tuple((k, v) for k, v in (value.items() if isinstance(value, Mapping) else value))
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is tuple:
+        return _sharding_rules(value)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # also NumPy's
     ok = {
         bool: isinstance(value, bool),
-        int: number and isinstance(value, int),
+        int: number and isinstance(value, numbers.Integral),
         float: number,
         str: isinstance(value, str),
     }[kind]
     if not ok:
         expected = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
         raise ConfigError(f"{path}={value!r}: expected {expected[kind]}")
-    return float(value) if kind is float else value
+    if kind is float and not math.isfinite(value):  # NaN passes every range check
+        raise ConfigError(f"{path}={value!r}: expected a finite number")
+    return kind(value) if number else value
+
+
+def _sharding_rules(value) -> tuple:
+    """``sharding_rules``, a mapping or (logical axis, mesh axes) pairs, as pairs whose
+    every name is known (a misspelt one would shard nothing, or fail at mesh time)."""
+    try:
+        table = dict(value.items() if isinstance(value, Mapping) else value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"sharding_rules={value!r}: expected a table such as {{'mlp': 'tensor'}}"
+        ) from None
+    for logical, axes in table.items():
+        _known_name("sharding_rules: logical axis", logical, LOGICAL_AXES)
+        for axis in axes if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]:
+            _known_name(f"sharding_rules[{logical!r}]: mesh axis", axis, MESH_AXES)
+    return tuple(table.items())
+
+
+def _known_name(what: str, name, known: tuple[str, ...]) -> None:
+    if name not in known:
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(known)}"
+        raise ConfigError(f"{what} {name!r} is unknown; {hint}")
 
 
 def check_rope_scaling(

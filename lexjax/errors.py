@@ -2,8 +2,9 @@
 
 Every error lexjax raises for something the user can change derives from
 :class:`LexjaxError` and carries the exit status of its kind. The programs
-(``train.py``, ``eval.py``, the experiment) catch it in one place (``main``
-in ``cli.py``; the experiment's own ``main``) and print ``error: <one line>`` on stderr:
+(``train.py``, ``eval.py``, the experiment) catch it in one place,
+:func:`report` (through ``cli.main`` for train.py and eval.py), which prints
+``error: <one line>`` on stderr and returns the exit status of its kind:
 
 ======  =============================================  ======================
 status  kind                                           class
@@ -22,6 +23,8 @@ status  kind                                           class
 
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "LexjaxError",
     "ConfigError",
@@ -31,6 +34,7 @@ __all__ = [
     "EvaluationError",
     "DistributedError",
     "one_line",
+    "report",
 ]
 
 
@@ -93,3 +97,13 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     if innermost and lines:
         text = f"{type(error).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def report(program, *args, **kwargs) -> int:
+    """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
+    ``error: <one line>`` on stderr and the exit status of its kind."""
+    try:
+        return program(*args, **kwargs) or 0
+    except LexjaxError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return e.exit_code

@@ -1,4 +1,4 @@
-"""Device mesh and logical-axis sharding rules: the one home of the mesh axes.
+"""Device mesh and logical-axis sharding rules (the axis names: lexjax.config, which checks them).
 
 Parameters are annotated with logical axis names (``embed``, ``heads``,
 ``kv``, ``mlp``, ``vocab``, ``layers``, ``positions``) in ``lexjax.model``;
@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lexjax.config import Config, ConfigError, MeshConfig
+from lexjax.config import MESH_AXES, Config, ConfigError, MeshConfig
 
 __all__ = [
     "MESH_AXES",
@@ -41,8 +41,6 @@ __all__ = [
     "replicated",
     "host_array",
 ]
-
-MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis name → mesh axes (None: replicated). ``config.sharding`` picks a
 # preset; ``config.sharding_rules`` may override single entries. Weights use

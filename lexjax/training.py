@@ -17,7 +17,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, to_dict
+from lexjax.config import Config, from_configdict, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -119,7 +119,7 @@ def _check_workdir(workdir: str) -> None:
 
 
 def train(
-    config: Config,
+    config: Config | Mapping[str, Any],
     workdir: str,
     *,
     log: Callable[[str], None] = print,
@@ -129,6 +129,8 @@ def train(
     lease_timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
+
+    ``config``: a :class:`Config`, or the overrides :func:`lexjax.make_config` takes.
 
     The job holds the workdir's lease (:mod:`lexjax.lease`) throughout and
     releases it on every exit: a second job on the same workdir raises
@@ -148,6 +150,7 @@ def train(
     ``loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec`` (``mfu``)
     and ``val_loss``.
     """
+    config = config if isinstance(config, Config) else from_configdict(config)
     created = not os.path.isdir(workdir)
     _check_workdir(workdir)
     is_main = jax.process_index() == 0
@@ -341,10 +344,12 @@ class _Loop:
             if not bool(m["finite"]):
                 with contextlib.suppress(RuntimeError):  # a failed write is reported by close()
                     self.checkpointer.wait()  # so the message names a finished checkpoint
+                latest = self.checkpointer.latest_step()
+                saved = "no checkpoint yet" if latest is None else f"step {latest}"
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
-                    f"without saving that state (last checkpoint: step "
-                    f"{self.checkpointer.latest_step()} in {self.checkpointer.directory})"
+                    f"without saving that state (last checkpoint: {saved} in "
+                    f"{self.checkpointer.directory})"
                 )
         step, m = self.pending[-1][0], values[-1]
         self.pending.clear()

@@ -52,6 +52,28 @@ def test_make_config_names_an_unknown_field():
         lexjax.make_config({"train_lne": 64})
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"model": 5}, "model=5: expected a mapping of fields"),
+        ({"sharding_rules": 5}, "sharding_rules=5: expected a table"),
+        ("train_len=32", "config='train_len=32': expected a mapping of fields"),
+    ],
+)
+def test_make_config_rejects_what_is_no_mapping_with_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        lexjax.make_config(overrides)
+
+
+def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
+    config = lexjax.make_config({"train_len": np.int64(32), "learning_rate": np.float32(0.5)})
+    assert (config.train_len, config.learning_rate) == (32, 0.5)
+    assert type(config.train_len) is int and type(config.learning_rate) is float
+    with pytest.raises(ConfigError, match="train_len=33 must be an even integer"):
+        lexjax.train({"train_len": 33}, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         lexjax.load(tmp_path)
@@ -68,12 +90,14 @@ def _direct_nll(run, rows_BxN):
 def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # process-wide hooks
     files = write_corpus(tmp_path / "corpus")
-    config = lexjax.make_config(
-        {**TINY, "data": {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")}}
-    )
+    overrides = {
+        **TINY,
+        "data": {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")},
+    }
+    config = lexjax.make_config(overrides)
     workdir = str(tmp_path / "run")
 
-    summary = lexjax.train(config, workdir)
+    summary = lexjax.train(overrides, workdir)  # a dict goes through make_config
     assert summary["step"] == 6 and summary["start_step"] == 0
     out = capfd.readouterr().out
     assert "step 6/6 loss" in out  # the progress display of train.py

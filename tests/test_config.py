@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,7 @@ def _hint(dotted: str):
         ),
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
+        ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),
     ],
 )
 def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected):
@@ -122,6 +124,35 @@ def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.stderr
+
+
+@pytest.mark.parametrize(
+    "text,suffix,expected",
+    [
+        ("x = 1\n", "", "{file} defines no get_config()"),
+        ("def get_config():\n    return {\n", "", "{file} line 2: '{{' was never closed"),
+        ("def get_config():\n    return 1\n", ":small", "{file} has no presets; drop ':small'"),
+        (None, "", "{file} is a directory; name a config file in it"),
+        (
+            "def get_config():\n    return {'train_len': 32}\n",
+            "",
+            "get_config() returned a dict, not a ConfigDict; start from "
+            "lexjax.config.default_configdict()",
+        ),
+    ],
+)
+def test_a_bad_config_file_is_one_line_exit_2(tmp_path, text, suffix, expected):
+    file = tmp_path / "config.py"
+    if text is None:
+        file.mkdir()
+    else:
+        file.write_text(text)
+    result = _python("train.py", f"--workdir={tmp_path}/w", f"--config={file}{suffix}")
+    assert result.returncode == 2, result.stderr
+    expected = f"error: --config={file}{suffix}: " + expected.format(file=file)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+    assert not os.path.exists(tmp_path / "w")
 
 
 def test_unknown_field_in_a_dict_names_the_closest():
@@ -170,6 +201,9 @@ def test_unknown_field_in_a_dict_names_the_closest():
             "does not apply to dynamic_ntk",
         ),
         ({"model": {"rope_train_len": 0}}, "model.rope_train_len=0 must be positive"),
+        ({"optim": {"grad_clip": float("nan")}}, "optim.grad_clip=nan: expected a finite number"),
+        ({"learning_rate": float("inf")}, "learning_rate=inf: expected a finite number"),
+        ({"peak_flops": float("nan")}, "peak_flops=nan: expected a finite number"),
     ],
 )
 def test_bad_values_are_rejected(values, message):
@@ -271,6 +305,27 @@ def test_rules_are_the_preset_with_overrides():
     assert table["embed"] == "fsdp" and table["mlp"] == "tensor" and table["heads"] is None
     with pytest.raises(cfg.ConfigError, match="sharding='fdsp': choose one of data, fsdp, tensor"):
         sharding.rules(cfg.from_configdict({"sharding": "fdsp"}))
+
+
+@pytest.mark.parametrize(
+    "rules,message",
+    [
+        (
+            {"mlp": "tensr"},
+            "sharding_rules['mlp']: mesh axis 'tensr' is unknown; did you mean 'tensor'?",
+        ),
+        ({"mpl": "tensor"}, "sharding_rules: logical axis 'mpl' is unknown; did you mean 'mlp'?"),
+        ({"embed": ["data", "x"]}, "mesh axis 'x' is unknown; use one of data, fsdp, tensor"),
+        (5, "sharding_rules=5: expected a table such as {'mlp': 'tensor'}"),
+    ],
+)
+def test_sharding_rules_name_known_axes(rules, message):
+    """Checked with the config, not when the mesh is built (a misspelt logical axis
+    would silently shard nothing)."""
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        cfg.from_configdict({"sharding_rules": rules})
+    for table in sharding.SHARDING_PRESETS.values():
+        assert set(table) <= set(cfg.LOGICAL_AXES)
 
 
 def test_check_mesh_needs_the_batch_and_model_to_divide():

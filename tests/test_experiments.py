@@ -170,19 +170,32 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         assert len(json.load(f)["invocations"]) == 2
 
 
-def test_bad_runs_are_one_line_errors(tmp_path):
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--config.runs=rope/b=3", "runs: 'rope/b=3': /b= applies to xpos only"),
+        ("--config.nosuch=1", "unknown config field nosuch; known: "),
+        (
+            "--config=configs/extrapolation.py:smok",
+            "unknown preset 'smok' of configs/extrapolation.py; use small, text",
+        ),
+    ],
+)
+def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flag, expected):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [*COMMAND, f"--out={tmp_path}", "--config.runs=rope/b=3"],
+        [*COMMAND, f"--out={tmp_path / 'out'}", flag],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: runs: 'rope/b=3': /b= applies to xpos only"]
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), done.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_runs_expand_seeds_and_refuse_repeats():

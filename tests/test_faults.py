@@ -271,6 +271,17 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference)
     assert final_params(workdir)[0] == 4  # restores, checksums verified
 
 
+def test_nan_before_any_checkpoint_says_there_is_none(ctx):
+    workdir = ctx[0] / "nan_first"
+    result = P.run(["1", *args(ctx, workdir)], ctx[3], program="tests/poisoned_train.py")
+    line = one_error_line(result)
+    assert result.returncode == TrainingError.exit_code, result.stderr[-3000:]
+    assert (
+        "at step 1; stopped without saving that state (last checkpoint: no checkpoint yet in"
+        in line
+    ), line
+
+
 @contextlib.contextmanager
 def tmpfs(path: pathlib.Path, size: str):
     """A tmpfs of `size` at `path`, or None where this process may not mount."""

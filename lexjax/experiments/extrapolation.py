@@ -48,7 +48,7 @@ from lexjax.config import (
     from_configdict,
     to_dict,
 )
-from lexjax.errors import CheckpointError, LexjaxError, TrainingError, one_line
+from lexjax.errors import CheckpointError, TrainingError, one_line
 from lexjax.evaluation import MODES
 from lexjax.model import Decoder
 
@@ -491,23 +491,17 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
 
 
 def main(argv) -> int:
-    """The program: a :class:`lexjax.errors.LexjaxError` is one line on stderr and
-    its exit status, as for train.py and eval.py (the library does not import
-    their command-line layer)."""
+    """The program's body, run through :func:`lexjax.errors.report` as train.py's is."""
     import logging as py_logging
 
-    from absl import logging
+    from absl import flags, logging
 
     del argv
     # orbax logs every save and warns that evaluation opens checkpoints read-only;
     # lexjax's own warnings (a damaged checkpoint skipped) still show.
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
-    try:
-        collected = run_experiment(_CONFIG.value, _OUT.value)
-    except LexjaxError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return e.exit_code
+    collected = run_experiment(flags.FLAGS.config, _OUT.value)
     if collected is not None:
         with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
             print(f.read())
@@ -522,17 +516,16 @@ if __name__ == "__main__":
     sys.path.insert(0, _ROOT)  # configs/*.py import each other
 
     from absl import app, flags
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config",
-        os.path.join(_ROOT, "configs", "extrapolation.py"),
-        "Experiment config; a preset after ':' (small, paper, smoke).",
-        lock_config=True,
-    )
+    from lexjax.config import flags_parser
+    from lexjax.errors import report
+
     _OUT = flags.DEFINE_string(
         "out",
         os.path.join("runs", "extrapolation"),
         "Output directory (resumable: finished stages are skipped).",
     )
-    app.run(main)
+    # --config=FILE[:PRESET] (small, paper, smoke, ...) and --config.FIELD overrides; a bad
+    # one is one line and exit status 2, as for train.py.
+    parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"))
+    sys.exit(report(app.run, main, flags_parser=parse))
