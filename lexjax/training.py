@@ -216,19 +216,22 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"position={config.model.position}, mesh {dict(setup.mesh.shape)}"
         )
         return setup.init_state(), 0
-    stored_model = (checkpointer.restore_config() or {}).get("model")
     ours = dataclasses.asdict(config.model)
     for how_it_runs in ("remat", "remat_policy", "attention_impl"):  # same model either way
         ours.pop(how_it_runs)
-    if stored_model is not None and {k: stored_model.get(k) for k in ours} != ours:
-        diff = sorted(k for k in ours if stored_model.get(k) != ours[k])
-        raise CheckpointError(
-            f"workdir {checkpointer.directory} holds checkpoints of another model "
-            f"(differs in model.{', model.'.join(diff)}); use a new --workdir or "
-            "the same model config"
-        )
+
+    def same_model(stored: dict | None) -> None:
+        stored_model = (stored or {}).get("model")
+        if stored_model is not None and {k: stored_model.get(k) for k in ours} != ours:
+            diff = sorted(k for k in ours if stored_model.get(k) != ours[k])
+            raise CheckpointError(
+                f"workdir {checkpointer.directory} holds checkpoints of another model "
+                f"(differs in model.{', model.'.join(diff)}); use a new --workdir or "
+                "the same model config"
+            )
+
     state, stored, step = checkpointer.restore(
-        abstract_state=setup.abstract_state, data_iter=data_iter
+        abstract_state=setup.abstract_state, data_iter=data_iter, check_config=same_model
     )
     saved = ckpt_lib.stored_tokenizer(checkpointer, step, stored)
     if saved.fingerprint != tokenizer.fingerprint:

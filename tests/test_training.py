@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -226,6 +227,24 @@ def test_resume_equals_uninterrupted(tmp_path):
     (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
     assert s1 == s2 == 6
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog):
+    """Step 6's config record is garbage: loading and resuming both name it and use step 3."""
+    config = _train_config(tmp_path)
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    with open(os.path.join(workdir, "checkpoints", "6", "config", "metadata"), "w") as f:
+        f.write("garbage{")
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        _, _, step = ckpt_lib.load_params(workdir)
+        assert step == 3
+        resumed = train(config, workdir, log=lambda _: None, progress=False)
+    assert resumed["start_step"] == 3 and resumed["step"] == 6
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 2, damaged
+    assert all("step 6 " in m and "config record unreadable" in m for m in damaged), damaged
+    assert all(m.endswith("falling back to step 3") for m in damaged), damaged
 
 
 def test_restore_onto_another_device_count(tmp_path):
