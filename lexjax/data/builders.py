@@ -506,8 +506,18 @@ def prepare(
     # Processes that start together on one host (the local processes of a
     # multi-process run, two runs launched at once) build a corpus once: the
     # first to take the lock builds, the others wait and then read its build.
-    os.makedirs(os.path.join(data_dir, name), exist_ok=True)
-    with open(os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"), "a") as lock:
+    try:
+        os.makedirs(os.path.join(data_dir, name), exist_ok=True)
+        lock_fd = os.open(
+            os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"),
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+        )
+    except OSError as e:
+        raise DataError(
+            f"data.data_dir={data_dir}: cannot create {e.filename} ({e.strerror}); "
+            "choose a writable data.data_dir"
+        ) from e
+    with os.fdopen(lock_fd, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         builder, prepared = builder_of_plan()
         if not prepared:
