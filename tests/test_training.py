@@ -307,6 +307,23 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     assert records[5]["mfu"] == pytest.approx(expected / (1e9 * jax.device_count()))
 
 
+def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_path, caplog):
+    workdir = str(tmp_path)
+    writer = metrics.MetricsWriter(workdir)
+    writer.write(12, {"loss": 1.0})
+    writer.close()
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 13, "lo')  # killed mid-record
+    writer = metrics.MetricsWriter(workdir)  # the resumed run
+    writer.write(13, {"loss": 0.5})
+    writer.close()
+    with caplog.at_level(logging.WARNING, logger="lexjax.metrics"):
+        records = metrics.read_metrics(workdir)
+    assert records == [{"step": 12, "loss": 1.0}, {"step": 13, "loss": 0.5}]
+    (note,) = [r.getMessage() for r in caplog.records if r.name == "lexjax.metrics"]
+    assert note.startswith("note: skipped 1 torn line(s) of ")
+
+
 def test_peak_flops_from_the_datasheet_table_or_an_override():
     assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert metrics.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
