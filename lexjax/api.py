@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import Tokenizer
+from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
 
 __all__ = ["make_config", "train", "load", "Run"]
@@ -94,12 +94,9 @@ class Run:
         """The records of ``WORKDIR/metrics.jsonl`` in the order training wrote them
         (``{"step", "loss", "learning_rate", ...}`` or ``{"step", "val_loss"}``).
         A resumed run repeats the steps after its last checkpoint; the later
-        record of a step is the one its checkpoint continues from."""
-        path = os.path.join(self.workdir, "metrics.jsonl")
-        if not os.path.exists(path):
-            return []
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        record of a step is the one its checkpoint continues from. A record torn
+        by a killed writer is skipped, with a note."""
+        return read_metrics(self.workdir)
 
     def evaluate(
         self,

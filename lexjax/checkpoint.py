@@ -436,6 +436,14 @@ class Checkpointer:
     def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
         """The config dict saved with `step` (default: latest), or None if none was."""
         step = self._pick_step(step)
+        try:
+            return self._read_config(step)
+        except _Damaged as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} is damaged: {e}"
+            ) from e
+
+    def _read_config(self, step: int) -> dict[str, Any] | None:
         if not (self._step_dir(step) / _CONFIG).is_dir():
             return None
         try:
@@ -443,10 +451,7 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
             )
         except Exception as e:
-            raise CheckpointError(
-                f"config of checkpoint step {step} in {self.directory} is unreadable: "
-                f"{one_line(e, innermost=True)}"
-            ) from e
+            raise _Damaged(f"config record unreadable ({one_line(e, innermost=True)})") from e
         return restored[_CONFIG]
 
     def restore_tokenizer_json(self, step: int) -> dict[str, Any] | None:
@@ -484,7 +489,12 @@ class Checkpointer:
         return step
 
     def restore(
-        self, step: int | None = None, *, abstract_state: PyTree, data_iter: Any = None
+        self,
+        step: int | None = None,
+        *,
+        abstract_state: PyTree,
+        data_iter: Any = None,
+        check_config: Any = None,
     ) -> tuple[PyTree, dict[str, Any] | None, int]:
         """Restores state onto the shardings of `abstract_state`.
 
@@ -495,8 +505,9 @@ class Checkpointer:
         that is damaged always raises. If `data_iter` is given, its position is
         set to the saved one: on any number of processes if every process
         saved the same state, else on as many as saved it; otherwise it stays
-        at the start of its stream, with a one-line note. Returns (state,
-        config or None, step).
+        at the start of its stream, with a one-line note. `check_config`, if
+        given, is called with a step's config (or None) before its state is read,
+        and may raise to refuse it. Returns (state, config or None, step).
         """
         steps = self.all_steps()
         if not steps:
@@ -507,6 +518,9 @@ class Checkpointer:
             candidates = [self._pick_step(step)]
         for i, s in enumerate(candidates):
             try:
+                config = self._read_config(s)
+                if check_config is not None:
+                    check_config(config)
                 state = self._restore_step(s, abstract_state, data_iter)
             except _Damaged as e:
                 message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
@@ -518,7 +532,6 @@ class Checkpointer:
                     log.warning("%s", message)
                 continue
             self._verified[s] = True
-            config = self.restore_config(s)
             return state, config, s
         raise CheckpointError(f"no good checkpoint in {self.directory}: every step is damaged")
 
@@ -693,15 +706,15 @@ def load_params(
         if not steps:
             raise CheckpointError(f"no complete checkpoint in {directory}")
         for i, step in enumerate(reversed(steps)):
-            stored = checkpointer.restore_config(step)
-            if stored is None:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {directory} has no config; "
-                    "it was not written by train.py"
-                )
-            config = from_configdict(stored)
-            shardings = sharding(config) if callable(sharding) else sharding
             try:
+                stored = checkpointer._read_config(step)
+                if stored is None:
+                    raise CheckpointError(
+                        f"checkpoint step {step} in {directory} has no config; "
+                        "it was not written by train.py"
+                    )
+                config = from_configdict(stored)
+                shardings = sharding(config) if callable(sharding) else sharding
                 params = _restore_params(checkpointer, step, abstract_params(config), shardings)
             except _Damaged as e:
                 older = f"; falling back to step {steps[-i - 2]}" if i + 1 < len(steps) else ""

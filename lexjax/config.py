@@ -344,6 +344,39 @@ def to_dict(config: Config) -> dict:
     return out
 
 
+# The user-level fields a model field follows when left unset (see _validated).
+_DERIVED_FROM = {
+    "max_len": ("train_len",),
+    "rope_train_len": ("train_len",),
+    "vocab_size": ("data.tokenizer", "data.vocab_size"),
+}
+
+
+def model_differences(stored: dict, config: Config) -> list[str]:
+    """The fields to change in ``config`` to get the model of ``stored`` (a config
+    dict stored with a checkpoint): ``model.*`` fields, or for one that follows
+    another the field the user sets (``train_len`` for ``model.max_len``).
+    How the model runs (remat, attention_impl) does not count; with no stored
+    model there is nothing to compare."""
+    theirs, now = stored.get("model"), to_dict(config)
+    if not theirs:
+        return []
+    ours = now["model"]
+    for how_it_runs in ("remat", "remat_policy", "attention_impl"):
+        ours.pop(how_it_runs)
+
+    def at(values, name):
+        for key in name.split("."):
+            values = (values or {}).get(key)
+        return values
+
+    differences = set()
+    for key in (k for k in ours if theirs.get(k) != ours[k]):
+        sources = [s for s in _DERIVED_FROM.get(key, ()) if at(stored, s) != at(now, s)]
+        differences.update(sources or [f"model.{key}"])
+    return sorted(differences)
+
+
 def _plain(values, path: str = "config") -> dict:
     if hasattr(values, "to_dict"):
         return values.to_dict()

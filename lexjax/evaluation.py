@@ -74,7 +74,7 @@ from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, scan_sinks, sink_window, window_mask
 from lexjax.config import ABSOLUTE_ENCODINGS, Config, ConfigError, ModelConfig, check_rope_scaling
-from lexjax.data.builders import glob_files
+from lexjax.data.builders import glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -677,6 +677,7 @@ def held_out_documents(
     try:
         if eval_files:
             root, relpaths = glob_files(eval_files)
+            relpaths = text_files_of(root, relpaths, "evaluation", say)
             docs = []
             for rel in relpaths:
                 with open(os.path.join(root, rel), "rb") as f:

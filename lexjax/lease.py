@@ -50,7 +50,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _describe(record: dict) -> str:
-    return f"host {record.get('host')} pid {record.get('pid')} (started {record.get('started')})"
+    """The holder a lease record names ('' for an unreadable one: it names none)."""
+    if not {"host", "pid"} <= record.keys():
+        return ""
+    return f"host {record['host']} pid {record['pid']} (started {record.get('started')})"
 
 
 class WorkdirLease:
@@ -85,7 +88,8 @@ class WorkdirLease:
         """The current lease record, None if there is none; {} if unreadable."""
         try:
             with open(self.path, encoding="utf-8") as f:
-                return json.load(f)
+                record = json.load(f)
+            return record if isinstance(record, dict) else {}
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -140,13 +144,21 @@ class WorkdirLease:
             if record is None:
                 continue  # released in between
             reason = self._stale_reason(record)
-            if reason is None:
+            holder = _describe(record)
+            if reason is None and holder:
                 raise CheckpointError(
                     f"workdir {os.path.dirname(self.path)} is in use by a training job on "
-                    f"{_describe(record)}; wait for it to finish or use another --workdir"
+                    f"{holder}; wait for it to finish or use another --workdir"
+                )
+            if reason is None:
+                raise CheckpointError(
+                    f"the workdir lease {self.path} cannot be read; it is taken over once it "
+                    f"is {self.timeout_s:g} s old (--lease_timeout_s), or delete it if no "
+                    "training job uses this workdir"
                 )
             if self._take_over(record):
-                self.log(f"note: took over the stale lease of {_describe(record)}: {reason}")
+                whose = f"the stale lease of {holder}" if holder else f"the unreadable {self.path}"
+                self.log(f"note: took over {whose}: {reason}")
                 break
         else:
             raise CheckpointError(f"could not take the workdir lease {self.path}; try again")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from lexjax.config import Config
 
-__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "mfu", "MetricsWriter"]
+__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "mfu", "MetricsWriter", "read_metrics"]
+
+log = logging.getLogger(__name__)
 
 # Datasheet dense bf16 FLOP/s per device, by a lower-cased piece of
 # ``jax.Device.device_kind``; the first match wins ("tpu v5 lite" is v5e,
@@ -64,6 +67,12 @@ class MetricsWriter:
     def __init__(self, workdir: str, enabled: bool = True):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
+        if enabled and os.path.isfile(self.path) and os.path.getsize(self.path):
+            # A writer killed mid-line left a torn record: start on a line of our own.
+            with open(self.path, "rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         if enabled:
             # Imported here: the FLOPs and MFU helpers above serve benchmarks on
             # accelerator hosts that have only jax, flax and optax.
@@ -84,3 +93,22 @@ class MetricsWriter:
     def close(self) -> None:
         if self.enabled:
             self.tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, float]]:
+    """The records of ``workdir/metrics.jsonl`` in the order they were written.
+    A line that is not JSON (a record torn when its writer was killed) is
+    skipped, with one note."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    records, torn = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in filter(str.strip, f):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += 1
+    if torn:
+        log.warning("note: skipped %d torn line(s) of %s (a writer killed mid-record)", torn, path)
+    return records

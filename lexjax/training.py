@@ -11,7 +11,6 @@ state. The step itself is :mod:`lexjax.steps`; what is measured and written is
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, from_configdict, to_dict
+from lexjax.config import Config, from_configdict, model_differences, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -219,19 +218,17 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"position={config.model.position}, mesh {dict(setup.mesh.shape)}"
         )
         return setup.init_state(), 0
-    stored_model = (checkpointer.restore_config() or {}).get("model")
-    ours = dataclasses.asdict(config.model)
-    for how_it_runs in ("remat", "remat_policy", "attention_impl"):  # same model either way
-        ours.pop(how_it_runs)
-    if stored_model is not None and {k: stored_model.get(k) for k in ours} != ours:
-        diff = sorted(k for k in ours if stored_model.get(k) != ours[k])
-        raise CheckpointError(
-            f"workdir {checkpointer.directory} holds checkpoints of another model "
-            f"(differs in model.{', model.'.join(diff)}); use a new --workdir or "
-            "the same model config"
-        )
+
+    def same_model(stored: dict | None) -> None:
+        if diff := model_differences(stored or {}, config):
+            raise CheckpointError(
+                f"workdir {checkpointer.directory} holds checkpoints of another model "
+                f"(differs in {', '.join(diff)}); use a new --workdir or "
+                "the same model config"
+            )
+
     state, stored, step = checkpointer.restore(
-        abstract_state=setup.abstract_state, data_iter=data_iter
+        abstract_state=setup.abstract_state, data_iter=data_iter, check_config=same_model
     )
     saved = ckpt_lib.stored_tokenizer(checkpointer, step, stored)
     if saved.fingerprint != tokenizer.fingerprint:

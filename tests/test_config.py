@@ -12,7 +12,7 @@ from configs import extrapolation, paper, tiny
 from lexjax import config as cfg
 from lexjax import positions, reports, sharding
 from lexjax.experiments import extrapolation as study
-from tests.helpers import leaves
+from tests.helpers import leaves, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORED_V1 = os.path.join(
@@ -335,3 +335,16 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
     with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):
         sharding.check_mesh(config, 4)
+
+
+def test_a_changed_model_is_named_by_the_field_the_user_sets():
+    def config(**overrides):
+        return small_config(**{"model.max_len": None, **overrides})
+
+    stored = cfg.to_dict(config())
+    assert cfg.model_differences(stored, config(**{"model.remat_policy": "full"})) == []
+    # model.max_len and model.rope_train_len follow train_len: name train_len.
+    assert cfg.model_differences(stored, config(train_len=32)) == ["train_len"]
+    assert cfg.model_differences(stored, config(**{"model.max_len": 32})) == ["model.max_len"]
+    assert cfg.model_differences(stored, config(**{"model.d_model": 64})) == ["model.d_model"]
+    assert cfg.model_differences({"seed": 0}, config(train_len=32)) == []  # no model stored

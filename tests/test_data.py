@@ -243,6 +243,12 @@ def test_bad_input_says_what_to_change(tmp_path):
         data.load_source("pg19", "train", tmp_path)
     with pytest.raises(DataError, match="textfiles needs files="):
         data.load_source("textfiles", "train", tmp_path)
+    (tmp_path / "a.txt").write_text("some text\n" * 50)
+    (tmp_path / "blocker").write_text("")
+    with pytest.raises(DataError, match=r"cannot create .*blocker/data.* \(Not a directory\)"):
+        data.load_source(
+            "textfiles", "train", tmp_path / "blocker" / "data", str(tmp_path / "a.txt")
+        )
 
 
 def test_unknown_split_and_feature(corpus):

@@ -326,3 +326,20 @@ def test_bits_per_byte_is_the_nll_over_the_bytes_of_the_scored_text(models):
     assert r.bytes == len(text)
     assert r.bits_per_byte == pytest.approx(nats / (np.log(2) * len(text)), rel=1e-5)
     assert r.bits_per_byte == pytest.approx(r.nll * r.tokens / (np.log(2) * len(text)), rel=1e-6)
+
+
+def test_eval_files_skip_empty_and_binary_files_as_the_corpus_build_does(tmp_path):
+    from lexjax.errors import DataError
+    from tests.helpers import small_config
+
+    (tmp_path / "a.txt").write_text("lexjax " * 20)
+    (tmp_path / "b.txt").write_bytes(bytes(range(256)) * 12)  # NULs: binary
+    (tmp_path / "c.txt").write_bytes(b"")
+    notes = []
+    where, docs = evaluation.held_out_documents(
+        small_config(), str(tmp_path / "*.txt"), say=notes.append
+    )
+    assert (where, len(docs)) == (f"1 files of {tmp_path}/*.txt", 1)
+    assert notes == ["note: evaluation files: skipped 1 empty, 1 binary of 3"]
+    with pytest.raises(DataError, match="no evaluation text: .* 1 binary .*all skipped"):
+        evaluation.held_out_documents(small_config(), str(tmp_path / "b.txt"))

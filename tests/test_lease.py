@@ -78,6 +78,27 @@ def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     assert len(notes) == 1 and re.search(r"no heartbeat for 7\d s \(timeout 60 s\)$", notes[0])
 
 
+def test_an_unreadable_lease_says_so_and_when_it_is_taken_over(tmp_path):
+    path = tmp_path / lease_lib.LEASE_FILE
+    path.write_text("garbage{")
+    with pytest.raises(CheckpointError) as e:
+        lease_lib.WorkdirLease(tmp_path, timeout_s=60).acquire()
+    assert str(e.value) == (
+        f"the workdir lease {path} cannot be read; it is taken over once it is 60 s old "
+        "(--lease_timeout_s), or delete it if no training job uses this workdir"
+    )
+    then = time.time() - 70
+    os.utime(path, (then, then))
+    notes = []
+    with lease_lib.WorkdirLease(tmp_path, timeout_s=60, log=notes.append):
+        pass
+    assert len(notes) == 1 and re.fullmatch(
+        rf"note: took over the unreadable {re.escape(str(path))}: no heartbeat for 7\d s "
+        r"\(timeout 60 s\)",
+        notes[0],
+    ), notes
+
+
 def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_path):
     with lease_lib.WorkdirLease(tmp_path, timeout_s=0.4) as lease:
         first = lease_record(tmp_path)["heartbeat"]

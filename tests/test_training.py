@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -228,6 +229,24 @@ def test_resume_equals_uninterrupted(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
 
 
+def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog):
+    """Step 6's config record is garbage: loading and resuming both name it and use step 3."""
+    config = _train_config(tmp_path)
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    with open(os.path.join(workdir, "checkpoints", "6", "config", "metadata"), "w") as f:
+        f.write("garbage{")
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        _, _, step = ckpt_lib.load_params(workdir)
+        assert step == 3
+        resumed = train(config, workdir, log=lambda _: None, progress=False)
+    assert resumed["start_step"] == 3 and resumed["step"] == 6
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 2, damaged
+    assert all("step 6 " in m and "config record unreadable" in m for m in damaged), damaged
+    assert all(m.endswith("falling back to step 3") for m in damaged), damaged
+
+
 def test_restore_onto_another_device_count(tmp_path):
     config = _train_config(
         tmp_path,
@@ -286,6 +305,23 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     assert "mfu" not in records[3]
     expected = records[5]["tokens_per_sec"] * metrics.flops_per_token(config)
     assert records[5]["mfu"] == pytest.approx(expected / (1e9 * jax.device_count()))
+
+
+def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_path, caplog):
+    workdir = str(tmp_path)
+    writer = metrics.MetricsWriter(workdir)
+    writer.write(12, {"loss": 1.0})
+    writer.close()
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 13, "lo')  # killed mid-record
+    writer = metrics.MetricsWriter(workdir)  # the resumed run
+    writer.write(13, {"loss": 0.5})
+    writer.close()
+    with caplog.at_level(logging.WARNING, logger="lexjax.metrics"):
+        records = metrics.read_metrics(workdir)
+    assert records == [{"step": 12, "loss": 1.0}, {"step": 13, "loss": 0.5}]
+    (note,) = [r.getMessage() for r in caplog.records if r.name == "lexjax.metrics"]
+    assert note.startswith("note: skipped 1 torn line(s) of ")
 
 
 def test_peak_flops_from_the_datasheet_table_or_an_override():

@@ -292,6 +292,28 @@ def plan_splits(
     return Plan(pieces, rule, num_files, skipped, digest.hexdigest())
 
 
+def text_files_of(root: str, relpaths: list[str], what: str, say) -> list[str]:
+    """The text files among `relpaths` (under `root`): empty and binary ones are
+    skipped with one note through `say`; DataError when none is left."""
+    skipped = {"empty": 0, "binary": 0}
+    kept = []
+    for relpath in relpaths:
+        kind = _kind_of(os.path.join(root, relpath))
+        if kind == "text":
+            kept.append(relpath)
+        else:
+            skipped[kind] += 1
+    if not kept:
+        raise DataError(_no_text(what, skipped))
+    if len(kept) < len(relpaths):
+        say(f"note: {what} files: skipped {_counts(skipped)} of {len(relpaths)}")
+    return kept
+
+
+def _counts(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in skipped.items() if n)
+
+
 def _no_text(what: str, skipped: dict[str, int]) -> str:
     return (
         f"no {what} text: the files are {skipped['empty']} empty and "
@@ -484,12 +506,22 @@ def prepare(
     # Processes that start together on one host (the local processes of a
     # multi-process run, two runs launched at once) build a corpus once: the
     # first to take the lock builds, the others wait and then read its build.
-    os.makedirs(os.path.join(data_dir, name), exist_ok=True)
-    with open(os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"), "a") as lock:
+    try:
+        os.makedirs(os.path.join(data_dir, name), exist_ok=True)
+        lock_fd = os.open(
+            os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"),
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+        )
+    except OSError as e:
+        raise DataError(
+            f"data.data_dir={data_dir}: cannot create {e.filename} ({e.strerror}); "
+            "choose a writable data.data_dir"
+        ) from e
+    with os.fdopen(lock_fd, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         builder, prepared = builder_of_plan()
         if not prepared:
-            skipped = ", ".join(f"{n} {kind}" for kind, n in plan.skipped.items() if n)
+            skipped = _counts(plan.skipped)
             print(
                 f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
                 f"{'; skipped ' + skipped if skipped else ''})...",
