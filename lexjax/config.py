@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import glob
 import importlib.util
+import numbers
 import os
 import re
 import sys
@@ -37,6 +38,8 @@ __all__ = [
     "ROTARY_ENCODINGS",
     "ROPE_SCALINGS",
     "check_rope_scaling",
+    "check_int",
+    "check_seed",
     "ATTENTION_IMPLS",
     "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
@@ -396,6 +399,21 @@ def check_rope_scaling(
         )
 
 
+def check_int(name: str, value, low: int = 1, high: int | None = None, bound: str = "") -> int:
+    """``value`` as an int (numpy's integers too) if it is an integer in [low, high);
+    else a one-line :class:`ConfigError` naming ``name`` and ``bound`` (default: the range)."""
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not integer or value < low or (high is not None and value >= high):
+        bound = bound or (f"in [{low}, {high})" if high is not None else f"≥ {low}")
+        raise ConfigError(f"{name}={value!r} must be an integer {bound}")
+    return int(value)
+
+
+def check_seed(seed) -> int:
+    """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
+    return check_int("seed", seed, 0, 2**32, "in [0, 2**32)")
+
+
 def tokenizer_vocab_size(data: DataConfig) -> int:
     """The number of ids ``data.tokenizer`` produces (a SentencePiece model has
     exactly ``data.vocab_size``)."""
@@ -527,8 +545,7 @@ def _validated(config: Config) -> Config:
     for name, what in (("weight_decay", "0: none"), ("grad_clip", "0: no clipping")):
         if getattr(o, name) < 0:
             raise ConfigError(f"optim.{name}={getattr(o, name)} must be ≥ 0 ({what})")
-    if not 0 <= config.seed < 2**32:
-        raise ConfigError(f"seed={config.seed} must be in [0, 2**32) (the data shuffle's range)")
+    check_seed(config.seed)
     if config.on_corrupt_checkpoint not in ("fallback", "error"):
         raise ConfigError("on_corrupt_checkpoint must be 'fallback' or 'error'")
     if config.peak_flops is not None and not config.peak_flops > 0:

@@ -36,7 +36,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
-from lexjax.config import Config
+from lexjax.config import Config, check_seed
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.evaluation import check_full_length
 from lexjax.model import Decoder
@@ -181,7 +181,12 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
 
 
 def check_sampling(
-    *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 1, **_
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 1,
+    seed: int = 0,
 ) -> None:
     """Raises :class:`ConfigError` for sampling parameters out of range."""
     if temperature < 0:
@@ -192,6 +197,7 @@ def check_sampling(
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    check_seed(seed)
 
 
 @functools.cache
@@ -292,7 +298,7 @@ def complete(
         tokens[None],
         block=config.block,
         max_new_tokens=max_new_tokens,
-        rng=jax.random.key(seed),
+        rng=jax.random.key(check_seed(seed)),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

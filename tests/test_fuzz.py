@@ -162,7 +162,7 @@ EVAL_FLAGS = {
     "temperature": ([["--temperature=0"]], ["-0.5"]),
     "top_k": ([["--top_k=5"]], ["-1"]),
     "top_p": ([["--top_p=0.9"]], ["0", "1.5"]),
-    "seed": ([["--seed=7"]], []),
+    "seed": ([["--seed=7"]], ["-1", "-1 --passkey", str(10**23) + " --generate"]),
     "rope_scaling": (
         [["--rope_scaling=yarn"], ["--rope_scaling=dynamic_ntk", "--bca=off"]],
         ["linear", "", "pi --generate"],

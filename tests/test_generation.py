@@ -11,10 +11,11 @@ import pytest
 from lexjax import evaluation, generation
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
-from tests.helpers import SMALL_MODEL, TRAIN_LEN
+from tests.helpers import SMALL_MODEL, TRAIN_LEN, small_config
 
 W = TRAIN_LEN // 2
 CONFIG = SMALL_MODEL
+RUN_CONFIG = dataclasses.replace(small_config(), model=CONFIG)  # train_len 16: block W
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,10 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
         generation.generate(
             *model_params, prompt, block=W, max_new_tokens=3, rng=jax.random.key(0), mode="sinks"
         )
+
+
+@pytest.mark.parametrize("setting", [{"seed": -1}, {"seed": 2**32}])
+def test_sampling_settings_out_of_range_are_config_errors(model_params, setting):
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"^{name}"):
+        generation.complete(RUN_CONFIG, model_params[1], "ab", max_new_tokens=2, **setting)
