@@ -189,8 +189,8 @@ def check_sampling(
     seed: int = 0,
 ) -> None:
     """Raises :class:`ConfigError` for sampling parameters out of range."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
     if top_k < 0:
         raise ConfigError(f"top_k must be ≥ 0 (0 = no limit), got {top_k}")
     if not 0 < top_p <= 1:

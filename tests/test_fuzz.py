@@ -159,9 +159,9 @@ EVAL_FLAGS = {
     "generate": ([["--generate"]], ["yes"]),
     "prompt": ([["--prompt=def "], ["--prompt="]], []),
     "max_new_tokens": ([["--max_new_tokens=3"]], ["0", "-1"]),
-    "temperature": ([["--temperature=0"]], ["-0.5"]),
+    "temperature": ([["--temperature=0"]], ["-0.5", "nan", "inf"]),
     "top_k": ([["--top_k=5"]], ["-1"]),
-    "top_p": ([["--top_p=0.9"]], ["0", "1.5"]),
+    "top_p": ([["--top_p=0.9"]], ["0", "1.5", "nan", "inf"]),
     "seed": ([["--seed=7"]], ["-1", "-1 --passkey", str(10**23) + " --generate"]),
     "rope_scaling": (
         [["--rope_scaling=yarn"], ["--rope_scaling=dynamic_ntk", "--bca=off"]],

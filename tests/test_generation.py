@@ -141,7 +141,16 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
         )
 
 
-@pytest.mark.parametrize("setting", [{"seed": -1}, {"seed": 2**32}])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"seed": -1},
+        {"seed": 2**32},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+    ],
+)
 def test_sampling_settings_out_of_range_are_config_errors(model_params, setting):
     name = next(iter(setting))
     with pytest.raises(ConfigError, match=f"^{name}"):
