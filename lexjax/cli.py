@@ -141,6 +141,8 @@ def run_eval(
     passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``). Joins the
     processes of ``cluster`` first: all of them compute, process 0 alone speaks."""
     _check_workdir_flag(workdir)
+    if generate and passkey_run:
+        raise ConfigError("--generate and --passkey are two different runs; give one of them")
     modes = parse_modes(modes, bca)
     if sinks < 0:
         raise ConfigError(f"--sinks={sinks} must be 0 or more (StreamingLLM uses 4)")

@@ -171,7 +171,7 @@ EVAL_FLAGS = {
         [["--rope_factor=4", "--rope_scaling=pi"], ["--rope_factor=0", "--rope_scaling=ntk"]],
         ["0.5 --rope_scaling=pi", "-2", "nan", "inf", "3", "2 --rope_scaling=dynamic_ntk"],
     ),
-    "passkey": ([["--passkey"], ["--nopasskey"]], ["maybe"]),
+    "passkey": ([["--passkey"], ["--nopasskey"]], ["maybe", "true --generate"]),
     "passkey_depths": (
         [["--passkey_depths=0,0.5,1"], ["--passkey", "--passkey_depths=0.3"]],
         ["", "1.5", "-0.1", "x", "0,nan"],
