@@ -39,7 +39,9 @@ a Kubernetes Indexed Job the processes find each other; elsewhere start each wit
 --passkey measures passkey retrieval instead (lexjax/passkey.py): a random
 5-digit key hidden at each depth of filler text, asked for at the end; the
 accuracy of the greedy answer per length (--lengths, default 1,2,4,8 ×
-train_len), depth and mode (--bca), keys from --seed. It writes
+train_len), depth and mode (--bca), keys from --seed, filler a sentence or, with
+--passkey_filler=text, the first --max_docs documents of --eval_files (else the
+test split); flags it does not use are refused. It writes
 WORKDIR/eval/passkey.json and a heat map per mode, passkey-MODE.png.
 """
 
@@ -93,7 +95,11 @@ _SINKS = flags.DEFINE_integer(
 _EVAL_FILES = flags.DEFINE_string(
     "eval_files", None, "Glob of text files to evaluate on instead of the run's held-out split."
 )
-_MAX_DOCS = flags.DEFINE_integer("max_docs", 20, "At most this many documents.")
+_MAX_DOCS = flags.DEFINE_integer(
+    "max_docs",
+    evaluation.DEFAULT_MAX_DOCS,
+    "At most this many documents (with --passkey: of --passkey_filler=text).",
+)
 _RESOLUTION = flags.DEFINE_bool(
     "resolution", False, "Also measure attention resolution at 1× and 2× train_len (paper Table 3)."
 )

@@ -109,7 +109,7 @@ class Run:
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
         sinks: int = evaluation.DEFAULT_SINKS,
         eval_files: str | None = None,
-        max_docs: int = 20,
+        max_docs: int = evaluation.DEFAULT_MAX_DOCS,
         resolution: bool = False,
         figure: bool = False,
         rope_scaling: str = "none",
@@ -169,14 +169,16 @@ class Run:
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
         filler: str = "repeat",
         eval_files: str | None = None,
+        max_docs: int = evaluation.DEFAULT_MAX_DOCS,
         seed: int = 0,
     ) -> list[passkey.PasskeyResult]:
         """Passkey retrieval exactly as ``eval.py --passkey`` measures it: the
         fraction of ``trials`` keys the model's greedy continuation gives, at each
         length (default 1, 2, 4, 8 × train_len), depth (default 0, 0.25, … 1) and
-        mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (held-out text, or
-        ``eval_files``). Prints the tables and writes ``WORKDIR/eval/passkey.json``
-        and a heat map per mode (:func:`lexjax.passkey.evaluate_passkey`)."""
+        mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (the first
+        ``max_docs`` held-out documents, or ``eval_files``). Prints the tables and
+        writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
+        (:func:`lexjax.passkey.evaluate_passkey`)."""
         with jax.set_mesh(self.mesh):
             results, _ = passkey.evaluate_passkey(
                 self.config,
@@ -189,6 +191,7 @@ class Run:
                 modes=tuple(modes),
                 filler=filler,
                 eval_files=eval_files,
+                max_docs=max_docs,
                 seed=seed,
                 tokenizer=self.tokenizer,
                 mesh=self.mesh,

@@ -119,7 +119,7 @@ def run_eval(
     modes=None,
     sinks: int = evaluation.DEFAULT_SINKS,
     eval_files: str | None = None,
-    max_docs: int = 20,
+    max_docs: int = evaluation.DEFAULT_MAX_DOCS,
     resolution: bool = False,
     figure: bool = False,
     generate: bool = False,
@@ -158,6 +158,17 @@ def run_eval(
             "--rope_scaling applies to the perplexity evaluation; generation's window stays "
             "within train_len, so leave it out with --generate"
         )
+    if passkey_run:
+        text = passkey_filler == "text"  # held-out text: --eval_files, --max_docs
+        _reject_unused(
+            "--passkey" if text else "--passkey with --passkey_filler=repeat",
+            rope_scaling=rope_scaling != "none",
+            max_length=max_length is not None,
+            resolution=resolution,
+            figure=figure,
+            eval_files=eval_files is not None and not text,
+            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS and not text,
+        )
     requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
@@ -175,7 +186,8 @@ def run_eval(
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
             seed = sampling.get("seed", 0)
-            run.passkey(requested, modes=modes, eval_files=eval_files, seed=seed, **settings)
+            settings.update(eval_files=eval_files, max_docs=max_docs, seed=seed)
+            run.passkey(requested, modes=modes, **settings)
             return 0
         run.evaluate(
             requested,
@@ -190,6 +202,14 @@ def run_eval(
             rope_factor=rope_factor,
         )
         return 0
+
+
+def _reject_unused(verb: str, **given: bool) -> None:
+    """A ConfigError naming the flags given (True) that ``verb`` would ignore."""
+    names = [f"--{name}" for name, value in given.items() if value]
+    if names:
+        them = "it" if len(names) == 1 else "them"
+        raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
 
 
 @contextlib.contextmanager

@@ -83,6 +83,7 @@ __all__ = [
     "MODES",
     "DEFAULT_MODES",
     "DEFAULT_SINKS",
+    "DEFAULT_MAX_DOCS",
     "at_length",
     "block_scan_logprobs",
     "sinks_logprobs",
@@ -114,6 +115,8 @@ DEFAULT_MODES = ("bca", "full")
 RESOLUTION_MODES = ("bca", "full")
 # StreamingLLM's attention sinks: the first tokens every query keeps (its paper uses 4).
 DEFAULT_SINKS = 4
+# Documents read unless more or fewer are asked for (eval.py's --max_docs).
+DEFAULT_MAX_DOCS = 20
 
 
 def _stderr(message: str) -> None:

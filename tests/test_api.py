@@ -138,3 +138,18 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         cli.run_eval, workdir, generate=True, prompt=prompt, max_new_tokens=40, temperature=0.0
     )
     assert code == 0 and capfd.readouterr().out == prompt + sample + "\n"
+
+    # eval.py --passkey with held-out text for filler reads --max_docs documents of it.
+    code = cli.main(
+        cli.run_eval,
+        workdir,
+        passkey_run=True,
+        lengths=["80"],
+        bca="on",
+        passkey_depths=["0"],
+        passkey_trials=1,
+        passkey_filler="text",
+        eval_files=str(docs / "*.txt"),
+        max_docs=1,
+    )
+    assert code == 0 and "filler: 1 documents of" in capfd.readouterr().out

@@ -151,11 +151,23 @@ EVAL_FLAGS = {
         ["", "dense", "bca,x", "sinks --bca=on"],
     ),
     "sinks": ([["--sinks=0"], ["--sinks=8", "--modes=sinks"]], ["-1"]),
-    "eval_files": ([["--eval_files=/tmp/*.txt"]], [""]),
-    "max_docs": ([["--max_docs=5"]], ["0", "-1"]),
-    "max_length": ([["--max_length=4096"], ["--lengths=64", "--max_length=128"]], ["0", "-3", "x"]),
-    "resolution": ([["--resolution"], ["--noresolution"]], ["maybe"]),
-    "figure": ([["--figure"]], ["2"]),
+    "eval_files": (
+        [
+            ["--eval_files=/tmp/*.txt"],
+            ["--passkey", "--eval_files=/tmp/*.txt", "--passkey_filler=text"],
+        ],
+        ["", "/tmp/*.txt --passkey"],
+    ),
+    "max_docs": (
+        [["--max_docs=5"], ["--max_docs=5", "--passkey", "--passkey_filler=text"]],
+        ["0", "-1", "5 --passkey"],
+    ),
+    "max_length": (
+        [["--max_length=4096"], ["--lengths=64", "--max_length=128"]],
+        ["0", "-3", "x", "4096 --passkey"],
+    ),
+    "resolution": ([["--resolution"], ["--noresolution"]], ["maybe", "true --passkey"]),
+    "figure": ([["--figure"]], ["2", "true --passkey --passkey_filler=text"]),
     "generate": ([["--generate"]], ["yes"]),
     "prompt": ([["--prompt=def "], ["--prompt="]], []),
     "max_new_tokens": ([["--max_new_tokens=3"]], ["0", "-1"]),
@@ -165,7 +177,7 @@ EVAL_FLAGS = {
     "seed": ([["--seed=7"]], ["-1", "-1 --passkey", str(10**23) + " --generate"]),
     "rope_scaling": (
         [["--rope_scaling=yarn"], ["--rope_scaling=dynamic_ntk", "--bca=off"]],
-        ["linear", "", "pi --generate"],
+        ["linear", "", "pi --generate", "yarn --passkey"],
     ),
     "rope_factor": (
         [["--rope_factor=4", "--rope_scaling=pi"], ["--rope_factor=0", "--rope_scaling=ntk"]],
