@@ -5,6 +5,7 @@
     python eval.py --workdir=runs/tiny --modes=bca,full,sinks --sinks=4
     python eval.py --workdir=runs/tiny --eval_files='/data/books/*.txt' --max_docs=50
     python eval.py --workdir=runs/tiny --generate --prompt='def ' --max_new_tokens=2000
+    python eval.py --workdir=runs/tiny --generate --bca=off --prompt='def '   # without BCA
     python eval.py --workdir=runs/rope --bca=off --rope_scaling=yarn   # s = length/train_len
     python eval.py --workdir=runs/tiny --passkey --lengths=256,1024 --passkey_trials=20
 
@@ -117,7 +118,12 @@ _ROPE_FACTOR = flags.DEFINE_float(
     0.0,
     "Its factor s ≥ 1; 0: each evaluated length / train_len (dynamic_ntk: always 0).",
 )
-_GENERATE = flags.DEFINE_bool("generate", False, "Sample a continuation of --prompt instead.")
+_GENERATE = flags.DEFINE_bool(
+    "generate",
+    False,
+    "Sample a continuation of --prompt instead, with BCA (--bca=off or --modes=full: without); "
+    "the perplexity's other flags are refused.",
+)
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")

@@ -207,13 +207,16 @@ class Run:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        mode: str = "bca",
     ) -> str:
         """The text the model writes after ``prompt``, up to its first end-of-document.
 
         The prompt is a document's beginning (the tokenizer's BOS is put before it
         here). Decoding keeps a key/value cache of one training length, so any
         ``max_new_tokens`` runs in constant memory per token. ``temperature`` 0
-        is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit.
+        is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit. ``mode="full"``
+        decodes without BCA: plain causal attention over every earlier token,
+        whose cache grows with the text (:func:`lexjax.generation.generate`).
         """
         with jax.set_mesh(self.mesh):
             return generation.complete(
@@ -226,6 +229,7 @@ class Run:
                 top_p=top_p,
                 seed=seed,
                 tokenizer=self.tokenizer,
+                mode=mode,
             )
 
 

@@ -143,6 +143,7 @@ def run_eval(
     _check_workdir_flag(workdir)
     if generate and passkey_run:
         raise ConfigError("--generate and --passkey are two different runs; give one of them")
+    modes_given = modes is not None or bca != "both"
     modes = parse_modes(modes, bca)
     if sinks < 0:
         raise ConfigError(f"--sinks={sinks} must be 0 or more (StreamingLLM uses 4)")
@@ -153,10 +154,23 @@ def run_eval(
     if eval_files is not None and not eval_files.strip():
         raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
-    if generate and rope_scaling != "none":
-        raise ConfigError(
-            "--rope_scaling applies to the perplexity evaluation; generation's window stays "
-            "within train_len, so leave it out with --generate"
+    if generate:
+        modes = modes if modes_given else ("bca",)  # generation's default: with BCA
+        if len(modes) != 1 or modes[0] not in generation.MODES:
+            raise ConfigError(
+                f"--generate decodes in one mode, bca or full (--bca=on or off), "
+                f"not {','.join(modes)}"
+            )
+        _reject_unused(
+            "--generate",
+            lengths=lengths is not None,
+            max_length=max_length is not None,
+            rope_scaling=rope_scaling != "none",
+            resolution=resolution,
+            figure=figure,
+            eval_files=eval_files is not None,
+            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS,
+            sinks=sinks != evaluation.DEFAULT_SINKS,
         )
     if passkey_run:
         text = passkey_filler == "text"  # held-out text: --eval_files, --max_docs
@@ -181,7 +195,7 @@ def run_eval(
             f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
         )
         if generate:
-            sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+            sys.stdout.write(prompt + run.generate(prompt, mode=modes[0], **sampling) + "\n")
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)

@@ -288,9 +288,11 @@ def complete(
     top_p: float = 1.0,
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    mode: str = "bca",
 ) -> str:
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
-    in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`)."""
+    in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
+    in ``mode`` (:func:`generate`)."""
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model, shard_lib.rules(config)),
@@ -302,6 +304,7 @@ def complete(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        mode=mode,
     )
     out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]

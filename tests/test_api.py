@@ -139,6 +139,14 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     )
     assert code == 0 and capfd.readouterr().out == prompt + sample + "\n"
 
+    # Without BCA (--bca=off): past train_len the two modes attend differently.
+    long_prompt = "def f0(x):\n    return x + 0\n"
+    sampled = dict(max_new_tokens=40, temperature=1.0, seed=1)
+    full = run.generate(long_prompt, mode="full", **sampled)
+    assert full != run.generate(long_prompt, **sampled)
+    code = cli.main(cli.run_eval, workdir, generate=True, bca="off", prompt=long_prompt, **sampled)
+    assert code == 0 and capfd.readouterr().out == long_prompt + full + "\n"
+
     # eval.py --passkey with held-out text for filler reads --max_docs documents of it.
     code = cli.main(
         cli.run_eval,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lexjax import data as data_lib
 from lexjax import evaluation, generation
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
@@ -139,6 +140,21 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
         generation.generate(
             *model_params, prompt, block=W, max_new_tokens=3, rng=jax.random.key(0), mode="sinks"
         )
+
+
+def test_complete_decodes_in_the_mode_asked():
+    config = small_config()  # train_len 16 (w = 8), the bytes tokenizer's vocabulary
+    model = Decoder(config.model)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, 16), jnp.int32))["params"])
+    prompt = "twenty bytes or so, more than train_len"
+    ids = [data_lib.BYTES.bos, *data_lib.BYTES.encode(prompt)]
+    greedy = dict(max_new_tokens=8, temperature=0.0)
+    full = generation.complete(config, params, prompt, mode="full", **greedy)
+    out = generation.generate(
+        model, params, [ids], block=8, rng=jax.random.key(0), mode="full", **greedy
+    )
+    assert full == data_lib.BYTES.decode(np.asarray(out)[0])
+    assert full != generation.complete(config, params, prompt, **greedy)  # bca's window differs
 
 
 @pytest.mark.parametrize(
