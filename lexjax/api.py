@@ -138,6 +138,8 @@ class Run:
         :func:`lexjax.evaluation.evaluate_run`). Returns one
         :class:`lexjax.evaluation.PerplexityResult` per (mode, length) that could
         be evaluated; the others are listed in the table with the reason.
+        Arguments eval.py would refuse raise :class:`lexjax.errors.ConfigError`
+        (:func:`lexjax.evaluation.check_settings`); numpy integers are integers.
         """
         with jax.set_mesh(self.mesh):
             results, _ = evaluation.evaluate_run(
@@ -145,7 +147,7 @@ class Run:
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=None if lengths is None else [int(n) for n in lengths],
+                lengths=lengths,
                 max_length=max_length,
                 modes=tuple(modes),
                 sinks=sinks,
@@ -185,7 +187,7 @@ class Run:
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=None if lengths is None else [int(n) for n in lengths],
+                lengths=lengths,
                 depths=depths,
                 trials=trials,
                 modes=tuple(modes),

@@ -93,11 +93,10 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
 
 
 def parse_lengths(values) -> list[int] | None:
-    """``--lengths`` strings → sorted positive ints; None (not given) → None (the default)."""
+    """``--lengths`` strings → ints (:func:`lexjax.evaluation.check_settings` checks
+    them); None (not given) → None (the default)."""
     if values is None:
         return None
-    if not values:
-        raise ConfigError("--lengths is empty; give lengths such as 256,1024 or leave it out")
     lengths = []
     for value in values:
         try:
@@ -105,9 +104,7 @@ def parse_lengths(values) -> list[int] | None:
         except ValueError:
             message = f"--lengths={','.join(values)}: {value!r} is not an integer"
             raise ConfigError(message) from None
-        if lengths[-1] <= 0:
-            raise ConfigError(f"--lengths: every length must be positive, got {lengths[-1]}")
-    return sorted(set(lengths))
+    return lengths
 
 
 def run_eval(
@@ -145,14 +142,14 @@ def run_eval(
         raise ConfigError("--generate and --passkey are two different runs; give one of them")
     modes_given = modes is not None or bca != "both"
     modes = parse_modes(modes, bca)
-    if sinks < 0:
-        raise ConfigError(f"--sinks={sinks} must be 0 or more (StreamingLLM uses 4)")
-    if max_docs < 1:
-        raise ConfigError(f"--max_docs={max_docs} must be positive")
-    if max_length is not None and max_length < 1:
-        raise ConfigError(f"--max_length={max_length} must be positive")
-    if eval_files is not None and not eval_files.strip():
-        raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
+    requested = evaluation.check_settings(
+        parse_lengths(lengths),
+        max_length,
+        sinks=sinks,
+        max_docs=max_docs,
+        eval_files=eval_files,
+        flag="--",
+    )
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
     if generate:
         modes = modes if modes_given else ("bca",)  # generation's default: with BCA
@@ -183,7 +180,6 @@ def run_eval(
             eval_files=eval_files is not None and not text,
             max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS and not text,
         )
-    requested = parse_lengths(lengths)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)

@@ -404,14 +404,15 @@ def check_int(name: str, value, low: int = 1, high: int | None = None, bound: st
     else a one-line :class:`ConfigError` naming ``name`` and ``bound`` (default: the range)."""
     integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not integer or value < low or (high is not None and value >= high):
-        bound = bound or (f"in [{low}, {high})" if high is not None else f"≥ {low}")
-        raise ConfigError(f"{name}={value!r} must be an integer {bound}")
+        default = f"an integer in [{low}, {high})" if high is not None else f"an integer ≥ {low}"
+        bound = bound or ("a positive integer" if (low, high) == (1, None) else default)
+        raise ConfigError(f"{name}={value!r} must be {bound}")
     return int(value)
 
 
 def check_seed(seed) -> int:
     """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
-    return check_int("seed", seed, 0, 2**32, "in [0, 2**32)")
+    return check_int("seed", seed, 0, 2**32, "an integer in [0, 2**32)")
 
 
 def tokenizer_vocab_size(data: DataConfig) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
-from lexjax.config import Config, check_seed
+from lexjax.config import Config, check_int, check_seed
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.evaluation import check_full_length
 from lexjax.model import Decoder
@@ -191,12 +191,10 @@ def check_sampling(
     """Raises :class:`ConfigError` for sampling parameters out of range."""
     if not 0 <= temperature < float("inf"):  # NaN too
         raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise ConfigError(f"top_k must be ≥ 0 (0 = no limit), got {top_k}")
+    check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens)
     check_seed(seed)
 
 
@@ -293,6 +291,8 @@ def complete(
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
     in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
     in ``mode`` (:func:`generate`)."""
+    if not isinstance(prompt, str):
+        raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}")
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model, shard_lib.rules(config)),

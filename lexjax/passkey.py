@@ -504,7 +504,9 @@ def evaluate_passkey(
     """
     check_settings(trials=trials, filler=filler, seed=seed)
     train_len, position = config.train_len, config.model.position
-    lengths = sorted(set(lengths or default_lengths(train_len)))
+    lengths = evaluation.check_settings(
+        lengths, max_docs=max_docs, eval_files=eval_files
+    ) or default_lengths(train_len)
     depths = sorted(set(DEPTHS if depths is None else depths))
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
