@@ -219,6 +219,7 @@ class Run:
         is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit. ``mode="full"``
         decodes without BCA: plain causal attention over every earlier token,
         whose cache grows with the text (:func:`lexjax.generation.generate`).
+        More than ``generation.CHUNK`` (1024) tokens show progress on stderr.
         """
         with jax.set_mesh(self.mesh):
             return generation.complete(

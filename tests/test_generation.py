@@ -142,6 +142,21 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
         )
 
 
+@pytest.mark.parametrize("mode", ["bca", "full"])
+def test_a_long_generation_shows_progress_and_its_chunks_change_no_token(
+    model_params, monkeypatch, capsys, mode
+):
+    model, params = model_params
+    sampled = dict(block=W, max_new_tokens=20, rng=jax.random.key(3), mode=mode, progress=True)
+    whole = generation.generate(model, params, jnp.ones((1, 3), jnp.int32), **sampled)
+    assert capsys.readouterr().err == ""  # one chunk: no display
+    monkeypatch.setattr(generation, "CHUNK", 8)
+    chunked = generation.generate(model, params, jnp.ones((1, 3), jnp.int32), **sampled)
+    np.testing.assert_array_equal(chunked, whole)
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: plain lines
+    assert lines[0].startswith("generated 8/20 ") and lines[-1].startswith("generated 20/20 ")
+
+
 def test_complete_decodes_in_the_mode_asked():
     config = small_config()  # train_len 16 (w = 8), the bytes tokenizer's vocabulary
     model = Decoder(config.model)
