@@ -51,7 +51,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, ConfigError, ModelConfig, check_seed
+from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed
 from lexjax.errors import DataError, EvaluationError
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -336,8 +336,7 @@ def parse_depths(values) -> list[float] | None:
 def check_settings(*, trials: int, filler: str, seed: int = 0) -> None:
     """Raises :class:`ConfigError` for a trial count, filler kind or seed out of range."""
     check_seed(seed)
-    if trials < 1:
-        raise ConfigError(f"--passkey_trials={trials} must be positive")
+    check_int("--passkey_trials", trials)
     if filler not in FILLERS:
         raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
 
