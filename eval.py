@@ -5,6 +5,7 @@
     python eval.py --workdir=runs/tiny --modes=bca,full,sinks --sinks=4
     python eval.py --workdir=runs/tiny --eval_files='/data/books/*.txt' --max_docs=50
     python eval.py --workdir=runs/tiny --generate --prompt='def ' --max_new_tokens=2000
+    python eval.py --workdir=runs/tiny --generate --bca=off --prompt='def '   # without BCA
     python eval.py --workdir=runs/rope --bca=off --rope_scaling=yarn   # s = length/train_len
     python eval.py --workdir=runs/tiny --passkey --lengths=256,1024 --passkey_trials=20
 
@@ -39,7 +40,9 @@ a Kubernetes Indexed Job the processes find each other; elsewhere start each wit
 --passkey measures passkey retrieval instead (lexjax/passkey.py): a random
 5-digit key hidden at each depth of filler text, asked for at the end; the
 accuracy of the greedy answer per length (--lengths, default 1,2,4,8 ×
-train_len), depth and mode (--bca), keys from --seed. It writes
+train_len), depth and mode (--bca), keys from --seed, filler a sentence or, with
+--passkey_filler=text, the first --max_docs documents of --eval_files (else the
+test split); flags it does not use are refused. It writes
 WORKDIR/eval/passkey.json and a heat map per mode, passkey-MODE.png.
 """
 
@@ -93,7 +96,11 @@ _SINKS = flags.DEFINE_integer(
 _EVAL_FILES = flags.DEFINE_string(
     "eval_files", None, "Glob of text files to evaluate on instead of the run's held-out split."
 )
-_MAX_DOCS = flags.DEFINE_integer("max_docs", 20, "At most this many documents.")
+_MAX_DOCS = flags.DEFINE_integer(
+    "max_docs",
+    evaluation.DEFAULT_MAX_DOCS,
+    "At most this many documents (with --passkey: of --passkey_filler=text).",
+)
 _RESOLUTION = flags.DEFINE_bool(
     "resolution", False, "Also measure attention resolution at 1× and 2× train_len (paper Table 3)."
 )
@@ -111,7 +118,12 @@ _ROPE_FACTOR = flags.DEFINE_float(
     0.0,
     "Its factor s ≥ 1; 0: each evaluated length / train_len (dynamic_ntk: always 0).",
 )
-_GENERATE = flags.DEFINE_bool("generate", False, "Sample a continuation of --prompt instead.")
+_GENERATE = flags.DEFINE_bool(
+    "generate",
+    False,
+    "Sample a continuation of --prompt instead, with BCA (--bca=off or --modes=full: without); "
+    "the perplexity's other flags are refused.",
+)
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")

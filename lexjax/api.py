@@ -106,7 +106,7 @@ class Run:
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
         sinks: int = evaluation.DEFAULT_SINKS,
         eval_files: str | None = None,
-        max_docs: int = 20,
+        max_docs: int = evaluation.DEFAULT_MAX_DOCS,
         resolution: bool = False,
         figure: bool = False,
         rope_scaling: str = "none",
@@ -135,6 +135,8 @@ class Run:
         :func:`lexjax.evaluation.evaluate_run`). Returns one
         :class:`lexjax.evaluation.PerplexityResult` per (mode, length) that could
         be evaluated; the others are listed in the table with the reason.
+        Arguments eval.py would refuse raise :class:`lexjax.errors.ConfigError`
+        (:func:`lexjax.evaluation.check_settings`); numpy integers are integers.
         """
         with jax.set_mesh(self.mesh):
             results, _ = evaluation.evaluate_run(
@@ -142,7 +144,7 @@ class Run:
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=None if lengths is None else [int(n) for n in lengths],
+                lengths=lengths,
                 max_length=max_length,
                 modes=tuple(modes),
                 sinks=sinks,
@@ -166,26 +168,29 @@ class Run:
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
         filler: str = "repeat",
         eval_files: str | None = None,
+        max_docs: int = evaluation.DEFAULT_MAX_DOCS,
         seed: int = 0,
     ) -> list[passkey.PasskeyResult]:
         """Passkey retrieval exactly as ``eval.py --passkey`` measures it: the
         fraction of ``trials`` keys the model's greedy continuation gives, at each
         length (default 1, 2, 4, 8 × train_len), depth (default 0, 0.25, … 1) and
-        mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (held-out text, or
-        ``eval_files``). Prints the tables and writes ``WORKDIR/eval/passkey.json``
-        and a heat map per mode (:func:`lexjax.passkey.evaluate_passkey`)."""
+        mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (the first
+        ``max_docs`` held-out documents, or ``eval_files``). Prints the tables and
+        writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
+        (:func:`lexjax.passkey.evaluate_passkey`)."""
         with jax.set_mesh(self.mesh):
             results, _ = passkey.evaluate_passkey(
                 self.config,
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=None if lengths is None else [int(n) for n in lengths],
+                lengths=lengths,
                 depths=depths,
                 trials=trials,
                 modes=tuple(modes),
                 filler=filler,
                 eval_files=eval_files,
+                max_docs=max_docs,
                 seed=seed,
                 tokenizer=self.tokenizer,
                 mesh=self.mesh,
@@ -201,13 +206,17 @@ class Run:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        mode: str = "bca",
     ) -> str:
         """The text the model writes after ``prompt``, up to its first end-of-document.
 
         The prompt is a document's beginning (the tokenizer's BOS is put before it
         here). Decoding keeps a key/value cache of one training length, so any
         ``max_new_tokens`` runs in constant memory per token. ``temperature`` 0
-        is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit.
+        is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit. ``mode="full"``
+        decodes without BCA: plain causal attention over every earlier token,
+        whose cache grows with the text (:func:`lexjax.generation.generate`).
+        More than ``generation.CHUNK`` (1024) tokens show progress on stderr.
         """
         with jax.set_mesh(self.mesh):
             return generation.complete(
@@ -220,6 +229,7 @@ class Run:
                 top_p=top_p,
                 seed=seed,
                 tokenizer=self.tokenizer,
+                mode=mode,
             )
 
 

@@ -89,11 +89,10 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
 
 
 def parse_lengths(values) -> list[int] | None:
-    """``--lengths`` strings → sorted positive ints; None (not given) → None (the default)."""
+    """``--lengths`` strings → ints (:func:`lexjax.evaluation.check_settings` checks
+    them); None (not given) → None (the default)."""
     if values is None:
         return None
-    if not values:
-        raise ConfigError("--lengths is empty; give lengths such as 256,1024 or leave it out")
     lengths = []
     for value in values:
         try:
@@ -101,9 +100,7 @@ def parse_lengths(values) -> list[int] | None:
         except ValueError:
             message = f"--lengths={','.join(values)}: {value!r} is not an integer"
             raise ConfigError(message) from None
-        if lengths[-1] <= 0:
-            raise ConfigError(f"--lengths: every length must be positive, got {lengths[-1]}")
-    return sorted(set(lengths))
+    return lengths
 
 
 def run_eval(
@@ -115,7 +112,7 @@ def run_eval(
     modes=None,
     sinks: int = evaluation.DEFAULT_SINKS,
     eval_files: str | None = None,
-    max_docs: int = 20,
+    max_docs: int = evaluation.DEFAULT_MAX_DOCS,
     resolution: bool = False,
     figure: bool = False,
     generate: bool = False,
@@ -137,22 +134,48 @@ def run_eval(
     passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``). Joins the
     processes of ``cluster`` first: all of them compute, process 0 alone speaks."""
     _check_workdir_flag(workdir)
+    if generate and passkey_run:
+        raise ConfigError("--generate and --passkey are two different runs; give one of them")
+    modes_given = modes is not None or bca != "both"
     modes = parse_modes(modes, bca)
-    if sinks < 0:
-        raise ConfigError(f"--sinks={sinks} must be 0 or more (StreamingLLM uses 4)")
-    if max_docs < 1:
-        raise ConfigError(f"--max_docs={max_docs} must be positive")
-    if max_length is not None and max_length < 1:
-        raise ConfigError(f"--max_length={max_length} must be positive")
-    if eval_files is not None and not eval_files.strip():
-        raise ConfigError("--eval_files is empty; give a glob of text files or leave it out")
+    requested = evaluation.check_settings(
+        parse_lengths(lengths),
+        max_length,
+        sinks=sinks,
+        max_docs=max_docs,
+        eval_files=eval_files,
+        flag="--",
+    )
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
-    if generate and rope_scaling != "none":
-        raise ConfigError(
-            "--rope_scaling applies to the perplexity evaluation; generation's window stays "
-            "within train_len, so leave it out with --generate"
+    if generate:
+        modes = modes if modes_given else ("bca",)  # generation's default: with BCA
+        if len(modes) != 1 or modes[0] not in generation.MODES:
+            raise ConfigError(
+                f"--generate decodes in one mode, bca or full (--bca=on or off), "
+                f"not {','.join(modes)}"
+            )
+        _reject_unused(
+            "--generate",
+            lengths=lengths is not None,
+            max_length=max_length is not None,
+            rope_scaling=rope_scaling != "none",
+            resolution=resolution,
+            figure=figure,
+            eval_files=eval_files is not None,
+            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS,
+            sinks=sinks != evaluation.DEFAULT_SINKS,
         )
-    requested = parse_lengths(lengths)
+    if passkey_run:
+        text = passkey_filler == "text"  # held-out text: --eval_files, --max_docs
+        _reject_unused(
+            "--passkey" if text else "--passkey with --passkey_filler=repeat",
+            rope_scaling=rope_scaling != "none",
+            max_length=max_length is not None,
+            resolution=resolution,
+            figure=figure,
+            eval_files=eval_files is not None and not text,
+            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS and not text,
+        )
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
@@ -164,12 +187,13 @@ def run_eval(
             f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
         )
         if generate:
-            sys.stdout.write(prompt + run.generate(prompt, **sampling) + "\n")
+            sys.stdout.write(prompt + run.generate(prompt, mode=modes[0], **sampling) + "\n")
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
             seed = sampling.get("seed", 0)
-            run.passkey(requested, modes=modes, eval_files=eval_files, seed=seed, **settings)
+            settings.update(eval_files=eval_files, max_docs=max_docs, seed=seed)
+            run.passkey(requested, modes=modes, **settings)
             return 0
         run.evaluate(
             requested,
@@ -184,6 +208,14 @@ def run_eval(
             rope_factor=rope_factor,
         )
         return 0
+
+
+def _reject_unused(verb: str, **given: bool) -> None:
+    """A ConfigError naming the flags given (True) that ``verb`` would ignore."""
+    names = [f"--{name}" for name, value in given.items() if value]
+    if names:
+        them = "it" if len(names) == 1 else "them"
+        raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
 
 
 @contextlib.contextmanager

@@ -40,6 +40,8 @@ __all__ = [
     "ROTARY_ENCODINGS",
     "ROPE_SCALINGS",
     "check_rope_scaling",
+    "check_int",
+    "check_seed",
     "ATTENTION_IMPLS",
     "REMAT_POLICIES",
     "TOKENIZER_VOCAB_SIZE",
@@ -486,6 +488,22 @@ def check_rope_scaling(
         )
 
 
+def check_int(name: str, value, low: int = 1, high: int | None = None, bound: str = "") -> int:
+    """``value`` as an int (numpy's integers too) if it is an integer in [low, high);
+    else a one-line :class:`ConfigError` naming ``name`` and ``bound`` (default: the range)."""
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not integer or value < low or (high is not None and value >= high):
+        default = f"an integer in [{low}, {high})" if high is not None else f"an integer ≥ {low}"
+        bound = bound or ("a positive integer" if (low, high) == (1, None) else default)
+        raise ConfigError(f"{name}={value!r} must be {bound}")
+    return int(value)
+
+
+def check_seed(seed) -> int:
+    """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
+    return check_int("seed", seed, 0, 2**32, "an integer in [0, 2**32)")
+
+
 def tokenizer_vocab_size(data: DataConfig) -> int:
     """The number of ids ``data.tokenizer`` produces (a SentencePiece model has
     exactly ``data.vocab_size``)."""
@@ -617,8 +635,7 @@ def _validated(config: Config) -> Config:
     for name, what in (("weight_decay", "0: none"), ("grad_clip", "0: no clipping")):
         if getattr(o, name) < 0:
             raise ConfigError(f"optim.{name}={getattr(o, name)} must be ≥ 0 ({what})")
-    if not 0 <= config.seed < 2**32:
-        raise ConfigError(f"seed={config.seed} must be in [0, 2**32) (the data shuffle's range)")
+    check_seed(config.seed)
     if config.on_corrupt_checkpoint not in ("fallback", "error"):
         raise ConfigError("on_corrupt_checkpoint must be 'fallback' or 'error'")
     if config.peak_flops is not None and not config.peak_flops > 0:

@@ -73,7 +73,14 @@ from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, pad_to, scan_blocks, scan_sinks, sink_window, window_mask
-from lexjax.config import ABSOLUTE_ENCODINGS, Config, ConfigError, ModelConfig, check_rope_scaling
+from lexjax.config import (
+    ABSOLUTE_ENCODINGS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    check_int,
+    check_rope_scaling,
+)
 from lexjax.data.builders import glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
@@ -83,6 +90,8 @@ __all__ = [
     "MODES",
     "DEFAULT_MODES",
     "DEFAULT_SINKS",
+    "DEFAULT_MAX_DOCS",
+    "check_settings",
     "at_length",
     "block_scan_logprobs",
     "sinks_logprobs",
@@ -114,6 +123,8 @@ DEFAULT_MODES = ("bca", "full")
 RESOLUTION_MODES = ("bca", "full")
 # StreamingLLM's attention sinks: the first tokens every query keeps (its paper uses 4).
 DEFAULT_SINKS = 4
+# Documents read unless more or fewer are asked for (eval.py's --max_docs).
+DEFAULT_MAX_DOCS = 20
 
 
 def _stderr(message: str) -> None:
@@ -734,6 +745,33 @@ def default_lengths(train_len: int) -> list[int]:
     return [m * train_len for m in (1, 2, 4, 8, 16)]
 
 
+def check_settings(
+    lengths: Sequence[int] | None = None,
+    max_length: int | None = None,
+    *,
+    sinks: int = DEFAULT_SINKS,
+    max_docs: int = DEFAULT_MAX_DOCS,
+    eval_files: str | None = None,
+    flag: str = "",
+) -> list[int] | None:
+    """The evaluation's settings as :func:`evaluate_run` (and eval.py, whose names
+    ``flag`` ``"--"`` gives) accepts them: sorted distinct ``lengths`` (None: the
+    default), else a one-line :class:`ConfigError`. Integers may be numpy's."""
+    if lengths is not None:
+        if isinstance(lengths, str) or not len(lengths):
+            raise ConfigError(
+                f"{flag}lengths is empty; give lengths such as 256,1024 or leave it out"
+            )
+        lengths = sorted({check_int(f"{flag}lengths", n) for n in lengths})
+    if max_length is not None:
+        check_int(f"{flag}max_length", max_length)
+    check_int(f"{flag}sinks", sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
+    check_int(f"{flag}max_docs", max_docs)
+    if eval_files is not None and not eval_files.strip():
+        raise ConfigError(f"{flag}eval_files is empty; give a glob of text files or leave it out")
+    return lengths
+
+
 def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None) -> int:
     """The token budget: ``max_length`` if given (it must hold the largest length),
     else 16 × ``train_len``, raised to the largest length when that is larger."""
@@ -744,7 +782,7 @@ def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None
             f"--max_length={max_length} is below the largest length {max(lengths)}; "
             "raise it or ask for shorter --lengths"
         )
-    return max_length
+    return int(max_length)  # numpy's too: it goes into the JSON
 
 
 def settings_name(kind: str, settings: dict) -> str:
@@ -829,6 +867,9 @@ def evaluate_run(
     (``model.rope_scaling``/``rope_factor``; factor 0: each length / train_len),
     recorded in the settings, the file name and every result. Returns the
     perplexity results and the paths written."""
+    lengths = check_settings(
+        lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
+    ) or default_lengths(config.train_len)
     check_rope_scaling(rope_scaling, rope_factor, config.model.position)
     if rope_scaling != "none":
         scaled = dataclasses.replace(
@@ -848,7 +889,6 @@ def evaluate_run(
         )
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
-    lengths = sorted(set(lengths or default_lengths(train_len)))
     max_length = budget(train_len, lengths, max_length)
     where, documents = held_out_documents(config, eval_files, say, tokenizer=tokenizer)
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
@@ -884,7 +924,7 @@ def evaluate_run(
         source=where,
     )
     # Only with the mode, so the settings (and file names) of other evaluations stay as they were.
-    sink_info = {"sinks": sinks} if "sinks" in modes else {}
+    sink_info = {"sinks": int(sinks)} if "sinks" in modes else {}
     settings.update(sink_info)
     info = dict(train_len=train_len, position=position, step=step, source=where)
     if rope_scaling != "none":

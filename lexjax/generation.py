@@ -36,10 +36,11 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
-from lexjax.config import Config
+from lexjax.config import Config, check_int, check_seed
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.evaluation import check_full_length
 from lexjax.model import Decoder
+from lexjax.progress import Progress
 
 __all__ = [
     "MODES",
@@ -181,30 +182,34 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
 
 
 def check_sampling(
-    *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 1, **_
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 1,
+    seed: int = 0,
 ) -> None:
     """Raises :class:`ConfigError` for sampling parameters out of range."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise ConfigError(f"top_k must be ≥ 0 (0 = no limit), got {top_k}")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
+    check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens)
+    check_seed(seed)
+
+
+# Tokens sampled per compiled call of generate(): the steps of its progress display.
+CHUNK = 1024
 
 
 @functools.cache
 def _compiled_generate(
-    model: Decoder,
-    block: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    mode: str = "bca",
+    model: Decoder, block: int, temperature: float, top_k: int, top_p: float, mode: str = "bca"
 ):
-    def run(params, logits_BxV, state, rng):
+    def run(params, logits_BxV, state, keys_N):
+        """One token per key: ``(tokens_BxN, the logits and state after them)``."""
+
         def step(carry, key):
             logits, state = carry
             token = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -214,9 +219,8 @@ def _compiled_generate(
                 logits, state = _dense_decode(model, params, state, token)
             return (logits, state), token
 
-        keys = jax.random.split(rng, max_new_tokens)
-        _, tokens = jax.lax.scan(step, (logits_BxV, state), keys)
-        return tokens.swapaxes(0, 1)
+        (logits_BxV, state), tokens_NxB = jax.lax.scan(step, (logits_BxV, state), keys_N)
+        return tokens_NxB.swapaxes(0, 1), logits_BxV, state
 
     return jax.jit(run)
 
@@ -233,6 +237,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     mode: str = "bca",
+    progress: bool = False,
 ):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
 
@@ -241,7 +246,9 @@ def generate(
     generated in constant memory per token; ``"full"``, plain causal attention
     over every earlier token (positions ``0 … P+max_new_tokens−1``), which
     raises :class:`EvaluationError` where
-    :func:`lexjax.evaluation.check_full_length` does.
+    :func:`lexjax.evaluation.check_full_length` does. Tokens are sampled
+    :data:`CHUNK` at a time; with ``progress``, more than one chunk shows the
+    progress display (:mod:`lexjax.progress`) on stderr.
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     if mode not in MODES:
@@ -250,9 +257,23 @@ def generate(
         logits, state = prefill(model, params, prompt_BxP, block=block)
     else:
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
-    return _compiled_generate(
-        model, block, int(max_new_tokens), float(temperature), int(top_k), float(top_p), mode
-    )(params, logits, state, rng)
+    run = _compiled_generate(model, block, float(temperature), int(top_k), float(top_p), mode)
+    # Every call samples `chunk` tokens, so one compilation serves them all: the last
+    # call's surplus tokens come after every kept one and are dropped (as are their
+    # cache writes past the end, in mode full).
+    chunk = min(CHUNK, max_new_tokens)
+    keys = jax.random.split(rng, max_new_tokens)
+    keys = jnp.concatenate([keys, keys[: -max_new_tokens % chunk]])
+    bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
+    pieces = []
+    for start in range(0, max_new_tokens, chunk):
+        tokens_BxC, logits, state = run(params, logits, state, keys[start : start + chunk])
+        pieces.append(tokens_BxC)
+        if bar.enabled:  # wait for the chunk, so the display follows the computation
+            jax.block_until_ready(tokens_BxC)
+            bar.update(min(start + chunk, max_new_tokens))
+    bar.close()
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
 
 
 def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):
@@ -282,9 +303,13 @@ def complete(
     top_p: float = 1.0,
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    mode: str = "bca",
 ) -> str:
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
-    in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`)."""
+    in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
+    in ``mode`` (:func:`generate`)."""
+    if not isinstance(prompt, str):
+        raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}")
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model, shard_lib.rules(config)),
@@ -292,10 +317,12 @@ def complete(
         tokens[None],
         block=config.block,
         max_new_tokens=max_new_tokens,
-        rng=jax.random.key(seed),
+        rng=jax.random.key(check_seed(seed)),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        mode=mode,
+        progress=True,
     )
     out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]

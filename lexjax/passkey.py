@@ -51,7 +51,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, ConfigError, ModelConfig
+from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed
 from lexjax.errors import DataError, EvaluationError
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -333,10 +333,10 @@ def parse_depths(values) -> list[float] | None:
     return sorted(set(depths))
 
 
-def check_settings(*, trials: int, filler: str) -> None:
-    """Raises :class:`ConfigError` for a trial count or filler kind out of range."""
-    if trials < 1:
-        raise ConfigError(f"--passkey_trials={trials} must be positive")
+def check_settings(*, trials: int, filler: str, seed: int = 0) -> None:
+    """Raises :class:`ConfigError` for a trial count, filler kind or seed out of range."""
+    check_seed(seed)
+    check_int("--passkey_trials", trials)
     if filler not in FILLERS:
         raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
 
@@ -501,9 +501,11 @@ def evaluate_passkey(
     the evaluation mesh (``params`` sharded on it, called under
     ``jax.set_mesh``); the samples of a batch are split over its batch axes.
     """
-    check_settings(trials=trials, filler=filler)
+    check_settings(trials=trials, filler=filler, seed=seed)
     train_len, position = config.train_len, config.model.position
-    lengths = sorted(set(lengths or default_lengths(train_len)))
+    lengths = evaluation.check_settings(
+        lengths, max_docs=max_docs, eval_files=eval_files
+    ) or default_lengths(train_len)
     depths = sorted(set(DEPTHS if depths is None else depths))
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":

@@ -123,7 +123,23 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     docs.mkdir()
     for i in range(2):
         (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
-    results = run.evaluate([16, 32], max_length=64, eval_files=str(docs / "*.txt"), max_docs=2)
+    # The verbs check their arguments as eval.py checks its flags, before any work.
+    for verb, args, kwargs, message in [
+        (run.evaluate, ([16],), {"max_docs": 0}, "max_docs=0 must be a positive integer"),
+        (run.evaluate, ([],), {}, "lengths is empty"),
+        (run.evaluate, ([64.5],), {}, "lengths=64.5 must be a positive integer"),
+        (run.evaluate, ([16],), {"max_length": 0}, "max_length=0"),
+        (run.evaluate, ([16],), {"sinks": -1}, "sinks=-1"),
+        (run.passkey, ([80.5],), {}, "lengths=80.5"),
+        (run.generate, (123,), {}, "prompt must be text"),
+        (run.generate, ("x",), {"max_new_tokens": 2.7}, "max_new_tokens=2.7"),
+        (run.generate, ("x",), {"top_k": 1.5}, "top_k=1.5"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{message}"):
+            verb(*args, **kwargs)
+    assert not os.path.exists(os.path.join(workdir, "eval"))
+    numpy = dict(max_length=np.int64(64), max_docs=np.int32(2))  # numpy integers are integers
+    results = run.evaluate(np.array([16, 32]), eval_files=str(docs / "*.txt"), **numpy)
     assert {(r.mode, r.length) for r in results} == {
         (m, n) for m in ("bca", "full") for n in (16, 32)
     }
@@ -143,7 +159,7 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     # Generation starts from BOS by itself: greedy tokens within one training
     # length equal greedy decoding by full forward passes over [BOS, prompt, ...].
     prompt = "def "
-    sample = run.generate(prompt, max_new_tokens=40, temperature=0)
+    sample = run.generate(prompt, max_new_tokens=np.int64(40), temperature=0)
     forward = jax.jit(lambda tokens_1xT: run.model.apply({"params": run.params}, tokens_1xT)[0])
     tokens = np.zeros((1, config.train_len), np.int32)  # causal: the zeros after n change nothing
     tokens[0, :5] = [run.tokenizer.bos, *run.tokenizer.encode(prompt)]
@@ -162,3 +178,26 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         cli.run_eval, workdir, generate=True, prompt=prompt, max_new_tokens=40, temperature=0.0
     )
     assert code == 0 and capfd.readouterr().out == prompt + sample + "\n"
+
+    # Without BCA (--bca=off): past train_len the two modes attend differently.
+    long_prompt = "def f0(x):\n    return x + 0\n"
+    sampled = dict(max_new_tokens=40, temperature=1.0, seed=1)
+    full = run.generate(long_prompt, mode="full", **sampled)
+    assert full != run.generate(long_prompt, **sampled)
+    code = cli.main(cli.run_eval, workdir, generate=True, bca="off", prompt=long_prompt, **sampled)
+    assert code == 0 and capfd.readouterr().out == long_prompt + full + "\n"
+
+    # eval.py --passkey with held-out text for filler reads --max_docs documents of it.
+    code = cli.main(
+        cli.run_eval,
+        workdir,
+        passkey_run=True,
+        lengths=["80"],
+        bca="on",
+        passkey_depths=["0"],
+        passkey_trials=1,
+        passkey_filler="text",
+        eval_files=str(docs / "*.txt"),
+        max_docs=1,
+    )
+    assert code == 0 and "filler: 1 documents of" in capfd.readouterr().out

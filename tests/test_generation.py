@@ -8,13 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lexjax import data as data_lib
 from lexjax import evaluation, generation
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
-from tests.helpers import SMALL_MODEL, TRAIN_LEN
+from tests.helpers import SMALL_MODEL, TRAIN_LEN, small_config
 
 W = TRAIN_LEN // 2
 CONFIG = SMALL_MODEL
+RUN_CONFIG = dataclasses.replace(small_config(), model=CONFIG)  # train_len 16: block W
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +140,49 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
         generation.generate(
             *model_params, prompt, block=W, max_new_tokens=3, rng=jax.random.key(0), mode="sinks"
         )
+
+
+@pytest.mark.parametrize("mode", ["bca", "full"])
+def test_a_long_generation_shows_progress_and_its_chunks_change_no_token(
+    model_params, monkeypatch, capsys, mode
+):
+    model, params = model_params
+    sampled = dict(block=W, max_new_tokens=20, rng=jax.random.key(3), mode=mode, progress=True)
+    whole = generation.generate(model, params, jnp.ones((1, 3), jnp.int32), **sampled)
+    assert capsys.readouterr().err == ""  # one chunk: no display
+    monkeypatch.setattr(generation, "CHUNK", 8)
+    chunked = generation.generate(model, params, jnp.ones((1, 3), jnp.int32), **sampled)
+    np.testing.assert_array_equal(chunked, whole)
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: plain lines
+    assert lines[0].startswith("generated 8/20 ") and lines[-1].startswith("generated 20/20 ")
+
+
+def test_complete_decodes_in_the_mode_asked():
+    config = small_config()  # train_len 16 (w = 8), the bytes tokenizer's vocabulary
+    model = Decoder(config.model)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, 16), jnp.int32))["params"])
+    prompt = "twenty bytes or so, more than train_len"
+    ids = [data_lib.BYTES.bos, *data_lib.BYTES.encode(prompt)]
+    greedy = dict(max_new_tokens=8, temperature=0.0)
+    full = generation.complete(config, params, prompt, mode="full", **greedy)
+    out = generation.generate(
+        model, params, [ids], block=8, rng=jax.random.key(0), mode="full", **greedy
+    )
+    assert full == data_lib.BYTES.decode(np.asarray(out)[0])
+    assert full != generation.complete(config, params, prompt, **greedy)  # bca's window differs
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"seed": -1},
+        {"seed": 2**32},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+    ],
+)
+def test_sampling_settings_out_of_range_are_config_errors(model_params, setting):
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"^{name}"):
+        generation.complete(RUN_CONFIG, model_params[1], "ab", max_new_tokens=2, **setting)

@@ -379,3 +379,10 @@ def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params
     assert "| xpos without BCA: depth | 48 | 96 |" in out
     assert "— bca 48: length 48 is below the 69 tokens of the format" in out
     assert len(results) == len(rows)
+
+    other = str(tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"seed=-1 must be an integer in \[0, 2\*\*32\)"):
+        passkey.evaluate_passkey(config, params, 5, other, lengths=[96], trials=1, seed=-1)
+    with pytest.raises(ConfigError, match=r"passkey_trials=2.5 must be a positive integer"):
+        passkey.evaluate_passkey(config, params, 5, other, lengths=[96], trials=2.5)
+    assert not os.path.exists(other)
