@@ -147,35 +147,22 @@ def run_eval(
         flag="--",
     )
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
+    # The perplexity's flags that generation and passkey retrieval would ignore.
+    unused = dict(rope_scaling=rope_scaling != "none", max_length=max_length is not None)
+    unused.update(resolution=resolution, figure=figure, eval_files=eval_files is not None)
+    unused.update(max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS, lengths=lengths is not None)
     if generate:
         modes = modes if modes_given else ("bca",)  # generation's default: with BCA
         if len(modes) != 1 or modes[0] not in generation.MODES:
             raise ConfigError(
-                f"--generate decodes in one mode, bca or full (--bca=on or off), "
-                f"not {','.join(modes)}"
+                f"--generate decodes in one mode (--bca=on or off), not {','.join(modes)}"
             )
-        _reject_unused(
-            "--generate",
-            lengths=lengths is not None,
-            max_length=max_length is not None,
-            rope_scaling=rope_scaling != "none",
-            resolution=resolution,
-            figure=figure,
-            eval_files=eval_files is not None,
-            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS,
-            sinks=sinks != evaluation.DEFAULT_SINKS,
-        )
-    if passkey_run:
-        text = passkey_filler == "text"  # held-out text: --eval_files, --max_docs
-        _reject_unused(
-            "--passkey" if text else "--passkey with --passkey_filler=repeat",
-            rope_scaling=rope_scaling != "none",
-            max_length=max_length is not None,
-            resolution=resolution,
-            figure=figure,
-            eval_files=eval_files is not None and not text,
-            max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS and not text,
-        )
+        _reject_unused("--generate", **unused, sinks=sinks != evaluation.DEFAULT_SINKS)
+    if passkey_run:  # uses --lengths, and --eval_files and --max_docs with held-out text
+        text = passkey_filler == "text"
+        unused.update(lengths=False, eval_files=unused["eval_files"] and not text)
+        unused.update(max_docs=unused["max_docs"] and not text)
+        _reject_unused("--passkey" + ("" if text else " with --passkey_filler=repeat"), **unused)
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
@@ -212,8 +199,7 @@ def run_eval(
 
 def _reject_unused(verb: str, **given: bool) -> None:
     """A ConfigError naming the flags given (True) that ``verb`` would ignore."""
-    names = [f"--{name}" for name, value in given.items() if value]
-    if names:
+    if names := [f"--{name}" for name, value in given.items() if value]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
 
