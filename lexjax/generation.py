@@ -238,6 +238,7 @@ def generate(
     top_p: float = 1.0,
     mode: str = "bca",
     progress: bool = False,
+    stop_token: int | None = None,
 ):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
 
@@ -248,7 +249,9 @@ def generate(
     raises :class:`EvaluationError` where
     :func:`lexjax.evaluation.check_full_length` does. Tokens are sampled
     :data:`CHUNK` at a time; with ``progress``, more than one chunk shows the
-    progress display (:mod:`lexjax.progress`) on stderr.
+    progress display (:mod:`lexjax.progress`) on stderr. With ``stop_token``,
+    sampling ends after the first chunk by which every row has sampled it, so the
+    result may be shorter (the tokens it has are the same).
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     if mode not in MODES:
@@ -265,13 +268,17 @@ def generate(
     keys = jax.random.split(rng, max_new_tokens)
     keys = jnp.concatenate([keys, keys[: -max_new_tokens % chunk]])
     bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
-    pieces = []
+    pieces, stopped_B = [], False
     for start in range(0, max_new_tokens, chunk):
         tokens_BxC, logits, state = run(params, logits, state, keys[start : start + chunk])
         pieces.append(tokens_BxC)
         if bar.enabled:  # wait for the chunk, so the display follows the computation
             jax.block_until_ready(tokens_BxC)
             bar.update(min(start + chunk, max_new_tokens))
+        if stop_token is not None:  # host_array: every process takes the same decision
+            stopped_B = stopped_B | shard_lib.host_array(tokens_BxC == stop_token).any(axis=1)
+            if stopped_B.all():
+                break
     bar.close()
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
 
@@ -323,6 +330,7 @@ def complete(
         top_p=top_p,
         mode=mode,
         progress=True,
+        stop_token=tokenizer.eos,
     )
     out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]

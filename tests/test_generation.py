@@ -157,6 +157,24 @@ def test_a_long_generation_shows_progress_and_its_chunks_change_no_token(
     assert lines[0].startswith("generated 8/20 ") and lines[-1].startswith("generated 20/20 ")
 
 
+def test_a_stop_token_ends_sampling_after_its_chunk_with_the_same_tokens(model_params, monkeypatch):
+    model, params = model_params
+    monkeypatch.setattr(generation, "CHUNK", 8)
+    sampled = dict(block=W, max_new_tokens=40, rng=jax.random.key(5))
+    for batch in (1, 2):
+        prompt = jnp.ones((batch, 3), jnp.int32)
+        whole = np.asarray(generation.generate(model, params, prompt, **sampled))
+        # Sampling stops after the chunk in which the last row samples its first stop
+        # token: with one row, the token at step 2 stops it after the first chunk.
+        common = set(whole[0]).intersection(*whole[1:])
+        firsts = {int(t): max(int(np.argmax(row == t)) for row in whole) for t in common}
+        stop = min(firsts, key=firsts.get) if batch == 2 and firsts else int(whole[0, 2])
+        kept = min(8 * (firsts[stop] // 8 + 1), 40) if stop in firsts else 40
+        assert batch == 2 or kept == 8
+        stopped = generation.generate(model, params, prompt, **sampled, stop_token=stop)
+        np.testing.assert_array_equal(stopped, whole[:, :kept])
+
+
 def test_complete_decodes_in_the_mode_asked():
     config = small_config()  # train_len 16 (w = 8), the bytes tokenizer's vocabulary
     model = Decoder(config.model)
