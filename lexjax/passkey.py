@@ -403,8 +403,8 @@ def passkey_accuracy(
             raise EvaluationError(f"mode {mode!r}: choose from {', '.join(evaluation.MODES)}")
     if not lengths or lengths[0] < 1:
         raise EvaluationError(f"lengths must be positive, got {lengths}")
-    if not depths or not 0 <= depths[0] <= depths[-1] <= 1:
-        raise EvaluationError(f"depths must be in [0, 1], got {depths}")
+    if not depths or not all(0 <= d <= 1 for d in depths):  # NaN fails every comparison
+        raise ConfigError(f"depths must be in [0, 1], got {depths}")
     if trials < 1:
         raise EvaluationError(f"trials must be positive, got {trials}")
     cells = evaluation.usable_cells(
