@@ -25,8 +25,9 @@ Joining is bounded too, but JAX aborts (status 134) rather than raising when a
 process has not registered within ``initialization_timeout_s``. So a process
 given the coordinator's address first waits, in Python, for process 0 to accept
 connections, and stops with one line and status 7 if it never does (a wrong
-address or port, process 0 not started). A peer that never starts still ends
-the others through JAX's abort.
+address or port, process 0 not started); process 0 checks that it can listen on
+the port (JAX's own failure there is sometimes a segfault). A peer that never
+starts still ends the others through JAX's abort.
 """
 
 from __future__ import annotations
@@ -181,6 +182,21 @@ def _await_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _check_port_free(address: str) -> None:
+    """Raises :class:`DistributedError` if process 0 cannot listen on ``address``'s port
+    on every interface, as JAX's coordinator service does."""
+    port = int(address.rsplit(":", 1)[1])
+    dual = socket.has_dualstack_ipv6()
+    family = socket.AF_INET6 if dual else socket.AF_INET
+    try:
+        socket.create_server(("", port), family=family, dualstack_ipv6=dual).close()
+    except OSError as e:
+        raise DistributedError(
+            f"process 0 cannot serve --coordinator_address={address}: port {port} "
+            f"({os.strerror(e.errno) if e.errno else e}); give every process a free port"
+        ) from e
+
+
 def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     """Joins the multi-process run ``options`` describe; returns how, or None if single.
 
@@ -200,6 +216,8 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if explicit and options.process_id != 0:
         _await_coordinator(options.coordinator_address, options.initialization_timeout_s)
+    elif explicit:
+        _check_port_free(options.coordinator_address)
     try:
         jax.distributed.initialize(
             coordinator_address=options.coordinator_address,

@@ -341,9 +341,10 @@ def test_killed_peer_stops_the_survivor_in_bounded_time(ctx, victim):
 
 
 def test_unreachable_coordinator_or_taken_port_ends_in_one_line_and_status_7(ctx):
-    """JAX aborts (status 134, a C++ stack) when a process cannot register in time, so
-    a worker first waits for process 0 in Python; process 0's taken port is JAX's own
-    error. Both are a run that cannot start: one line, status 7."""
+    """JAX aborts (status 134, a C++ stack) when a process cannot register in time, and
+    on a taken port it raised in one run and segfaulted in another; so a worker first
+    waits for process 0 in Python, and process 0 checks its port. Both are a run that
+    cannot start: one line, status 7."""
     base, files, data_dir, environ = ctx
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
