@@ -206,6 +206,19 @@ def _kind_of(path: str) -> str:
     return "binary" if b"\0" in head else "text"
 
 
+def _keep_text(root: str, relpaths: list[str], skipped: dict[str, int]) -> list[str]:
+    """The text files among `relpaths` (under `root`); the others are counted in
+    `skipped` by kind."""
+    kept = []
+    for relpath in relpaths:
+        kind = _kind_of(os.path.join(root, relpath))
+        if kind == "text":
+            kept.append(relpath)
+        else:
+            skipped[kind] += 1
+    return kept
+
+
 def _snap(f, size: int, offset: int) -> int:
     """The first line start at or after `offset` within _SNAP_BYTES, else the
     first UTF-8 character start at or after it (f is open in binary mode)."""
@@ -239,16 +252,10 @@ def plan_splits(
     taken = set()
 
     def text_files(role: str, root: str, relpaths: list[str]) -> list[str]:
-        kept = []
         for relpath in relpaths:
             path = os.path.join(root, relpath)
             digest.update(f"{role}\0{relpath}\0{_file_digest(path)}\n".encode())
-            kind = _kind_of(path)
-            if kind == "text":
-                kept.append(relpath)
-            else:
-                skipped[kind] += 1
-        return kept
+        return _keep_text(root, relpaths, skipped)
 
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
@@ -296,13 +303,7 @@ def text_files_of(root: str, relpaths: list[str], what: str, say) -> list[str]:
     """The text files among `relpaths` (under `root`): empty and binary ones are
     skipped with one note through `say`; DataError when none is left."""
     skipped = {"empty": 0, "binary": 0}
-    kept = []
-    for relpath in relpaths:
-        kind = _kind_of(os.path.join(root, relpath))
-        if kind == "text":
-            kept.append(relpath)
-        else:
-            skipped[kind] += 1
+    kept = _keep_text(root, relpaths, skipped)
     if not kept:
         raise DataError(_no_text(what, skipped))
     if len(kept) < len(relpaths):
