@@ -7,6 +7,8 @@ The kernel starts in ``--cwd`` (default a new temporary directory, so the notebo
 runs/ land there) and imports this checkout's lexjax. A failing cell raises
 ``nbclient.exceptions.CellExecutionError`` with the cell's traceback (exit status 1).
 ``--json`` records the wall time of the whole execution, kernel start included.
+The directories of ``--cwd``, ``--out`` and ``--json`` are made before the first
+cell runs; one that cannot be is an ``error:`` line (exit status 2).
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def execute(
     return notebook, time.perf_counter() - start
 
 
+def prepare(cwd: str | None, *outputs: str | None) -> str:
+    """Makes the kernel's directory (a new temporary one when ``cwd`` is None) and the
+    directories the ``outputs`` go in, before anything runs: a full-size execution
+    takes minutes, and its notebook is written only at the end. Returns the cwd."""
+    paths = [cwd] + [os.path.dirname(os.path.abspath(p)) for p in outputs if p]
+    for path in filter(None, paths):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            print(
+                f"error: cannot make the directory {path} ({e.strerror}); choose another",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+    return cwd or tempfile.mkdtemp(prefix="lexjax-notebook-")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="LEXJAX_SMOKE=1: seconds per stage")
@@ -53,7 +72,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the wall time and the machine here")
     parser.add_argument("--timeout_s", type=int, default=600, help="limit per cell")
     args = parser.parse_args()
-    cwd = args.cwd or tempfile.mkdtemp(prefix="lexjax-notebook-")
+    cwd = prepare(args.cwd, args.out, args.json)
     notebook, seconds = execute(smoke=args.smoke, cwd=cwd, timeout_s=args.timeout_s)
     print(f"executed {NOTEBOOK} in {seconds:.1f} s (smoke={args.smoke}, cwd={cwd})")
     if args.out:

@@ -6,6 +6,7 @@ import os
 
 import jupytext
 import nbformat
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
@@ -42,3 +43,20 @@ def test_notebook_runs_at_smoke_size_from_another_directory(tmp_path):
     assert "step 10/10 loss" in text and "xpos with BCA" in text
     assert "characters after the prompt" in text
     assert os.path.isdir(tmp_path / "runs" / "quickstart-smoke" / "checkpoints")
+
+
+def test_output_directories_are_made_before_the_run_and_a_bad_one_is_one_line(tmp_path, capsys):
+    # A full-size execution takes minutes and writes --out only at its end: a missing
+    # directory must not cost the run, and one that cannot be made must stop it first.
+    execute = _executor()
+    cwd = execute.prepare(str(tmp_path / "kernel"), str(tmp_path / "a" / "nb.ipynb"), None)
+    assert cwd == str(tmp_path / "kernel") and os.path.isdir(cwd)
+    assert os.path.isdir(tmp_path / "a")
+    assert os.path.isdir(execute.prepare(None, str(tmp_path / "b" / "c" / "t.json")))
+    assert os.path.isdir(tmp_path / "b" / "c")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as stop:
+        execute.prepare(None, str(tmp_path / "file" / "out" / "nb.ipynb"))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot make the directory") and err.count("\n") == 1
