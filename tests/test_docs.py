@@ -65,3 +65,21 @@ def test_study_tables_in_the_docs_are_rows_the_study_wrote(page):
     measured = [row for row in _table_rows(os.path.join(ROOT, page)) if re.search(r"\d\.\d", row)]
     assert measured, f"{page} shows no study table"
     assert [row for row in measured if row not in written] == []
+
+
+def test_every_test_the_docs_cite_exists():
+    """A behaviour the docs vouch for with ``test_x.py::name`` (``name*``: a family of
+    tests) names a test that is there; a renamed test must take its citation along."""
+    cited, missing = set(), []
+    for page in ["README.md", *sorted(os.listdir(os.path.join(ROOT, "docs")))]:
+        path = os.path.join(ROOT, page if page == "README.md" else os.path.join("docs", page))
+        if path.endswith(".md"):
+            with open(path, encoding="utf-8") as f:
+                cited.update(re.findall(r"(test_\w+\.py)::(\w+)([*…]?)", f.read()))
+    assert cited
+    for file, name, family in sorted(cited):
+        with open(os.path.join(ROOT, "tests", file), encoding="utf-8") as f:
+            defined = re.findall(r"^def (test_\w+)", f.read(), re.M)
+        if not any(d == name or (family and d.startswith(name)) for d in defined):
+            missing.append(f"{file}::{name}{family}")
+    assert missing == []
