@@ -270,10 +270,10 @@ class PasskeyMix:
         mixed = mix_count(source, fraction + copy_fraction, length, tokenizer)
         self.copies = round(mixed * copy_fraction / (fraction + copy_fraction)) if mixed else 0
         self.count = mixed - self.copies
-        if self.count and length < min_length(tokenizer):
+        if self.count and length < (shortest := min_length(tokenizer)):
             raise ConfigError(
-                f"train_len={length} is below the {min_length(tokenizer)} tokens of a passkey "
-                "document; raise train_len or set data.passkey_fraction=0"
+                f"train_len={length} is below the {shortest} tokens of a passkey document; "
+                f"use train_len ≥ {shortest + shortest % 2} (even) or data.passkey_fraction=0"
             )
 
     def __len__(self) -> int:

@@ -221,8 +221,11 @@ def test_passkey_fraction_out_of_range_or_a_train_len_too_short_is_a_config_erro
     for bad in (1.0, -0.1, float("nan")):
         with pytest.raises(ConfigError, match="data.passkey_fraction"):
             small_config(**{"data.passkey_fraction": bad})
-    with pytest.raises(ConfigError, match="train_len=32 is below the 69 tokens"):
+    with pytest.raises(ConfigError, match="train_len=32 is below the 69 tokens") as short:
         passkey.PasskeyMix(_documents(10), fraction=0.5, length=32)
+    # train_len must also be even (the block is train_len/2): the advice is 70, not 69.
+    assert "use train_len ≥ 70 (even)" in str(short.value)
+    small_config(**{"train_len": 70, "model.max_len": 70})  # a valid train_len
 
 
 def test_training_reads_the_mix_and_validation_stays_plain(tmp_path):
