@@ -245,14 +245,15 @@ def sinks_logprobs(model: Decoder, params, tokens_BxL, block: int, sinks: int = 
 
     Same contract as :func:`block_scan_logprobs`: entry t of the float32
     ``[B, L−1]`` result is ``log p(tokens[t+1] | sinks, tokens[t−W+1 … t])``;
-    memory O(B·w) whatever L. Raises :class:`EvaluationError` where
-    :func:`check_sinks` does.
+    memory O(B·w) whatever L; a RoPE extension's factor 0 is L−1 / its training
+    length (:func:`at_length`), as in the other modes. Raises
+    :class:`EvaluationError` where :func:`check_sinks` does.
     """
     _check_block(block)
     check_sinks(model.config, block, sinks)
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
-    run = _compiled_sinks(model, block, sinks)
+    run = _compiled_sinks(at_length(model, n), block, sinks)
     return run(params, pad_to(inputs, block), pad_to(targets, block))[:, :n]
 
 

@@ -334,6 +334,8 @@ class Decoder(nn.Module):
                 mask=(sink_mask & sinks.valid[:, None, :])[:, None],
                 scale_base=c.scale_base,
                 theta=c.theta,
+                # The sinks share the window's softmax, so the same frequencies.
+                **_rope_extension(c, T, cached=True),
             )
             ctx = ctx.replace(sinks=sink_ctx)
 

@@ -41,14 +41,15 @@ def _gelu(x):  # flax's default: the tanh approximation
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def _streaming(config, params, tokens, sinks):
+def _streaming(config, params, tokens, sinks, pi_factor=1.0):
     """log p(tokens[t+1] | ...) for one row, token by token as streaming inference runs.
 
     Token t's cache: the sinks ``0 … min(S, t+1)−1`` then the most recent tokens
     ``max(S, t−W+1) … t`` (W = train_len − S), at cache positions ``0, 1, …`` in that
     order, the query (token t itself) last. Each layer's key and value of token t are
     computed once, when t is processed, and kept un-encoded; the encoding is applied
-    at the cache position of the step that reads them.
+    at the cache position of the step that reads them. ``pi_factor`` s: position
+    interpolation (Chen et al. 2023), every cache position p read as p/s.
     """
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     window = TRAIN_LEN - sinks
@@ -57,7 +58,7 @@ def _streaming(config, params, tokens, sinks):
     out = []
     for t, token in enumerate(tokens[:-1]):
         ids = [*range(min(sinks, t + 1)), *range(max(sinks, t - window + 1), t + 1)]
-        cache_positions = np.arange(len(ids))
+        cache_positions = np.arange(len(ids)) / pi_factor
         q_position = cache_positions[-1:]
         x = p["embed"]["embedding"][token]
         for layer in range(config.num_layers):
@@ -113,6 +114,22 @@ def test_block_scan_equals_token_by_token_streaming(position, sinks):
         evaluation.block_scan_logprobs(model, params, tokens, W),
     ):
         assert np.abs(scanned[:, beyond] - np.asarray(other)[:, beyond]).max() > 1e-3
+
+
+@pytest.mark.parametrize("position", ["xpos", "rope"])
+@pytest.mark.parametrize("factor", [2.0, 0.0])
+def test_position_interpolation_reads_every_cache_position_over_s(position, factor):
+    """A RoPE extension applies to the sinks as to the window keys (one softmax, one
+    s), and factor 0 is the evaluated length / train_len, as in the other modes."""
+    model, params = _model(position)
+    config = dataclasses.replace(
+        model.config, rope_scaling="pi", rope_factor=factor, rope_train_len=TRAIN_LEN
+    )
+    tokens = _tokens(1, 41, seed=5)  # 40 inputs: factor 0 is s = 40/16
+    scanned = evaluation.sinks_logprobs(Decoder(config), params, tokens, W, 4)
+    s = factor or 40 / TRAIN_LEN
+    want = _streaming(config, params, np.asarray(tokens[0]), 4, pi_factor=s)
+    np.testing.assert_allclose(np.asarray(scanned[0]), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("position", ["xpos", "rope", "alibi", "none"])
