@@ -872,6 +872,8 @@ def evaluate_run(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
     check_rope_scaling(rope_scaling, rope_factor, config.model.position)
+    out_dir = os.path.join(workdir, "eval")
+    reports.check_writable(out_dir)  # before minutes of computation, not after
     if rope_scaling != "none":
         scaled = dataclasses.replace(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
@@ -944,7 +946,6 @@ def evaluate_run(
         )
     print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
     print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
-    out_dir = os.path.join(workdir, "eval")
     stems = ["perplexity", settings_name("perplexity", settings)]
     summary = reports.perplexity_json(
         results, **info, **sink_info, max_length=max_length, settings=settings, missing=missing

@@ -506,6 +506,8 @@ def evaluate_passkey(
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)
+    out_dir = os.path.join(workdir, "eval")
+    reports.check_writable(out_dir)  # before the trials, not after
     depths = sorted(set(DEPTHS if depths is None else depths))
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
@@ -541,7 +543,6 @@ def evaluate_passkey(
         f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
     )
     print(reports.passkey_table(results, position, skipped=skipped))
-    out_dir = os.path.join(workdir, "eval")
     written = [os.path.join(out_dir, "passkey.json")]
     reports.write_json(
         written[0],

@@ -10,8 +10,10 @@ only when a figure is drawn, with the file-only Agg backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +21,7 @@ import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS
+from lexjax.errors import CheckpointError
 
 __all__ = [
     "MODE_NAMES",
@@ -32,6 +35,7 @@ __all__ = [
     "passkey_json",
     "plot_passkey",
     "write_json",
+    "check_writable",
     "OUTPUTS",
     "collect",
     "write_all",
@@ -109,16 +113,42 @@ def _writes() -> bool:
     return jax.process_index() == 0
 
 
+@contextlib.contextmanager
+def _writing(path: str):
+    """Makes ``path``'s directory; an ``OSError`` inside (read-only, full disk) becomes
+    one :class:`~lexjax.errors.CheckpointError` line, with no ``path.tmp`` left."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        yield
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise CheckpointError(
+            f"cannot write {path} ({e.strerror or e}); make its directory writable or free "
+            "space, then run again"
+        ) from None
+
+
+def check_writable(directory: str) -> None:
+    """Raises :class:`~lexjax.errors.CheckpointError` unless process 0 can write in
+    ``directory`` (made if missing): an evaluation checks where its reports go before
+    it computes them."""
+    if _writes():
+        probe = os.path.join(directory, ".probe")
+        with _writing(probe), tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+
+
 def write_json(path: str, value: dict) -> None:
     """``value`` as indented JSON at ``path``, replaced atomically (process 0 only)."""
     if not _writes():
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    with _writing(path):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
 
 
 def _figure(*grid, **kwargs):
@@ -136,8 +166,8 @@ def _figure(*grid, **kwargs):
 
 def _save(fig, path: str, dpi: int = 120) -> None:
     if _writes():
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fig.savefig(path, dpi=dpi)
+        with _writing(path):
+            fig.savefig(path, dpi=dpi)
 
 
 def plot_perplexity(

@@ -1,5 +1,6 @@
 """eval.py on a tiny trained workdir: outputs, schema, and one-line errors."""
 
+import contextlib
 import json
 import os
 import re
@@ -392,3 +393,41 @@ def test_a_sentencepiece_run_evaluates_and_generates_with_its_own_tokenizer(tmp_
     )
     model_file.write_bytes(retrained.model_proto)
     _one_line_error(_run("eval.py", f"--workdir={workdir}"), 3, "other than the")
+
+
+def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workdir, tmp_path):
+    """A read-only workdir (a tmpfs remounted read-only; a chmod for a non-root user):
+    eval.py says so, exit 4, before it computes what it could not keep."""
+    from tests.test_faults import tmpfs
+
+    with tmpfs(tmp_path / "ro", "4m") as mount:
+        copy = (mount or tmp_path / "ro") / "run"
+        shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval", "lease.json"))
+        if mount is not None:
+            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        elif os.geteuid() != 0:
+            for p in [copy, *copy.rglob("*")]:
+                p.chmod(p.stat().st_mode & ~0o222)
+        else:
+            pytest.skip("root without mount rights: nothing makes a directory read-only")
+        for more in (["--max_docs=1"], ["--passkey", "--lengths=96"]):
+            done = _run("eval.py", f"--workdir={copy}", *more)
+            _one_line_error(done, 4, f"cannot write {copy / 'eval'}", "make its directory writable")
+            assert "perplexity of" not in done.stdout and "passkey retrieval" not in done.stdout
+        assert not (copy / "eval").exists()
+
+
+def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_path):
+    from lexjax import reports
+    from lexjax.errors import CheckpointError
+    from tests.test_faults import tmpfs
+
+    with tmpfs(tmp_path / "full", "64k") as mount:
+        if mount is None:
+            pytest.skip("needs a tmpfs (root with mount rights)")
+        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+            f.write(b"x" * (1 << 20))
+        path = mount / "eval" / "perplexity.json"
+        with pytest.raises(CheckpointError, match="No space left on device") as error:
+            reports.write_json(str(path), {"results": ["x" * 100_000]})
+        assert "\n" not in str(error.value) and not os.path.exists(f"{path}.tmp")
