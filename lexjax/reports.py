@@ -114,9 +114,10 @@ def _writes() -> bool:
 
 
 @contextlib.contextmanager
-def _writing(path: str):
+def _writing(path: str, what: str | None = None):
     """Makes ``path``'s directory; an ``OSError`` inside (read-only, full disk) becomes
-    one :class:`~lexjax.errors.CheckpointError` line, with no ``path.tmp`` left."""
+    one :class:`~lexjax.errors.CheckpointError` line about ``what`` (default ``path``),
+    with no ``path.tmp`` left."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         yield
@@ -124,7 +125,7 @@ def _writing(path: str):
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
         raise CheckpointError(
-            f"cannot write {path} ({e.strerror or e}); make its directory writable or free "
+            f"cannot write {what or path} ({e.strerror or e}); make its directory writable or free "
             "space, then run again"
         ) from None
 
@@ -135,7 +136,10 @@ def check_writable(directory: str) -> None:
     it computes them."""
     if _writes():
         probe = os.path.join(directory, ".probe")
-        with _writing(probe), tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+        with (
+            _writing(probe, what=directory),
+            tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"),
+        ):
             pass
 
 
