@@ -239,8 +239,11 @@ def test_old_workdir_evaluates_to_the_same_numbers(tmp_path):
     for r in got["results"]:
         w = expected[key(r)]
         assert (r["tokens"], r["documents"]) == (w["tokens"], w["documents"])
+        # float32 sums: XLA's CPU kernels differ by processor (an AMD EPYC gave 1.4e-6
+        # relative from the fixture's numbers); a protocol change (other tokens, budget
+        # or positions) moves them by far more.
         for field in ("perplexity", "nll"):
-            assert r[field] == pytest.approx(w[field], rel=1e-6), (key(r), field)
+            assert r[field] == pytest.approx(w[field], rel=1e-5), (key(r), field)
 
 
 def test_a_rope_scaling_is_in_every_row_and_its_own_file(tmp_path):
