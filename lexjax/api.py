@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from lexjax import checkpoint, evaluation, generation, passkey, training
+from lexjax import evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import Tokenizer
@@ -242,6 +242,7 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     """
     workdir = os.fspath(workdir)
     with _quiet_orbax_notices():
-        config, params, step, mesh = evaluation.load_on_mesh(workdir)
-        tokenizer = checkpoint.load_tokenizer(workdir, step)
+        config, params, step, mesh, tokenizer = evaluation.load_on_mesh(
+            workdir, with_tokenizer=True
+        )
     return Run(workdir, config, params, step, tokenizer, mesh)

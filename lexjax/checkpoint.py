@@ -43,6 +43,7 @@ newest `keep` complete steps by recency alone.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -50,6 +51,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -82,6 +84,23 @@ _FORMAT = 1
 
 class _Damaged(Exception):
     """A step is unreadable or fails verification (internal)."""
+
+
+# Readers take no lease: a training run's garbage collection may delete the step
+# being read. The steps are listed again this many times.
+_RELISTS = 5
+_DELETING = ".orbax-checkpoint-tmp-deleting"  # orbax skips and cleans up such names
+
+
+def _missing(e: BaseException) -> bool:
+    """Whether a file was missing somewhere in the chain of `e`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FileNotFoundError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class _IteratorSnapshot:
@@ -140,6 +159,8 @@ def _write_failure(e: BaseException) -> str:
         text = str(e)
     if m := re.search(r":\s*([^:\[]+?)\s*\[os_error_code", text):
         return m.group(1)
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
     return one_line(e, innermost=True)
 
 
@@ -173,6 +194,7 @@ class Checkpointer:
         self.read_only = read_only
         self._verified: dict[int, bool] = {}
         self._saved: set[int] = set()
+        self._writing: int | None = None  # the step of the last save started
         self._check_directory()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,
@@ -183,16 +205,18 @@ class Checkpointer:
             read_only=read_only,
         )
         try:
-            self._manager = ocp.CheckpointManager(
-                self.directory,
-                options=options,
-                item_handlers={
-                    _STATE: ocp.StandardCheckpointHandler(),
-                    _DATA_ITER: grain.checkpoint.CheckpointHandler(),
-                    _CONFIG: ocp.JsonCheckpointHandler(),
-                    _TOKENIZER: ocp.JsonCheckpointHandler(),
-                    _INTEGRITY: ocp.JsonCheckpointHandler(),
-                },
+            self._manager = self._listing(
+                lambda: ocp.CheckpointManager(
+                    self.directory,
+                    options=options,
+                    item_handlers={
+                        _STATE: ocp.StandardCheckpointHandler(),
+                        _DATA_ITER: grain.checkpoint.CheckpointHandler(),
+                        _CONFIG: ocp.JsonCheckpointHandler(),
+                        _TOKENIZER: ocp.JsonCheckpointHandler(),
+                        _INTEGRITY: ocp.JsonCheckpointHandler(),
+                    },
+                )
             )
         except Exception as e:
             raise CheckpointError(
@@ -228,12 +252,26 @@ class Checkpointer:
     def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
+    def _listing(self, read: Any) -> Any:
+        """`read()`, which lists the steps; again if a step it listed was deleted
+        meanwhile (by a training run's garbage collection, when reading)."""
+        for attempt in range(_RELISTS):
+            try:
+                return read()
+            except Exception as e:
+                if attempt + 1 == _RELISTS or not _missing(e):
+                    raise
+
     def all_steps(self) -> list[int]:
         """Complete steps (finalized by orbax, integrity present), ascending."""
-        self._manager.reload()
+        self._listing(self._manager.reload)
         return sorted(
             s for s in self._manager.all_steps() if (self._step_dir(s) / _INTEGRITY).is_dir()
         )
+
+    def _gone(self, step: int) -> bool:
+        """Whether `step` was deleted since it was listed (its directory is gone)."""
+        return not all_processes(self._step_dir(step).is_dir())
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None. It is not verified until restored."""
@@ -306,13 +344,14 @@ class Checkpointer:
             integrity["tokenizer_sha256"] = _sha256(json.dumps(tokenizer, sort_keys=True))
             items[_TOKENIZER] = ocp.args.JsonSave(tokenizer)
         items[_INTEGRITY] = ocp.args.JsonSave(integrity)
+        self._writing = step
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: "
-                f"{one_line(e, innermost=True)}"
-            ) from e
+            # What orbax started in the background fails too: report it once, here.
+            with contextlib.suppress(Exception):
+                self._manager.wait_until_finished()
+            raise self._write_error(e) from e
         self._saved = {s for s in self._saved if s < step} | {step}
         return True
 
@@ -328,11 +367,14 @@ class Checkpointer:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
-            step = f" step {max(self._saved)}" if self._saved else ""
-            raise CheckpointError(
-                f"writing checkpoint{step} to {self.directory} failed: {_write_failure(e)};"
-                " free space or fix the directory, then restart (older checkpoints are kept)"
-            ) from e
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: BaseException) -> CheckpointError:
+        return CheckpointError(
+            f"writing checkpoint step {self._writing} to {self.directory} failed: "
+            f"{_write_failure(e)}; free space or fix the directory, then restart "
+            "(older checkpoints are kept)"
+        )
 
     def close(self) -> None:
         self.wait()
@@ -340,7 +382,7 @@ class Checkpointer:
 
     def _all_step_dirs(self) -> list[int]:
         """Every finalized step directory, complete or not."""
-        self._manager.reload()
+        self._listing(self._manager.reload)
         return sorted(self._manager.all_steps())
 
     def _supersede(self, steps: list[int]) -> None:
@@ -373,8 +415,26 @@ class Checkpointer:
         if self.verify_before_delete:
             good = next((s for s in reversed(steps) if self._verify_on_host(s)), None)
             doomed = [s for s in doomed if good is not None and s < good]
-        for s in doomed:
-            self._manager.delete(s)
+        if doomed:
+            self._delete(doomed)
+
+    def _delete(self, steps: list[int]) -> None:
+        """Deletes `steps`, each first renamed out of the step names (one atomic
+        rename on a local disk), so a reader, which takes no lease, finds a step
+        whole or not at all, never half deleted."""
+        if "://" in os.fspath(self.directory):
+            for s in steps:
+                self._manager.delete(s)
+        else:
+            if jax.process_index() == 0:
+                for s in steps:
+                    doomed = self.directory / f"{s}{_DELETING}"
+                    self._step_dir(s).rename(doomed)
+                    doomed.rmtree()
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"lexjax_delete_{steps[0]}")
+            self._manager.reload()
+        for s in steps:
             self._verified.pop(s, None)
 
     def _verify_on_host(self, step: int) -> bool:
@@ -445,6 +505,8 @@ class Checkpointer:
 
     def _read_config(self, step: int) -> dict[str, Any] | None:
         if not (self._step_dir(step) / _CONFIG).is_dir():
+            if not self._step_dir(step).is_dir():
+                raise _Damaged("its directory is gone")
             return None
         try:
             restored = self._manager.restore(
@@ -457,22 +519,32 @@ class Checkpointer:
     def restore_tokenizer_json(self, step: int) -> dict[str, Any] | None:
         """The tokenizer record saved with `step`, checked against its checksum,
         or None if none was saved (checkpoints of an older lexjax)."""
+        try:
+            return self._read_tokenizer(step)
+        except _Damaged as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} is damaged: {e}"
+            ) from e
+
+    def _read_tokenizer(self, step: int) -> dict[str, Any] | None:
         if not (self._step_dir(step) / _TOKENIZER).is_dir():
+            if not self._step_dir(step).is_dir():
+                raise _Damaged("its directory is gone")
             return None
         try:
             record = self._manager.restore(
                 step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
             )[_TOKENIZER]
-        except Exception as e:
-            raise CheckpointError(
-                f"tokenizer of checkpoint step {step} in {self.directory} is unreadable: "
-                f"{one_line(e, innermost=True)}"
-            ) from e
-        expected = self._read_integrity(step).get("tokenizer_sha256")
-        if expected != _sha256(json.dumps(record, sort_keys=True)):
-            raise CheckpointError(
-                f"tokenizer of checkpoint step {step} in {self.directory} fails its checksum"
+            ok = _sha256(json.dumps(record, sort_keys=True)) == self._read_integrity(step).get(
+                "tokenizer_sha256"
             )
+            error = None if ok else "tokenizer record fails its checksum"
+        except _Damaged as e:
+            error = str(e)
+        except Exception as e:
+            error = f"tokenizer record unreadable ({one_line(e, innermost=True)})"
+        if not all_processes(error is None):
+            raise _Damaged(error or "tokenizer record damaged on another process")
         return record
 
     def _pick_step(self, step: int | None) -> int:
@@ -509,31 +581,66 @@ class Checkpointer:
         given, is called with a step's config (or None) before its state is read,
         and may raise to refuse it. Returns (state, config or None, step).
         """
-        steps = self.all_steps()
-        if not steps:
-            raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        if step is None:
-            candidates = list(reversed(steps))
-        else:
-            candidates = [self._pick_step(step)]
-        for i, s in enumerate(candidates):
-            try:
-                config = self._read_config(s)
-                if check_config is not None:
-                    check_config(config)
-                state = self._restore_step(s, abstract_state, data_iter)
-            except _Damaged as e:
-                message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
-                if step is not None or self.on_corrupt == "error":
-                    raise CheckpointError(message) from e
-                if i + 1 < len(candidates):
-                    log.warning("%s; falling back to step %d", message, candidates[i + 1])
-                else:
-                    log.warning("%s", message)
-                continue
+
+        def read(s: int) -> tuple[PyTree, dict[str, Any] | None]:
+            config = self._read_config(s)
+            if check_config is not None:
+                check_config(config)
+            self._read_tokenizer(s)
+            state = self._restore_step(s, abstract_state, data_iter)
             self._verified[s] = True
+            return state, config
+
+        if step is None:
+            s, (state, config) = self._newest_good(read)
             return state, config, s
-        raise CheckpointError(f"no good checkpoint in {self.directory}: every step is damaged")
+        s = self._pick_step(step)
+        try:
+            state, config = read(s)
+        except _Damaged as e:
+            raise CheckpointError(f"checkpoint step {s} in {self.directory} is damaged: {e}") from e
+        return state, config, s
+
+    def _newest_good(self, read: Any) -> tuple[int, Any]:
+        """``(step, read(step))`` of the newest complete step that ``read`` can read.
+
+        A damaged step (``read`` raises `_Damaged`) is reported and the next older
+        one tried (``on_corrupt='fallback'``), or raises (``'error'``). A step that
+        is gone by then was deleted while being read, by the garbage collection of
+        a training run that writes meanwhile: not damage; the steps are listed
+        again and the newest then present read (at most `_RELISTS` times).
+        """
+        for _ in range(_RELISTS):
+            candidates = list(reversed(self.all_steps()))
+            if not candidates:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            for i, s in enumerate(candidates):
+                try:
+                    return s, read(s)
+                except _Damaged as e:
+                    if self._gone(s):
+                        log.info(
+                            "checkpoint step %d in %s was deleted while being read",
+                            s,
+                            self.directory,
+                        )
+                        break
+                    message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
+                    if self.on_corrupt == "error":
+                        raise CheckpointError(message) from e
+                    if i + 1 < len(candidates):
+                        log.warning("%s; falling back to step %d", message, candidates[i + 1])
+                    else:
+                        log.warning("%s", message)
+            else:
+                raise CheckpointError(
+                    f"no good checkpoint in {self.directory}: every step is damaged"
+                )
+        raise CheckpointError(
+            f"the checkpoints in {self.directory} were deleted faster than they could be read "
+            f"({_RELISTS} tries); read them while training saves less often or keeps more "
+            "(keep_checkpoints)"
+        )
 
     def _restore_step(self, step: int, abstract_state: PyTree, data_iter: Any) -> PyTree:
         integrity = self._read_integrity(step)
@@ -688,12 +795,20 @@ def load_params(
     Reads only the ``params`` subtree of the saved state (no optimizer moments)
     and verifies the checksum of every array it reads; a damaged step is
     reported and the next older one tried, as :meth:`Checkpointer.restore` does.
-    The tokenizer saved with that step is :func:`load_tokenizer` ``(workdir, step)``.
+    The tokenizer saved with that step is :func:`load_tokenizer` ``(workdir, step)``
+    (or, read together, :func:`load_params_and_tokenizer`).
     ``sharding``: one ``jax.sharding.Sharding`` for every array, a pytree of
     them shaped like the params (any mesh), or a function of the stored config
     that returns either; default one device. Each array is read directly into
     its sharding.
     """
+    config, params, step, _ = _load(workdir, sharding, tokenizer=False)
+    return config, params, step
+
+
+def _load(workdir, sharding, *, tokenizer: bool) -> tuple[Config, PyTree, int, Any]:
+    """`load_params`, and the tokenizer of the same step if `tokenizer` (else
+    None). Its record is checked either way, so every reader picks the same step."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax: absolute
     if not os.path.isdir(directory):
         raise CheckpointError(
@@ -701,29 +816,34 @@ def load_params(
             f"python train.py --workdir={workdir}"
         )
     checkpointer = Checkpointer(directory, read_only=True)
+
+    def read(step: int) -> tuple[Config, PyTree, Any]:
+        stored = checkpointer._read_config(step)
+        if stored is None:
+            raise CheckpointError(
+                f"checkpoint step {step} in {directory} has no config; "
+                "it was not written by train.py"
+            )
+        record = checkpointer._read_tokenizer(step)
+        config = from_configdict(stored)
+        shardings = sharding(config) if callable(sharding) else sharding
+        params = _restore_params(checkpointer, step, abstract_params(config), shardings)
+        tok = _tokenizer_of(checkpointer, step, stored, record) if tokenizer else None
+        return config, params, tok
+
     try:
-        steps = checkpointer.all_steps()
-        if not steps:
-            raise CheckpointError(f"no complete checkpoint in {directory}")
-        for i, step in enumerate(reversed(steps)):
-            try:
-                stored = checkpointer._read_config(step)
-                if stored is None:
-                    raise CheckpointError(
-                        f"checkpoint step {step} in {directory} has no config; "
-                        "it was not written by train.py"
-                    )
-                config = from_configdict(stored)
-                shardings = sharding(config) if callable(sharding) else sharding
-                params = _restore_params(checkpointer, step, abstract_params(config), shardings)
-            except _Damaged as e:
-                older = f"; falling back to step {steps[-i - 2]}" if i + 1 < len(steps) else ""
-                log.warning("checkpoint step %d in %s is damaged: %s%s", step, directory, e, older)
-                continue
-            return config, params, step
+        step, (config, params, tok) = checkpointer._newest_good(read)
     finally:
         checkpointer.close()
-    raise CheckpointError(f"no good checkpoint in {directory}: every step is damaged")
+    return config, params, step, tok
+
+
+def load_params_and_tokenizer(
+    workdir: str | os.PathLike[str], *, sharding: Any = None
+) -> tuple[Config, PyTree, int, data_lib.Tokenizer]:
+    """:func:`load_params` and the tokenizer saved with the same step, read together
+    (a training run writing meanwhile may delete that step once it is read)."""
+    return _load(workdir, sharding, tokenizer=True)
 
 
 def _restore_params(checkpointer: Checkpointer, step: int, abstract: PyTree, sharding) -> PyTree:
@@ -782,7 +902,12 @@ def stored_tokenizer(
     """The tokenizer saved with ``step``. Checkpoints of an older lexjax saved none;
     they were all byte-level, which their config (``data.tokenizer`` absent or
     'bytes') confirms. ``config``: the config dict saved with the step."""
-    record = checkpointer.restore_tokenizer_json(step)
+    return _tokenizer_of(checkpointer, step, config, checkpointer.restore_tokenizer_json(step))
+
+
+def _tokenizer_of(
+    checkpointer: Checkpointer, step: int, config: dict[str, Any] | None, record: Any
+) -> data_lib.Tokenizer:
     if record is None:
         kind = ((config or {}).get("data") or {}).get("tokenizer", "bytes")
         if kind != "bytes":
@@ -875,3 +1000,7 @@ def quiet_background_errors() -> None:
             default_excepthook(exc_type, exc, tb)
 
     sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    # A save that fails part way leaves orbax's handlers' coroutines unawaited.
+    warnings.filterwarnings(
+        "ignore", r"coroutine '\w+CheckpointHandler\.\w+' was never awaited", RuntimeWarning
+    )

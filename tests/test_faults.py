@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 import zstandard
 
+import lexjax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax.errors import TrainingError
@@ -247,6 +249,66 @@ def test_damaged_checkpoints_are_named_and_skipped(ctx, reference):
         assert s > 6 and loss == ref_losses[s]
 
 
+def test_a_damaged_tokenizer_record_falls_back_for_resume_eval_and_load(ctx, reference):
+    """Step 12's tokenizer record garbled: resume, eval.py and lexjax.load each name
+    it and use step 10, as for any other damaged item of a step."""
+    ref_dir, ref_losses, ref_params = reference
+    workdir = ctx[0] / "damaged-tokenizer"
+    shutil.copytree(ref_dir, workdir)
+    ckpts = workdir / "checkpoints"
+    (ckpts / "12" / "tokenizer" / "metadata").write_text("garbage{")
+    note = f"checkpoint step 12 in {ckpts} is damaged: tokenizer record unreadable ("
+
+    run = lexjax.load(workdir)
+    assert run.step == 10 and run.tokenizer is not None
+    done = P.run(
+        ["--workdir", str(workdir), "--lengths=32", "--max_docs=1", "--modes=full"],
+        ctx[3],
+        program="eval.py",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{note}" in done.stderr and "falling back to step 10" in done.stderr, done.stderr
+
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    damaged = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged) == 1 and note in damaged[0], result.stderr
+    assert damaged[0].endswith("; falling back to step 10"), damaged[0]
+    assert f"resumed from {ckpts} at step 10" in result.stdout
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
+
+
+@pytest.mark.parametrize("reader", ["_read_config", "_restore_params"])
+def test_a_step_deleted_while_being_read_is_not_damage(ctx, reference, monkeypatch, caplog, reader):
+    """A reader takes no lease: a training run's garbage collection may delete the
+    step being read (here for real, when the reader opens its config record or its
+    arrays). The reader reads the newest step still there and calls nothing damaged."""
+    workdir = ctx[0] / f"deleted-while-read-{reader}"
+    shutil.copytree(reference[0], workdir)
+    ckpts = workdir / "checkpoints"
+    deleted = []
+    owner = ckpt_lib.Checkpointer if reader == "_read_config" else ckpt_lib
+    original = getattr(owner, reader)
+
+    def delete_first(*args, **kwargs):
+        step = next(a for a in args if isinstance(a, int))
+        if not deleted:
+            shutil.rmtree(ckpts / str(step))
+            deleted.append(step)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, reader, delete_first)
+    with caplog.at_level(logging.INFO):
+        run = lexjax.load(workdir)
+    assert deleted == [12] and run.step == 10 and run.tokenizer is not None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "checkpoint step 12" in caplog.text and "was deleted while being read" in caplog.text
+    assert not (ckpts / "superseded").exists()
+    assert P.complete_steps(workdir) == [6, 8, 10]
+
+
 def test_damage_with_on_corrupt_error_stops_and_changes_nothing(ctx, reference):
     workdir = ctx[0] / "strict"
     shutil.copytree(reference[0], workdir)
@@ -344,10 +406,35 @@ def test_full_disk(ctx):
     with tmpfs(ctx[0] / "full", "300k") as mount:
         workdir = (mount or ctx[0] / "full") / "run"
         kwargs = {} if mount else {"preexec_fn": _file_size_limit(100 * 1024)}
-        line = one_error_line(P.run(args(ctx, workdir), ctx[3], **kwargs))
+        result = P.run(args(ctx, workdir), ctx[3], **kwargs)
+        line = one_error_line(result)
+        assert result.stderr.strip().splitlines() == [line], result.stderr[-3000:]
         where = re.escape(str(workdir / "checkpoints"))
-        assert re.search(rf"writing checkpoint step \d+ to {where} failed: ", line), line
-        assert ("No space left on device" if mount else "File too large") in line, line
+        assert re.search(rf"writing checkpoint step 2 to {where} failed: ", line), line
+        assert f"failed: {'No space left on device' if mount else 'File too large'}; " in line
+
+
+def test_disk_filling_up_before_a_save(ctx):
+    """The disk fills while training runs; the next save fails as it starts (orbax's
+    synchronous part), which once gave no step and stray RuntimeWarnings on stderr."""
+    with tmpfs(ctx[0] / "filling", "20m") as mount:
+        if mount is None:
+            pytest.skip("needs a tmpfs (root and mount)")
+        workdir = mount / "run"
+        proc = P.start(args(ctx, workdir, num_train_steps=8, checkpoint_every=8), ctx[3])
+        P.wait_until(lambda: P.last_step(workdir) >= 1, proc)
+        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        out, err = proc.communicate(timeout=240)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        line = one_error_line(result)
+        assert result.returncode == 4 and err.strip().splitlines() == [line], err[-3000:]
+        assert line.startswith(
+            f"error: writing checkpoint step 8 to {workdir / 'checkpoints'} "
+            "failed: No space left on device; "
+        ), line
 
 
 def test_checkpoints_of_another_model_shape(ctx, reference):
