@@ -5,7 +5,8 @@
     python train.py --config=configs/paper.py --workdir=DIR   # accelerators
 
 A workdir with checkpoints is resumed from its latest good one. SIGTERM or
-Ctrl-C finishes the current step, saves and exits 0.
+Ctrl-C finishes the current step, saves and exits 0 (before the first step it
+exits 0 at once: nothing to save).
 
 Multi-process (one process per host; README "Multi-host training"): on a
 Cloud TPU VM, under SLURM ``srun``, ``mpirun`` or a Kubernetes Indexed Job

@@ -5,9 +5,11 @@ its last heartbeat and the timeout it promises to heartbeat within. It is
 created with ``O_CREAT | O_EXCL``, so of two jobs started on one workdir only
 one gets it; the other raises :class:`CheckpointError` naming the holder.
 
-A lease is stale when its holder is gone: the pid no longer exists on this
-host, or (any host, e.g. a shared or network filesystem) its heartbeat is
-older than the holder's own timeout. A stale lease is taken over with a
+A lease is stale when its holder is gone: on this host its pid no longer
+exists or is now another process (pids are reused: a restarted container's
+job is pid 1 again; the lease records when its holder process started), or
+(any host, e.g. a shared or network filesystem) its heartbeat is older than
+the holder's own timeout. A stale lease is taken over with a
 one-line notice. A thread rewrites the heartbeat every ``timeout_s / 4``; if
 it finds the lease no longer its own (a stalled holder was declared stale and
 replaced), :attr:`WorkdirLease.held` turns False and training refuses to save
@@ -38,6 +40,8 @@ __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held"]
 
 LEASE_FILE = "lease.json"
 
+_HELD: set[str] = set()  # the tokens of the leases this process holds now
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -47,6 +51,17 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by another user
         return True
     return True
+
+
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``
+    field 22); None without /proc or without such a process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat.rsplit(b")", 1)[1].split()[19])  # fields from 3 on follow "(comm)"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _describe(record: dict) -> str:
@@ -77,6 +92,7 @@ class WorkdirLease:
         self._record = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "token": self.token,
             "timeout_s": self.timeout_s,
@@ -115,12 +131,15 @@ class WorkdirLease:
     def _stale_reason(self, record: dict) -> str | None:
         """Why the holder of ``record`` is gone, or None if it may be alive."""
         pid = record.get("pid")
-        if (
-            record.get("host") == socket.gethostname()
-            and isinstance(pid, int)
-            and not _pid_alive(pid)
-        ):
-            return f"pid {pid} is gone"
+        if record.get("host") == socket.gethostname() and isinstance(pid, int):
+            reused = "(the holder is gone and its pid was reused)"
+            if pid == os.getpid() and record.get("token") not in _HELD:
+                return f"pid {pid} is this process {reused}"
+            if not _pid_alive(pid):
+                return f"pid {pid} is gone"
+            start = record.get("pid_start")
+            if start is not None and _process_start(pid) not in (None, start):
+                return f"pid {pid} is another process now {reused}"
         try:
             beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
         except (KeyError, TypeError, ValueError):  # unreadable: judged by the file's age
@@ -163,6 +182,7 @@ class WorkdirLease:
         else:
             raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
         self.held = True
+        _HELD.add(self.token)
         self._thread = threading.Thread(target=self._heartbeat, name="lexjax-lease", daemon=True)
         self._thread.start()
 
@@ -222,6 +242,7 @@ class WorkdirLease:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         self.held = False
+        _HELD.discard(self.token)
 
     def owned(self) -> bool:
         """Whether the lease file still holds this job's lease (re-read now)."""

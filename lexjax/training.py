@@ -34,11 +34,24 @@ from lexjax.steps import TrainSetup
 __all__ = ["train"]
 
 
+class _Stopped(BaseException):
+    """A SIGTERM / Ctrl-C before the step loop: nothing was trained, so nothing to save.
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it."""
+
+
 class _StopFlag:
-    """Turns SIGTERM / Ctrl-C into a request to stop after the current step."""
+    """SIGTERM / Ctrl-C during one :func:`train` call (the handlers it found are
+    restored on exit; off the main thread signals are left alone).
+
+    Inside :meth:`raising` (from the lease taken until the step loop is set up)
+    a signal raises :class:`_Stopped`, ending the call at once: the ``finally``
+    blocks on its way out release the lease. Elsewhere it is a request to stop
+    after the current step. A second Ctrl-C stops at once.
+    """
 
     def __init__(self):
         self.signal_name: str | None = None
+        self.raise_now = False
         self._previous = {}
 
     def __enter__(self):
@@ -51,10 +64,28 @@ class _StopFlag:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signal_name = signal.Signals(signum).name
+        if self.raise_now:
+            self.raise_now = False
+            raise _Stopped(self.signal_name)
+
+    @contextlib.contextmanager
+    def raising(self):
+        """Signals raise :class:`_Stopped` in this block (one that came before it, on
+        entry). Not with several processes: they must stop together, which the loop
+        arranges (they agree before its first step)."""
+        try:
+            self.raise_now = jax.process_count() == 1
+            if self.raise_now and self.signal_name is not None:
+                self.raise_now = False
+                raise _Stopped(self.signal_name)
+            yield
+        finally:
+            self.raise_now = False
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # None: a handler not set from Python, which cannot be put back
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _source(config: Config, split: str) -> data_lib.TextSource:
@@ -137,8 +168,10 @@ def train(
     (dead pid on this host, or no heartbeat for its ``lease_timeout_s``) is
     taken over with a one-line notice.
 
-    SIGTERM / Ctrl-C finish the current step, save and return. A non-finite
-    loss raises :class:`TrainingError` naming the step; that state is never
+    SIGTERM / Ctrl-C finish the current step, save and return; before the first
+    step (reading the corpus, restoring) they return at once, with nothing new
+    to save (``step`` and ``start_step`` may then be None). A non-finite loss
+    raises :class:`TrainingError` naming the step; that state is never
     saved. ``stop_after`` ends this invocation after that many steps, exactly
     as a SIGTERM would. ``peak_flops`` (per device; default the config's
     ``peak_flops``, else the datasheet figure of a known accelerator) sets the
@@ -150,18 +183,45 @@ def train(
     and ``val_loss``.
     """
     config = config if isinstance(config, Config) else from_configdict(config)
-    created = not os.path.isdir(workdir)
-    _check_workdir(workdir)
-    is_main = jax.process_index() == 0
-    say = log if is_main else (lambda _: None)
+    with _StopFlag() as stop:  # from here on a signal ends the call cleanly
+        created = not os.path.isdir(workdir)
+        _check_workdir(workdir)
+        is_main = jax.process_index() == 0
+        say = log if is_main else (lambda _: None)
+        try:
+            with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
+                show = progress and is_main
+                with stop.raising():
+                    return _train(config, workdir, lease, say, show, stop_after, peak_flops, stop)
+        except _Stopped:
+            if created and is_main:
+                _remove_if_no_files(workdir)
+            checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+            resuming = any(name.isdigit() for name in _listdir(checkpoint_dir))
+            _say_nothing_trained(say, stop.signal_name, checkpoint_dir, resuming)
+            return dict(
+                start_step=None,
+                step=None,
+                checkpoint_dir=checkpoint_dir,
+                stopped_by=stop.signal_name,
+                num_params=None,
+            )
+        except BaseException:
+            if created and is_main:
+                _remove_if_no_files(workdir)
+            raise
+
+
+def _listdir(path: str) -> list[str]:
     try:
-        with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
-            show = progress and is_main
-            return _train(config, workdir, lease, say, show, stop_after, peak_flops)
-    except BaseException:
-        if created and jax.process_index() == 0:
-            _remove_if_no_files(workdir)
-        raise
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _say_nothing_trained(say, signal_name: str, checkpoint_dir: str, resuming: bool) -> None:
+    when = f"before resuming from {checkpoint_dir}" if resuming else "before the first step"
+    say(f"stopped by {signal_name} {when}; there was nothing new to save")
 
 
 def _remove_if_no_files(workdir: str) -> None:
@@ -171,7 +231,7 @@ def _remove_if_no_files(workdir: str) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
+def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, stop):
     if jax.process_count() > 1:
         # Process 0 builds the dataset (and its tokenizer) first, so processes sharing
         # a data_dir never write it at the same time; the others then load it. The
@@ -204,8 +264,9 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops):
         peak_flops = getattr(config, "peak_flops", None)
     try:
         state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
+        stop.raise_now = False  # from here a signal stops the loop (before its first step)
         loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
-        return loop.run(state, step, val_batches, show_progress, stop_after)
+        return loop.run(state, step, val_batches, show_progress, stop_after, stop)
     finally:
         checkpointer.close()
 
@@ -261,7 +322,7 @@ class _Loop:
         self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet read back
         self.summary: dict[str, Any] = {}
 
-    def run(self, state, step, val_batches, show_progress, stop_after) -> dict[str, Any]:
+    def run(self, state, step, val_batches, show_progress, stop_after, stop) -> dict[str, Any]:
         setup, config, checkpointer = self.setup, self.setup.config, self.checkpointer
         total = config.num_train_steps
         self.summary["start_step"] = step
@@ -276,7 +337,7 @@ class _Loop:
             min_interval_s=0,
         )
         saved_step = step if checkpointer.latest_step() == step else None
-        with _StopFlag() as stop, jax.set_mesh(setup.mesh):
+        with jax.set_mesh(setup.mesh):
             try:
                 while step < total and not self._stop_requested(stop, step):
                     state, step_metrics = setup.train_step(
@@ -296,7 +357,8 @@ class _Loop:
                         stop.signal_name = stop.signal_name or "stop_after"
                 if self.pending:
                     self._flush()
-                if saved_step != step:
+                trained = step > self.summary["start_step"] or stop.signal_name is None
+                if saved_step != step and trained:
                     self._save(step, state)
                 checkpointer.wait()
             finally:
@@ -308,7 +370,10 @@ class _Loop:
             stopped_by=stop.signal_name,
             num_params=setup.num_params,
         )
-        if stop.signal_name:
+        if stop.signal_name and not trained:
+            resuming = checkpointer.latest_step() is not None
+            _say_nothing_trained(self.say, stop.signal_name, checkpointer.directory, resuming)
+        elif stop.signal_name:
             self.say(
                 f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
                 f"{checkpointer.directory}"

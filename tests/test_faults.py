@@ -30,9 +30,11 @@ import zstandard
 import lexjax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
+from lexjax import training
 from lexjax.errors import TrainingError
 from lexjax.steps import TrainSetup
 from tests import processes as P
+from tests.helpers import small_config
 
 N = 12
 BASE = {"num_train_steps": N, "checkpoint_every": 2, "keep_checkpoints": 4}
@@ -157,6 +159,68 @@ def test_sigterm_saves_the_current_step_and_exits_0(ctx, reference):
     assert step == N
     assert_same_params(params, ref_params)
     assert_losses_match(workdir, ref_losses)
+
+
+def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
+    """SIGTERM / Ctrl-C while the run sets up (taking the lease, reading the corpus,
+    initialising or restoring) ends it at once: exit 0, one line, no traceback, no
+    lease left behind, nothing written; the next run starts or resumes as usual."""
+    workdir = ctx[0] / "early"
+    ckpts, lease = workdir / "checkpoints", workdir / "lease.json"
+
+    def stopped(sig, read, before):
+        code, out, err = P.kill(proc, sig)
+        assert code == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert (read + out).splitlines()[-1] == (
+            f"stopped by {sig.name} {before}; there was nothing new to save"
+        ), read + out
+        assert not lease.exists()
+
+    proc = P.start(args(ctx, workdir, num_train_steps=4), ctx[3])
+    stopped(signal.SIGTERM, P.read_until(proc, "model: "), "before the first step")
+    assert not list(ckpts.glob("*"))
+    result = P.run(args(ctx, workdir, num_train_steps=4), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model: " in result.stdout and "note:" not in result.stdout, result.stdout
+    assert P.complete_steps(workdir) == [2, 4]
+    saved = tree_digest(ckpts)
+
+    # Ctrl-C as soon as the lease is taken. (Not at "resumed from": the first step
+    # follows it within milliseconds, and a signal in that step saves it, rightly.)
+    proc = P.start(args(ctx, workdir, num_train_steps=8), ctx[3])
+    P.wait_until(lease.exists, proc, poll=0.001)
+    stopped(signal.SIGINT, "", f"before resuming from {ckpts}")
+    assert tree_digest(ckpts) == saved
+
+    result = P.run(args(ctx, workdir, num_train_steps=8), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(f"resumed from {ckpts} at step 4"), result.stdout
+    assert P.complete_steps(workdir)[-1] == 8
+
+
+def test_ctrl_c_in_a_notebook_before_the_first_step(ctx, tmp_path):
+    """An in-process train() (a notebook cell; a kernel interrupt is a SIGINT) stopped
+    while it sets up returns at once, releases the lease and leaves the signal handlers
+    as it found them."""
+    _, files, data_dir, _ = ctx
+    overrides = {"data.name": "textfiles", "data.files": files, "data.data_dir": data_dir}
+    lines = []
+
+    def interrupt_at_model_line(line):
+        lines.append(line)
+        if line.startswith("model: "):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    workdir = tmp_path / "run"
+    summary = training.train(
+        small_config(**overrides), str(workdir), log=interrupt_at_model_line, progress=False
+    )
+    assert summary["stopped_by"] == "SIGINT"
+    assert lines[-1] == "stopped by SIGINT before the first step; there was nothing new to save"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert not workdir.exists()  # created by the call, nothing written: removed
 
 
 def largest_data_file(step_dir) -> pathlib.Path:

@@ -67,6 +67,54 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
     ]
 
 
+def killed_holders_lease(workdir) -> dict:
+    """The lease.json a holder leaves when it is SIGKILLed: taken by a real WorkdirLease
+    in another process that then kills itself."""
+    take = (
+        "import os, signal, sys; from lexjax import lease; "
+        "lease.WorkdirLease(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(P.ROOT), "JAX_PLATFORMS": "cpu"}
+    holder = subprocess.run([sys.executable, "-c", take, str(workdir)], env=env, timeout=120)
+    assert holder.returncode == -signal.SIGKILL
+    return lease_record(workdir)
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path):
+    """A restart that gets the killed holder's pid (a restarted container's job is pid 1
+    again) takes its lease over at once: that pid is now this process, or another live
+    process, one that started after the holder."""
+    record = killed_holders_lease(tmp_path)
+    assert record["host"] == HOST and isinstance(record["pid_start"], int)
+    later = subprocess.Popen(["sleep", "60"])  # a live process with a reused pid
+    try:
+        cases = [
+            (os.getpid(), record["pid_start"], "is this process"),
+            (os.getpid(), None, "is this process"),  # no /proc, or an older lexjax's lease
+            (later.pid, record["pid_start"], "is another process now"),
+        ]
+        for pid, start, what in cases:
+            pathlib.Path(tmp_path, lease_lib.LEASE_FILE).write_text(
+                json.dumps({**record, "pid": pid, "pid_start": start})
+            )
+            notes = []
+            with lease_lib.WorkdirLease(tmp_path, log=notes.append) as lease:
+                assert lease_record(tmp_path)["token"] == lease.token
+            assert notes == [
+                f"note: took over the stale lease of host {HOST} pid {pid} (started "
+                f"{record['started']}): pid {pid} {what} (the holder is gone and its pid "
+                "was reused)"
+            ]
+        # The live process that holds the lease is still its holder.
+        alive = {**record, "pid": later.pid, "pid_start": lease_lib._process_start(later.pid)}
+        pathlib.Path(tmp_path, lease_lib.LEASE_FILE).write_text(json.dumps(alive))
+        with pytest.raises(CheckpointError, match=f"in use by a training job on host {HOST} pid"):
+            lease_lib.WorkdirLease(tmp_path).acquire()
+    finally:
+        later.kill()
+        later.wait()
+
+
 def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 50, timeout_s=60.0)
     with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
