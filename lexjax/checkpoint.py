@@ -335,6 +335,8 @@ class Checkpointer:
                 "shared": len(set(hexdigests)) == 1,
                 "stream": STREAM_VERSION,
             }
+            if (settings := getattr(data_iter, "stream_settings", None)) is not None:
+                integrity["data_iter"]["settings"] = dict(settings)
             items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
         if config is not None:
             items[_CONFIG] = ocp.args.JsonSave(
@@ -718,6 +720,12 @@ class Checkpointer:
         global stream (no "shared" key, more than one process) are positions in
         per-process document shards, which the global stream cannot continue.
         A one-process state was always the global stream's.
+
+        A position saved with the settings its stream depends on (the
+        iterator's ``stream_settings``, recorded by `save`; training's:
+        ``lexjax.training._stream_settings``) is never applied to an iterator
+        of other settings: that repeats or skips data, or fails inside grain.
+        It raises CheckpointError naming each changed setting.
         """
         record = integrity.get("data_iter")
         if record is None:
@@ -742,6 +750,19 @@ class Checkpointer:
                     STREAM_VERSION,
                 )
             return
+        saved, here = record.get("settings"), getattr(data_iter, "stream_settings", None)
+        if saved and here:
+            changed = [
+                f"{name} is {saved[name]} there, {here[name]} here"
+                for name in saved
+                if name in here and saved[name] != here[name]
+            ]
+            if changed:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} holds a position in another "
+                    f"data stream ({'; '.join(changed)}), which would repeat or skip training "
+                    "data; resume with the checkpoint's values or use a new --workdir"
+                )
         shared = record.get("shared", saved_count == 1)
         if not shared and (saved_count != count or "shared" not in record):
             why = (

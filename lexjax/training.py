@@ -136,6 +136,28 @@ def _iterator(config: Config, source, tokenizer, setup: TrainSetup, seed: int, w
     )
 
 
+def _stream_settings(config: Config, source) -> dict[str, Any]:
+    """The settings the training stream, and so the position saved with each
+    checkpoint, depend on (lexjax.checkpoint refuses a position saved under
+    other ones). The document shuffle permutes the source's documents (so their
+    count: the corpus and the passkey/copy mix) with ``seed``, which also seeds
+    the packing and the row shuffle; ``batch_size`` is the packing's bins,
+    ``train_len`` its row length, ``data.shuffle_rows`` the window (0 and 1 are
+    both off) and ``data.worker_count`` where packing runs. The process and
+    device counts are not among them (elastic resume)."""
+    d = config.data
+    return {
+        "train documents": len(getattr(source, "source", source)),  # before the mix
+        "data.passkey_fraction": d.passkey_fraction,
+        "data.copy_fraction": d.copy_fraction,
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "train_len": config.train_len,
+        "data.shuffle_rows": d.shuffle_rows if d.shuffle_rows > 1 else 0,
+        "data.worker_count": d.worker_count,
+    }
+
+
 def _check_workdir(workdir: str) -> None:
     """Creates ``workdir`` if needed; raises CheckpointError unless it is writable."""
     try:
@@ -242,14 +264,11 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
         distributed.any_process(False)
     tokenizer = _tokenizer(config)
     setup = TrainSetup(config)
+    train_source = _train_source(config, tokenizer)
     data_iter = _iterator(
-        config,
-        _train_source(config, tokenizer),
-        tokenizer,
-        setup,
-        config.seed,
-        config.data.worker_count,
+        config, train_source, tokenizer, setup, config.seed, config.data.worker_count
     )
+    data_iter.stream_settings = _stream_settings(config, train_source)  # lexjax.checkpoint
     # Read now, not at the first evaluation: a corpus without a validation split
     # must fail before training, not after eval_every steps of it. The same fixed
     # batches are used at every evaluation.

@@ -287,6 +287,43 @@ def test_the_committed_older_checkpoint_restarts_its_data_stream(caplog):
     assert "older lexjax (stream 1, now 2" in warning
 
 
+def test_a_position_is_refused_by_an_iterator_of_other_stream_settings(tmp_path):
+    """The settings an iterator's stream depends on (``stream_settings``) are saved with
+    its position; an iterator of other settings refuses it (CheckpointError naming each
+    change) instead of repeating or skipping data. Settings known to one side only, and
+    positions saved without settings (older checkpoints), restore as before."""
+
+    def make_iter(**settings):
+        it = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+        if settings:
+            it.stream_settings = settings
+        return it
+
+    mesh = mesh_of(8)
+    state = make_state(mesh, rows=8)
+    it = make_iter(seed=0, shuffle=1024)
+    for _ in range(3):
+        next(it)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(3, state, data_iter=it)
+    ckpt.save(4, state, data_iter=make_iter())  # no settings: as saved before they were
+    ckpt.wait()
+    integrity = json.loads((tmp_path / "ckpt" / "3" / "integrity" / "metadata").read_text())
+    assert integrity["data_iter"]["settings"] == {"seed": 0, "shuffle": 1024}
+    target = abstract(state, mesh)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(3, abstract_state=target, data_iter=make_iter(seed=1, shuffle=16))
+    assert "(seed is 0 there, 1 here; shuffle is 1024 there, 16 here)" in str(e.value)
+    assert "resume with the checkpoint's values or use a new --workdir" in str(e.value)
+    for resumed in (make_iter(seed=0, shuffle=1024, new=1), make_iter()):
+        ckpt.restore(3, abstract_state=target, data_iter=resumed)
+        assert next(resumed).tolist() == [12, 13, 14, 15]
+    resumed = make_iter(seed=1, shuffle=16)
+    ckpt.restore(4, abstract_state=target, data_iter=resumed)
+    assert next(resumed).tolist() == [0, 1, 2, 3]
+    ckpt.close()
+
+
 def truncate(step_dir, value):
     for f, _ in data_files_holding(step_dir, value):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])

@@ -31,7 +31,7 @@ import lexjax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import training
-from lexjax.errors import TrainingError
+from lexjax.errors import CheckpointError, TrainingError
 from lexjax.steps import TrainSetup
 from tests import processes as P
 from tests.helpers import small_config
@@ -508,6 +508,30 @@ def test_checkpoints_of_another_model_shape(ctx, reference):
     result = P.run(args(ctx, workdir, **{"model.d_model": 64}), ctx[3])
     line = one_error_line(result)
     assert "holds checkpoints of another model (differs in model.d_model)" in line, line
+    assert tree_digest(workdir) == before
+
+
+@pytest.mark.parametrize(
+    "change, detail",
+    [
+        ({"data.shuffle_rows": 16}, "data.shuffle_rows is 1024 there, 16 here"),
+        ({"data.worker_count": 1}, "data.worker_count is 0 there, 1 here"),
+    ],
+    ids=["shuffle_rows", "worker_count"],
+)
+def test_resume_with_other_data_stream_settings_is_refused(ctx, reference, change, detail):
+    """The saved data position belongs to the stream of its settings: applied to
+    another one it re-trained rows already seen (shuffle_rows) or failed inside grain
+    (worker_count, a KeyError traceback). One line, exit 4, nothing written."""
+    workdir = ctx[0] / f"other-stream-{next(iter(change)).split('.')[-1]}"
+    shutil.copytree(reference[0], workdir)
+    before = tree_digest(workdir)
+    result = P.run(args(ctx, workdir, num_train_steps=N + 2, **change), ctx[3])
+    line = one_error_line(result)
+    assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
+    assert f"checkpoint step {N} in {workdir / 'checkpoints'} holds a position in another" in line
+    assert f"data stream ({detail})" in line, line
+    assert "resume with the checkpoint's values or use a new --workdir" in line, line
     assert tree_digest(workdir) == before
 
 

@@ -23,7 +23,10 @@ rows its devices hold, `lexjax.sharding.process_rows`). The global batches,
 their order and the iterator's state are therefore the same for any process
 count, equal on every process, and a state saved by n processes restores on
 m: an elastic resume neither repeats nor skips a document. (They do depend
-on `worker_count`: resume with the same one.) The price is that every
+on the source's documents, `seq_len`, `batch_size`, `seed`, `shuffle_rows`
+and `worker_count`: a state saved under other ones means another position,
+and training refuses to resume from it, `lexjax.training._stream_settings`.)
+The price is that every
 process reads, tokenizes and packs every document, n times the host work of
 a pipeline that shards documents by process; per process it is the work of
 a one-process run, and `worker_count` moves it to worker processes.
