@@ -4,9 +4,11 @@ session, not once per run), and helpers to watch, signal and read a run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -171,3 +173,23 @@ def kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 120):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+@contextlib.contextmanager
+def tmpfs(path: pathlib.Path, size: str):
+    """A tmpfs of `size` at `path`, or None where this process may not mount."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        yield None
+        return
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+    try:
+        yield path if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)

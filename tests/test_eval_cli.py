@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lexjax import checkpoint
+from tests.processes import tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -401,8 +402,6 @@ def test_a_sentencepiece_run_evaluates_and_generates_with_its_own_tokenizer(tmp_
 def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workdir, tmp_path):
     """A read-only workdir (a tmpfs remounted read-only; a chmod for a non-root user):
     eval.py says so, exit 4, before it computes what it could not keep."""
-    from tests.test_faults import tmpfs
-
     with tmpfs(tmp_path / "ro", "4m") as mount:
         copy = (mount or tmp_path / "ro") / "run"
         shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval", "lease.json"))
@@ -423,7 +422,6 @@ def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workd
 def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_path):
     from lexjax import reports
     from lexjax.errors import CheckpointError
-    from tests.test_faults import tmpfs
 
     with tmpfs(tmp_path / "full", "64k") as mount:
         if mount is None:

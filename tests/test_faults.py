@@ -408,26 +408,6 @@ def test_nan_before_any_checkpoint_says_there_is_none(ctx):
     ), line
 
 
-@contextlib.contextmanager
-def tmpfs(path: pathlib.Path, size: str):
-    """A tmpfs of `size` at `path`, or None where this process may not mount."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        yield None
-        return
-    mounted = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-        ).returncode
-        == 0
-    )
-    try:
-        yield path if mounted else None
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 def _file_size_limit(limit: int):
     def limit_writes():  # in the child, before exec: writes past `limit` fail with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -439,7 +419,7 @@ def _file_size_limit(limit: int):
 def test_read_only_workdir(ctx, reference):
     """A read-only filesystem (a tmpfs remounted read-only; without mount rights,
     chmod for a non-root user) holding a finished run: one error line, nothing changed."""
-    with tmpfs(ctx[0] / "ro", "4m") as mount:
+    with P.tmpfs(ctx[0] / "ro", "4m") as mount:
         workdir = (mount or ctx[0] / "ro") / "run"
         shutil.copytree(reference[0], workdir)
         if mount is not None:
@@ -467,7 +447,7 @@ def test_workdir_that_cannot_be_created(ctx):
 def test_full_disk(ctx):
     """A 300 KiB tmpfs (room for the logs, not for a checkpoint); without mount
     rights, a 100 KiB file-size limit (RLIMIT_FSIZE) on the process instead."""
-    with tmpfs(ctx[0] / "full", "300k") as mount:
+    with P.tmpfs(ctx[0] / "full", "300k") as mount:
         workdir = (mount or ctx[0] / "full") / "run"
         kwargs = {} if mount else {"preexec_fn": _file_size_limit(100 * 1024)}
         result = P.run(args(ctx, workdir), ctx[3], **kwargs)
@@ -481,7 +461,7 @@ def test_full_disk(ctx):
 def test_disk_filling_up_before_a_save(ctx):
     """The disk fills while training runs; the next save fails as it starts (orbax's
     synchronous part), which once gave no step and stray RuntimeWarnings on stderr."""
-    with tmpfs(ctx[0] / "filling", "20m") as mount:
+    with P.tmpfs(ctx[0] / "filling", "20m") as mount:
         if mount is None:
             pytest.skip("needs a tmpfs (root and mount)")
         workdir = mount / "run"
