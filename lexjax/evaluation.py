@@ -872,8 +872,6 @@ def evaluate_run(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
     check_rope_scaling(rope_scaling, rope_factor, config.model.position)
-    out_dir = os.path.join(workdir, "eval")
-    reports.check_writable(out_dir)  # before minutes of computation, not after
     if rope_scaling != "none":
         scaled = dataclasses.replace(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
@@ -903,6 +901,8 @@ def evaluate_run(
     ]
     if len(missing) == len(modes) * len(lengths):
         raise EvaluationError(f"no length can be evaluated as asked: {missing[0]['reason']}")
+    out_dir = os.path.join(workdir, "eval")
+    reports.check_writable(out_dir)  # every setting checked: before the computation, not after
     results = perplexity(
         model,
         params,

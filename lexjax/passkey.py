@@ -333,12 +333,23 @@ def parse_depths(values) -> list[float] | None:
     return sorted(set(depths))
 
 
-def check_settings(*, trials: int, filler: str, seed: int = 0) -> None:
-    """Raises :class:`ConfigError` for a trial count, filler kind or seed out of range."""
+def check_settings(
+    *, trials: int, filler: str, seed: int = 0, depths: Sequence[float] = DEPTHS
+) -> list[float]:
+    """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
+    of range; returns the depths sorted, without repeats."""
     check_seed(seed)
     check_int("--passkey_trials", trials)
     if filler not in FILLERS:
         raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
+    return _sorted_depths(depths)
+
+
+def _sorted_depths(depths: Sequence[float]) -> list[float]:
+    depths = sorted(set(float(d) for d in depths))
+    if not depths or not all(0 <= d <= 1 for d in depths):  # NaN fails every comparison
+        raise ConfigError(f"depths must be in [0, 1], got {depths}")
+    return depths
 
 
 def cell_problem(
@@ -397,14 +408,12 @@ def passkey_accuracy(
     :func:`lexjax.evaluation.perplexity`.
     """
     lengths = sorted(set(int(n) for n in lengths))
-    depths = sorted(set(float(d) for d in depths))
+    depths = _sorted_depths(depths)
     for mode in modes:
         if mode not in evaluation.MODES:
             raise EvaluationError(f"mode {mode!r}: choose from {', '.join(evaluation.MODES)}")
     if not lengths or lengths[0] < 1:
         raise EvaluationError(f"lengths must be positive, got {lengths}")
-    if not depths or not all(0 <= d <= 1 for d in depths):  # NaN fails every comparison
-        raise ConfigError(f"depths must be in [0, 1], got {depths}")
     if trials < 1:
         raise EvaluationError(f"trials must be positive, got {trials}")
     cells = evaluation.usable_cells(
@@ -501,14 +510,13 @@ def evaluate_passkey(
     the evaluation mesh (``params`` sharded on it, called under
     ``jax.set_mesh``); the samples of a batch are split over its batch axes.
     """
-    check_settings(trials=trials, filler=filler, seed=seed)
+    depths = check_settings(
+        trials=trials, filler=filler, seed=seed, depths=DEPTHS if depths is None else depths
+    )
     train_len, position = config.train_len, config.model.position
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)
-    out_dir = os.path.join(workdir, "eval")
-    reports.check_writable(out_dir)  # before the trials, not after
-    depths = sorted(set(DEPTHS if depths is None else depths))
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
         source, stream = _text_filler(config, eval_files, max_docs, tokenizer, say)
@@ -520,6 +528,8 @@ def evaluate_passkey(
     ]
     if len(skipped) == len(modes) * len(lengths):
         raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}")
+    out_dir = os.path.join(workdir, "eval")
+    reports.check_writable(out_dir)  # every setting checked: before the trials, not after
     results = passkey_accuracy(
         Decoder(config.model, shard_lib.rules(config)),
         params,

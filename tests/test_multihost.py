@@ -174,9 +174,11 @@ def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
     done = P.run([f"--workdir={one}", *greedy], env8, program="eval.py")
     assert done.returncode == 0, done.stderr[-3000:]
     (text, _), (silent, _) = _eval_pair(ctx, two, *greedy)
-    gloo = ("[Gloo]", "peer ranks")
-    text = "".join(x for x in text.splitlines(keepends=True) if not any(g in x for g in gloo))
-    assert text == done.stdout and text.startswith("alpha beta"), (text, done.stdout)
+    # gloo's C++ lines share the pipe with Python's and once left a blank line ahead
+    # of the text (CI of this test, 2026-12-03): compare what is not gloo's.
+    lines = lambda out: [x for x in out.splitlines(keepends=True) if not _gloo(x)]
+    assert lines(text) == lines(done.stdout), (text, done.stdout)
+    assert lines(text)[0].startswith("alpha beta"), text
     assert [line for line in silent.splitlines() if not _gloo(line)] == []
 
 
