@@ -497,9 +497,13 @@ class Checkpointer:
 
     def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
         """The config dict saved with `step` (default: latest), or None if none was."""
-        step = self._pick_step(step)
+        return self._read_one(self._read_config, self._pick_step(step))
+
+    def _read_one(self, read: Any, step: int) -> Any:
+        """``read(step)`` of a step named by the caller (no other to fall back to):
+        damage is a CheckpointError."""
         try:
-            return self._read_config(step)
+            return read(step)
         except _Damaged as e:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} is damaged: {e}"
@@ -521,12 +525,7 @@ class Checkpointer:
     def restore_tokenizer_json(self, step: int) -> dict[str, Any] | None:
         """The tokenizer record saved with `step`, checked against its checksum,
         or None if none was saved (checkpoints of an older lexjax)."""
-        try:
-            return self._read_tokenizer(step)
-        except _Damaged as e:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is damaged: {e}"
-            ) from e
+        return self._read_one(self._read_tokenizer, step)
 
     def _read_tokenizer(self, step: int) -> dict[str, Any] | None:
         if not (self._step_dir(step) / _TOKENIZER).is_dir():
@@ -597,10 +596,7 @@ class Checkpointer:
             s, (state, config) = self._newest_good(read)
             return state, config, s
         s = self._pick_step(step)
-        try:
-            state, config = read(s)
-        except _Damaged as e:
-            raise CheckpointError(f"checkpoint step {s} in {self.directory} is damaged: {e}") from e
+        state, config = self._read_one(read, s)
         return state, config, s
 
     def _newest_good(self, read: Any) -> tuple[int, Any]:

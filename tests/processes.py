@@ -16,6 +16,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -193,3 +194,15 @@ def tmpfs(path: pathlib.Path, size: str):
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def make_read_only(mount: pathlib.Path | None, tree: pathlib.Path) -> None:
+    """Makes ``tree`` read-only: a remount of its tmpfs ``mount`` (from :func:`tmpfs`),
+    else, for a non-root user, a chmod (which does not stop root: then the test skips)."""
+    if mount is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    elif os.geteuid() != 0:
+        for p in [tree, *tree.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+    else:
+        pytest.skip("root without mount rights: nothing makes a directory read-only")

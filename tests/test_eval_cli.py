@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lexjax import checkpoint
-from tests.processes import tmpfs
+from tests.processes import make_read_only, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -405,13 +405,7 @@ def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workd
     with tmpfs(tmp_path / "ro", "4m") as mount:
         copy = (mount or tmp_path / "ro") / "run"
         shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval", "lease.json"))
-        if mount is not None:
-            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-        elif os.geteuid() != 0:
-            for p in [copy, *copy.rglob("*")]:
-                p.chmod(p.stat().st_mode & ~0o222)
-        else:
-            pytest.skip("root without mount rights: nothing makes a directory read-only")
+        make_read_only(mount, copy)
         for more in (["--max_docs=1"], ["--passkey", "--lengths=96"]):
             done = _run("eval.py", f"--workdir={copy}", *more)
             # Notes on the documents chosen may come first; the error is the one last line.

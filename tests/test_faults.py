@@ -422,13 +422,7 @@ def test_read_only_workdir(ctx, reference):
     with P.tmpfs(ctx[0] / "ro", "4m") as mount:
         workdir = (mount or ctx[0] / "ro") / "run"
         shutil.copytree(reference[0], workdir)
-        if mount is not None:
-            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-        elif os.geteuid() != 0:
-            for p in [workdir, *workdir.rglob("*")]:
-                p.chmod(p.stat().st_mode & ~0o222)
-        else:
-            pytest.skip("root without mount rights: nothing makes a directory read-only")
+        P.make_read_only(mount, workdir)
         before = tree_digest(workdir)
         line = one_error_line(P.run(args(ctx, workdir, num_train_steps=N + 2), ctx[3]))
         assert f"workdir {workdir} is not writable" in line, line
