@@ -14,7 +14,9 @@ holds four items::
     tokenizer/   metadata: the tokenizer as JSON (a SentencePiece model in
                  base64), so evaluation and generation use the training one
     integrity/   metadata: JSON with a sha256 of every state leaf and of
-                 every process's iterator state, and whether those agree
+                 every process's iterator state, whether those agree, and the
+                 settings the saved position belongs to (a resume under other
+                 ones is refused)
   DIR/superseded/<step>-<time>/   steps moved aside by `save` (never deleted)
 
 Complete: orbax finalized the step (it writes into
