@@ -10,11 +10,13 @@ state. The step itself is :mod:`lexjax.steps`; what is measured and written is
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,26 +49,44 @@ class _StopFlag:
     a signal raises :class:`_Stopped`, ending the call at once: the ``finally``
     blocks on its way out release the lease. Elsewhere it is a request to stop
     after the current step. A second Ctrl-C stops at once.
+
+    A handler runs wherever the main thread is, also inside a callback whose
+    exceptions Python only reports ("Exception ignored in ...": a gc callback of
+    JAX's, a ``__del__``). There :func:`_unraisable` swallows the report and has
+    the signal delivered again, so that it raises where it ends the call.
     """
 
     def __init__(self):
         self.signal_name: str | None = None
-        self.raise_now = False
+        self._raising = False
+        self._again = False
         self._previous = {}
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
+        _install_unraisable_hook()
+        _active.append(self)
         return self
 
     def _handle(self, signum, frame):
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signal_name = signal.Signals(signum).name
-        if self.raise_now:
-            self.raise_now = False
+        again, self._again = self._again, False
+        if not again:
+            if self.signal_name is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C stops at once
+            self.signal_name = signal.Signals(signum).name
+        if self._raising:
             raise _Stopped(self.signal_name)
+
+    def deliver_again(self) -> None:
+        """The :class:`_Stopped` raised was swallowed by a callback: raise it anew,
+        from another thread a moment later, once the callback (and the hook that
+        reports it, where a handler's exception would be swallowed too) is done."""
+        if self._raising and self.signal_name is not None:
+            self._again = True
+            signum = signal.Signals[self.signal_name]
+            threading.Timer(0.01, _thread.interrupt_main, (signum,)).start()
 
     @contextlib.contextmanager
     def raising(self):
@@ -74,18 +94,39 @@ class _StopFlag:
         entry). Not with several processes: they must stop together, which the loop
         arranges (they agree before its first step)."""
         try:
-            self.raise_now = jax.process_count() == 1
-            if self.raise_now and self.signal_name is not None:
-                self.raise_now = False
+            self._raising = jax.process_count() == 1
+            if self._raising and self.signal_name is not None:
                 raise _Stopped(self.signal_name)
             yield
         finally:
-            self.raise_now = False
+            self._raising = False
 
     def __exit__(self, *exc):
+        _active.remove(self)
         for sig, handler in self._previous.items():
             # None: a handler not set from Python, which cannot be put back
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+_active: list[_StopFlag] = []  # the train() calls running, innermost last
+
+
+def _install_unraisable_hook(installed: list[bool] = []) -> None:  # noqa: B006 (once)
+    """Once per process: a :class:`_Stopped` swallowed by a callback is delivered
+    again (:meth:`_StopFlag.deliver_again`); every other report goes to the hook
+    found."""
+    if installed:
+        return
+    previous = sys.unraisablehook
+
+    def unraisable(report):
+        if isinstance(report.exc_value, _Stopped) and _active:
+            _active[-1].deliver_again()
+        else:
+            previous(report)
+
+    sys.unraisablehook = unraisable
+    installed.append(True)
 
 
 def _source(config: Config, split: str) -> data_lib.TextSource:
@@ -283,7 +324,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
         peak_flops = getattr(config, "peak_flops", None)
     try:
         state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
-        stop.raise_now = False  # from here a signal stops the loop (before its first step)
+        stop._raising = False  # from here a signal stops the loop (before its first step)
         loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
         return loop.run(state, step, val_batches, show_progress, stop_after, stop)
     finally:

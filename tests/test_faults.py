@@ -12,6 +12,7 @@ repeated nor skipped a batch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -197,6 +198,33 @@ def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(f"resumed from {ckpts} at step 4"), result.stdout
     assert P.complete_steps(workdir)[-1] == 8
+
+
+def test_a_signal_that_lands_in_a_gc_callback_still_stops_the_setup(capsys):
+    """A signal handler runs wherever the main thread is, also inside a garbage-collector
+    callback (JAX registers one), where an exception is only printed as "Exception
+    ignored in ..." (CI once showed that traceback, and setup went on). The stop must
+    still end the set-up, with nothing printed."""
+    sent = []
+
+    def callback(phase, info):
+        if phase == "start" and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, inside the callback
+                pass
+
+    with training._StopFlag() as stop:
+        gc.callbacks.append(callback)
+        try:
+            with pytest.raises(training._Stopped), stop.raising():
+                gc.collect()
+                for _ in range(10_000_000):  # where the stop is raised again
+                    pass
+        finally:
+            gc.callbacks.remove(callback)
+    assert sent and stop.signal_name == "SIGTERM"
+    assert "Exception ignored" not in capsys.readouterr().err
 
 
 def test_ctrl_c_in_a_notebook_before_the_first_step(ctx, tmp_path):
