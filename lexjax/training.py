@@ -254,25 +254,22 @@ def train(
         try:
             with lease_lib.hold(workdir, timeout_s=lease_timeout_s, log=say) as lease:
                 show = progress and is_main
-                with stop.raising():
-                    return _train(config, workdir, lease, say, show, stop_after, peak_flops, stop)
-        except _Stopped:
+                return _train(config, workdir, lease, say, show, stop_after, peak_flops, stop)
+        except BaseException as e:
             if created and is_main:
                 _remove_if_no_files(workdir)
-            checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-            resuming = any(name.isdigit() for name in _listdir(checkpoint_dir))
-            _say_nothing_trained(say, stop.signal_name, checkpoint_dir, resuming)
-            return dict(
-                start_step=None,
-                step=None,
-                checkpoint_dir=checkpoint_dir,
-                stopped_by=stop.signal_name,
-                num_params=None,
-            )
-        except BaseException:
-            if created and is_main:
-                _remove_if_no_files(workdir)
-            raise
+            if not isinstance(e, _Stopped):
+                raise
+        checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+        resuming = any(name.isdigit() for name in _listdir(checkpoint_dir))
+        _say_nothing_trained(say, stop.signal_name, checkpoint_dir, resuming)
+        return dict(
+            start_step=None,
+            step=None,
+            checkpoint_dir=checkpoint_dir,
+            stopped_by=stop.signal_name,
+            num_params=None,
+        )
 
 
 def _listdir(path: str) -> list[str]:
@@ -295,36 +292,39 @@ def _remove_if_no_files(workdir: str) -> None:
 
 
 def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, stop):
-    if jax.process_count() > 1:
-        # Process 0 builds the dataset (and its tokenizer) first, so processes sharing
-        # a data_dir never write it at the same time; the others then load it. The
-        # byte tokenizer needs no build, so the source is opened explicitly.
-        if jax.process_index() == 0:
-            _tokenizer(config)
-            _source(config, "train")
-        distributed.any_process(False)
-    tokenizer = _tokenizer(config)
-    setup = TrainSetup(config)
-    train_source = _train_source(config, tokenizer)
-    data_iter = _iterator(
-        config, train_source, tokenizer, setup, config.seed, config.data.worker_count
-    )
-    data_iter.stream_settings = _stream_settings(config, train_source)  # lexjax.checkpoint
-    # Read now, not at the first evaluation: a corpus without a validation split
-    # must fail before training, not after eval_every steps of it. The same fixed
-    # batches are used at every evaluation.
-    val_iter = _iterator(config, _source(config, "validation"), tokenizer, setup, seed=0)
-    val_batches = [next(val_iter) for _ in range(config.eval_batches)]
-    checkpointer = ckpt_lib.Checkpointer(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
-        keep=config.keep_checkpoints,
-        on_corrupt=config.on_corrupt_checkpoint,
-    )
+    # Until the loop is set up a signal ends the call (stop.raising); in the loop it
+    # stops after the current step.
+    with stop.raising():
+        if jax.process_count() > 1:
+            # Process 0 builds the dataset (and its tokenizer) first, so processes sharing
+            # a data_dir never write it at the same time; the others then load it. The
+            # byte tokenizer needs no build, so the source is opened explicitly.
+            if jax.process_index() == 0:
+                _tokenizer(config)
+                _source(config, "train")
+            distributed.any_process(False)
+        tokenizer = _tokenizer(config)
+        setup = TrainSetup(config)
+        train_source = _train_source(config, tokenizer)
+        data_iter = _iterator(
+            config, train_source, tokenizer, setup, config.seed, config.data.worker_count
+        )
+        data_iter.stream_settings = _stream_settings(config, train_source)  # lexjax.checkpoint
+        # Read now, not at the first evaluation: a corpus without a validation split
+        # must fail before training, not after eval_every steps of it. The same fixed
+        # batches are used at every evaluation.
+        val_iter = _iterator(config, _source(config, "validation"), tokenizer, setup, seed=0)
+        val_batches = [next(val_iter) for _ in range(config.eval_batches)]
+        checkpointer = ckpt_lib.Checkpointer(
+            os.path.join(os.path.abspath(workdir), "checkpoints"),
+            keep=config.keep_checkpoints,
+            on_corrupt=config.on_corrupt_checkpoint,
+        )
     if peak_flops is None:
         peak_flops = getattr(config, "peak_flops", None)
     try:
-        state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
-        stop._raising = False  # from here a signal stops the loop (before its first step)
+        with stop.raising():  # (a signal that came in between raises on entry)
+            state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
         loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
         return loop.run(state, step, val_batches, show_progress, stop_after, stop)
     finally:
