@@ -511,10 +511,17 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.directory} is damaged: {e}"
             ) from e
 
+    def _has_item(self, step: int, item: str) -> bool:
+        """Whether `step` holds `item` (older lexjax saved fewer); a step directory
+        that is gone was deleted while being read (`_newest_good`)."""
+        if (self._step_dir(step) / item).is_dir():
+            return True
+        if not self._step_dir(step).is_dir():
+            raise _Damaged("its directory is gone")
+        return False
+
     def _read_config(self, step: int) -> dict[str, Any] | None:
-        if not (self._step_dir(step) / _CONFIG).is_dir():
-            if not self._step_dir(step).is_dir():
-                raise _Damaged("its directory is gone")
+        if not self._has_item(step, _CONFIG):
             return None
         try:
             restored = self._manager.restore(
@@ -530,9 +537,7 @@ class Checkpointer:
         return self._read_one(self._read_tokenizer, step)
 
     def _read_tokenizer(self, step: int) -> dict[str, Any] | None:
-        if not (self._step_dir(step) / _TOKENIZER).is_dir():
-            if not self._step_dir(step).is_dir():
-                raise _Damaged("its directory is gone")
+        if not self._has_item(step, _TOKENIZER):
             return None
         try:
             record = self._manager.restore(
