@@ -242,7 +242,5 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     """
     workdir = os.fspath(workdir)
     with _quiet_orbax_notices():
-        config, params, step, mesh, tokenizer = evaluation.load_on_mesh(
-            workdir, with_tokenizer=True
-        )
+        config, params, step, mesh, tokenizer = evaluation.load_on_mesh(workdir)
     return Run(workdir, config, params, step, tokenizer, mesh)

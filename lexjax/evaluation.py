@@ -995,21 +995,18 @@ def evaluate_run(
     return results, written
 
 
-def load_on_mesh(workdir: str, devices=None, *, with_tokenizer: bool = False):
-    """``(config, params, step, mesh)`` of the newest good checkpoint in ``workdir``:
-    the mesh is the run's (``sharding.eval_mesh``: its preset and mesh config
-    re-fitted to ``devices``, default all) and every parameter is read directly
-    into its sharding there, never gathered onto one device. ``with_tokenizer``:
-    the step's tokenizer too, as a fifth item, read with the same step."""
+def load_on_mesh(workdir: str, devices=None):
+    """``(config, params, step, mesh, tokenizer)`` of the newest good checkpoint in
+    ``workdir``: the mesh is the run's (``sharding.eval_mesh``: its preset and mesh
+    config re-fitted to ``devices``, default all) and every parameter is read
+    directly into its sharding there, never gathered onto one device; the
+    tokenizer is the one saved with that step, read with it."""
     meshes = []
 
     def shardings(config: Config):
         meshes.append(shard_lib.eval_mesh(config, devices))
         return shard_lib.model_param_shardings(config, meshes[-1])
 
-    if not with_tokenizer:
-        config, params, step = checkpoint.load_params(workdir, sharding=shardings)
-        return config, params, step, meshes[-1]
     config, params, step, tokenizer = checkpoint.load_params_and_tokenizer(
         workdir, sharding=shardings
     )
