@@ -21,9 +21,10 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from lexjax import hugepages
+    from lexjax import hugepages, signals
 
     hugepages.reexec_with_hugepages()  # before JAX loads; see lexjax/hugepages.py
+    signals.defer()  # a stop while JAX loads ends the run at its start (exit 0)
 
 from absl import app, flags, logging
 

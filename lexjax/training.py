@@ -25,7 +25,7 @@ import jax
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
-from lexjax import distributed, metrics, passkey
+from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict, model_differences, to_dict
@@ -66,6 +66,7 @@ class _StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
+        self.signal_name = signals.take_deferred()  # one while the program started
         _install_unraisable_hook()
         _active.append(self)
         return self

@@ -200,6 +200,26 @@ def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
     assert P.complete_steps(workdir)[-1] == 8
 
 
+def test_a_signal_while_jax_loads_exits_0(ctx):
+    """SIGTERM while train.py is still importing JAX, before train() has its handlers,
+    is acted on once train() starts: exit 0 with the same line, not status 143."""
+    workdir = ctx[0] / "importing"
+    proc = P.start(args(ctx, workdir), ctx[3])
+
+    def loading_jax():  # jaxlib's extension is mapped: `import jax` is under way
+        with contextlib.suppress(OSError):
+            return "jaxlib" in pathlib.Path(f"/proc/{proc.pid}/maps").read_text()
+
+    P.wait_until(loading_jax, proc, poll=0.001)
+    code, out, err = P.kill(proc, signal.SIGTERM)
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert out.splitlines()[-1] == (
+        "stopped by SIGTERM before the first step; there was nothing new to save"
+    ), out
+    assert not workdir.exists()
+
+
 def test_a_signal_that_lands_in_a_gc_callback_still_stops_the_setup(capsys):
     """A signal handler runs wherever the main thread is, also inside a garbage-collector
     callback (JAX registers one), where an exception is only printed as "Exception
