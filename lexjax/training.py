@@ -181,15 +181,17 @@ def _iterator(config: Config, source, tokenizer, setup: TrainSetup, seed: int, w
 def _stream_settings(config: Config, source) -> dict[str, Any]:
     """The settings the training stream, and so the position saved with each
     checkpoint, depend on (lexjax.checkpoint refuses a position saved under
-    other ones). The document shuffle permutes the source's documents (so their
-    count: the corpus and the passkey/copy mix) with ``seed``, which also seeds
+    other ones). The document shuffle permutes the source's documents (the
+    corpus's build, named by its fingerprint, their count and the passkey/copy
+    mix) with ``seed``, which also seeds
     the packing and the row shuffle; ``batch_size`` is the packing's bins,
     ``train_len`` its row length, ``data.shuffle_rows`` the window (0 and 1 are
     both off) and ``data.worker_count`` where packing runs. The process and
     device counts are not among them (elastic resume)."""
-    d = config.data
+    d, documents = config.data, getattr(source, "source", source)  # before the mix
     return {
-        "train documents": len(getattr(source, "source", source)),  # before the mix
+        "train corpus": getattr(documents, "build", None),
+        "train documents": len(documents),
         "data.passkey_fraction": d.passkey_fraction,
         "data.copy_fraction": d.copy_fraction,
         "seed": config.seed,

@@ -557,6 +557,28 @@ def test_resume_with_other_data_stream_settings_is_refused(ctx, reference, chang
     assert tree_digest(workdir) == before
 
 
+def test_resume_on_another_corpus_of_as_many_documents_is_refused(ctx, reference):
+    """The same number of files with other text: the saved position would index
+    documents of another corpus; the two builds' names (their fingerprints) differ."""
+    corpus = ctx[0] / "swapped"
+    files = P.write_corpus(corpus)
+    (corpus / "doc3.txt").write_text("alpha beta " * 50)
+    workdir = ctx[0] / "other-corpus"
+    shutil.copytree(reference[0], workdir)
+    before = tree_digest(workdir)
+    result = P.run(
+        P.train_args(workdir, files, ctx[2], **{**BASE, "num_train_steps": N + 2}), ctx[3]
+    )
+    line = one_error_line(result)
+    assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
+    assert re.search(
+        r"data stream \(train corpus is textfiles/\w+/[\d.]+ there, "
+        r"textfiles/\w+/[\d.]+ here\)",
+        line,
+    ), line
+    assert tree_digest(workdir) == before
+
+
 def test_corpus_edge_cases_train(ctx):
     """Empty, binary, invalid UTF-8 and a 3 MB single-line file among ordinary ones:
     the byte tokenizer takes them all."""

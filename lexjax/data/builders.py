@@ -566,6 +566,13 @@ class TextSource:
     def __len__(self) -> int:
         return len(self._records)
 
+    @property
+    def build(self) -> str | None:
+        """The dataset's ``name/config/version``; a built corpus's config is its
+        fingerprint, so another corpus (even of as many documents) has another."""
+        info = getattr(self._records, "dataset_info", None)
+        return getattr(info, "full_name", None)
+
     def __getitem__(self, index: int) -> bytes:
         text = self._records[index][self._text_feature]
         return text.encode("utf-8") if isinstance(text, str) else bytes(text)
