@@ -84,6 +84,9 @@ class Run:
     step: int
     tokenizer: Tokenizer  # the one it was trained with: encode, decode, bos, eos, num_bytes
     mesh: jax.sharding.Mesh  # the run's mesh re-fitted to the devices here; params live on it
+    # The corpus build it trained on (name/fingerprint/version; None: not recorded).
+    # Evaluating on its held-out split refuses another build, which may hold trained text.
+    corpus: str | None = None
 
     @property
     def model(self) -> Decoder:
@@ -153,6 +156,7 @@ class Run:
                 resolution=resolution,
                 figure=figure,
                 tokenizer=self.tokenizer,
+                corpus=self.corpus,
                 mesh=self.mesh,
                 rope_scaling=rope_scaling,
                 rope_factor=rope_factor,
@@ -193,6 +197,7 @@ class Run:
                 max_docs=max_docs,
                 seed=seed,
                 tokenizer=self.tokenizer,
+                corpus=self.corpus,
                 mesh=self.mesh,
             )
         return results
@@ -242,5 +247,7 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     """
     workdir = os.fspath(workdir)
     with _quiet_orbax_notices():
-        config, params, step, mesh, tokenizer = evaluation.load_on_mesh(workdir)
-    return Run(workdir, config, params, step, tokenizer, mesh)
+        loaded, mesh = evaluation.load_on_mesh(workdir)
+    return Run(
+        workdir, loaded.config, loaded.params, loaded.step, loaded.tokenizer, mesh, loaded.corpus
+    )

@@ -54,7 +54,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import grain
@@ -826,11 +826,23 @@ def load_params(
     that returns either; default one device. Each array is read directly into
     its sharding.
     """
-    config, params, step, _ = _load(workdir, sharding, tokenizer=False)
-    return config, params, step
+    loaded = _load(workdir, sharding, tokenizer=False)
+    return loaded.config, loaded.params, loaded.step
 
 
-def _load(workdir, sharding, *, tokenizer: bool) -> tuple[Config, PyTree, int, Any]:
+class Loaded(NamedTuple):
+    """What evaluation reads of a run: one step's parameters, config and tokenizer,
+    and ``corpus``, the ``name/config/version`` of the corpus build it trained on
+    (:attr:`lexjax.data.TextSource.build`; None where the step did not record it)."""
+
+    config: Config
+    params: PyTree
+    step: int
+    tokenizer: Any
+    corpus: str | None
+
+
+def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     """`load_params`, and the tokenizer of the same step if `tokenizer` (else
     None). Its record is checked either way, so every reader picks the same step."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax: absolute
@@ -853,20 +865,20 @@ def _load(workdir, sharding, *, tokenizer: bool) -> tuple[Config, PyTree, int, A
         shardings = sharding(config) if callable(sharding) else sharding
         params = _restore_params(checkpointer, step, abstract_params(config), shardings)
         tok = _tokenizer_of(checkpointer, step, stored, record) if tokenizer else None
-        return config, params, tok
+        stream = checkpointer._read_integrity(step).get("data_iter") or {}
+        return config, params, tok, (stream.get("settings") or {}).get("train corpus")
 
     try:
-        step, (config, params, tok) = checkpointer._newest_good(read)
+        step, (config, params, tok, corpus) = checkpointer._newest_good(read)
     finally:
         checkpointer.close()
-    return config, params, step, tok
+    return Loaded(config, params, step, tok, corpus)
 
 
-def load_params_and_tokenizer(
-    workdir: str | os.PathLike[str], *, sharding: Any = None
-) -> tuple[Config, PyTree, int, data_lib.Tokenizer]:
-    """:func:`load_params` and the tokenizer saved with the same step, read together
-    (a training run writing meanwhile may delete that step once it is read)."""
+def load_params_and_tokenizer(workdir: str | os.PathLike[str], *, sharding: Any = None) -> Loaded:
+    """:func:`load_params` and the tokenizer and corpus recorded with the same step,
+    read together (a training run writing meanwhile may delete that step once it
+    is read)."""
     return _load(workdir, sharding, tokenizer=True)
 
 

@@ -679,13 +679,16 @@ def held_out_documents(
     say=_stderr,
     splits=("test", "validation"),
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    corpus: str | None = None,
 ):
     """``(where, documents)``: the held-out text as int32 token arrays of
     ``tokenizer`` (the run's: :func:`lexjax.checkpoint.load_tokenizer`) and its
     description — the files of ``eval_files`` (a glob), else the first of the run
     dataset's ``splits`` it has (by default ``test``, else ``validation``).
-    Raises :class:`DataError` when the text cannot be read, or when the run's
-    corpus build holds another tokenizer than ``tokenizer``."""
+    Raises :class:`DataError` when the text cannot be read, when the corpus build
+    of ``config.data`` is not ``corpus`` (the build the run trained on, where
+    recorded: the files changed since, so its held-out split may hold text the
+    run trained on), or when the build holds another tokenizer than ``tokenizer``."""
     try:
         if eval_files:
             root, relpaths = glob_files(eval_files)
@@ -696,6 +699,21 @@ def held_out_documents(
                     docs.append(tokenizer.encode_document(f.read()))
             return f"{len(relpaths)} files of {eval_files}", docs
         d = config.data
+        for split, fallback in zip(splits, [*splits[1:], None]):
+            try:
+                source = data_lib.load_source(d.name, split, **d.corpus())
+            except ValueError as e:
+                if fallback is None:
+                    raise
+                say(f"note: {e}; using the {fallback} split")
+                continue
+            break
+        if corpus is not None and source.build != corpus:
+            raise DataError(
+                f"the {d.name} corpus changed since this run trained on it (build {corpus} "
+                f"then, {source.build} now): its {split} split may hold text the run trained "
+                "on; restore the files, or evaluate on other text with --eval_files"
+            )
         built = data_lib.load_tokenizer(
             d.tokenizer, d.vocab_size, d.name, **d.corpus(), train=False
         )
@@ -705,16 +723,8 @@ def held_out_documents(
                 f"{tokenizer.describe()} one this run was trained with; evaluate with "
                 "--eval_files or rebuild the corpus the run was trained on"
             )
-        for split, fallback in zip(splits, [*splits[1:], None]):
-            try:
-                source = data_lib.load_source(d.name, split, **d.corpus())
-            except ValueError as e:
-                if fallback is None:
-                    raise
-                say(f"note: {e}; using the {fallback} split")
-                continue
-            docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
-            return f"{d.name} {split} split", docs
+        docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
+        return f"{d.name} {split} split", docs
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):
             raise
@@ -850,6 +860,7 @@ def evaluate_run(
     figure: bool = False,
     say: Callable[[str], None] = _stderr,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    corpus: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rope_scaling: str = "none",
     rope_factor: float = 0.0,
@@ -867,7 +878,8 @@ def evaluate_run(
     ``rope_factor``: an inference-time RoPE extension of an xpos/rope run
     (``model.rope_scaling``/``rope_factor``; factor 0: each length / train_len),
     recorded in the settings, the file name and every result. Returns the
-    perplexity results and the paths written."""
+    perplexity results and the paths written. ``corpus``: the build the run trained
+    on (:attr:`lexjax.api.Run.corpus`), see :func:`held_out_documents`."""
     lengths = check_settings(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
@@ -891,7 +903,9 @@ def evaluate_run(
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
     max_length = budget(train_len, lengths, max_length)
-    where, documents = held_out_documents(config, eval_files, say, tokenizer=tokenizer)
+    where, documents = held_out_documents(
+        config, eval_files, say, tokenizer=tokenizer, corpus=corpus
+    )
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     missing = [
         {"mode": m, "length": n, "reason": problem}
@@ -996,18 +1010,17 @@ def evaluate_run(
 
 
 def load_on_mesh(workdir: str, devices=None):
-    """``(config, params, step, mesh, tokenizer)`` of the newest good checkpoint in
-    ``workdir``: the mesh is the run's (``sharding.eval_mesh``: its preset and mesh
-    config re-fitted to ``devices``, default all) and every parameter is read
-    directly into its sharding there, never gathered onto one device; the
-    tokenizer is the one saved with that step, read with it."""
+    """``(loaded, mesh)``: the newest good checkpoint in ``workdir``
+    (:class:`lexjax.checkpoint.Loaded`: config, params, step, and the tokenizer and
+    corpus recorded with that step, read with it) and the run's mesh
+    (``sharding.eval_mesh``: its preset and mesh config re-fitted to ``devices``,
+    default all). Every parameter is read directly into its sharding there, never
+    gathered onto one device."""
     meshes = []
 
     def shardings(config: Config):
         meshes.append(shard_lib.eval_mesh(config, devices))
         return shard_lib.model_param_shardings(config, meshes[-1])
 
-    config, params, step, tokenizer = checkpoint.load_params_and_tokenizer(
-        workdir, sharding=shardings
-    )
-    return config, params, step, meshes[-1], tokenizer
+    loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
+    return loaded, meshes[-1]

@@ -471,8 +471,10 @@ def passkey_accuracy(
     return results
 
 
-def _text_filler(config, eval_files, max_docs, tokenizer, say) -> tuple[str, np.ndarray]:
-    where, documents = evaluation.held_out_documents(config, eval_files, say, tokenizer=tokenizer)
+def _text_filler(config, eval_files, max_docs, tokenizer, corpus, say) -> tuple[str, np.ndarray]:
+    where, documents = evaluation.held_out_documents(
+        config, eval_files, say, tokenizer=tokenizer, corpus=corpus
+    )
     bodies = [d[1:-1] for d in documents[:max_docs]]
     stream = np.concatenate(bodies) if bodies else np.zeros(0, np.int32)
     if not len(stream):
@@ -495,6 +497,7 @@ def evaluate_passkey(
     max_docs: int = 20,
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    corpus: str | None = None,
     say: Callable[[str], None] = _stderr,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[list[PasskeyResult], list[str]]:
@@ -519,7 +522,7 @@ def evaluate_passkey(
     ) or default_lengths(train_len)
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
-        source, stream = _text_filler(config, eval_files, max_docs, tokenizer, say)
+        source, stream = _text_filler(config, eval_files, max_docs, tokenizer, corpus, say)
     skipped = [
         {"mode": m, "length": n, "reason": problem}
         for m in modes

@@ -155,6 +155,60 @@ def _one_line_error(done, code, *fragments):
         assert fragment in lines[0]
 
 
+def test_eval_refuses_a_corpus_changed_since_training(tmp_path):
+    """Three files are split within each file; with forty they are split by file, and
+    a file whose first 90% was training text becomes test text. eval.py must not
+    score the model on it: the run records the build it trained on."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "\n",
+    ]
+
+    def write(i, n):
+        (corpus / f"book{i}.txt").write_text(" ".join(rng.choice(words, size=n)) + "\n")
+
+    for i in range(3):
+        write(i, 3000)
+    data = [
+        "--config.data.name=textfiles",
+        f"--config.data.files={corpus}/*.txt",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+    ]
+    workdir = f"--workdir={tmp_path / 'run'}"
+    done = _run("train.py", *TINY, *data, workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    short = ["--lengths=32", "--max_length=32", "--modes=bca"]
+    done = _run("eval.py", workdir, *short)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "textfiles test split" in done.stdout, done.stdout
+
+    for i in range(3, 40):
+        write(i, 300)
+    done = _run("eval.py", workdir, *short)
+    assert done.returncode == 3, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: the textfiles corpus changed since this run trained on it \(build "
+        r"textfiles/\w+/[\d.]+ then, textfiles/\w+/[\d.]+ now\): its test split may hold "
+        r"text the run trained on; restore the files, or evaluate on other text with "
+        r"--eval_files",
+        line,
+    ), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_bad_input_is_one_line(workdir, tmp_path):
     import jax
 

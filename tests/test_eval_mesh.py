@@ -76,12 +76,12 @@ def test_eight_devices_give_one_devices_perplexities(preset, mesh):
 @needs_8
 def test_load_on_mesh_reads_parameters_into_their_shardings():
     """An old workdir (model.remat stored as a bool) loads onto the 8-device mesh."""
-    config, params, step, mesh, _ = evaluation.load_on_mesh(FIXTURE)
+    (config, params, step, _, _), mesh = evaluation.load_on_mesh(FIXTURE)
     assert (step, dict(mesh.shape)) == (6, {"data": 8, "fsdp": 1, "tensor": 1})
     assert config.model.remat_policy == "none"
     want = shard_lib.model_param_shardings(config, mesh)
     jax.tree.map(lambda p, s: p.sharding.is_equivalent_to(s, p.ndim) or pytest.fail(), params, want)
-    _, one, _, _, _ = evaluation.load_on_mesh(FIXTURE, jax.devices()[:1])
+    (_, one, *_), _ = evaluation.load_on_mesh(FIXTURE, jax.devices()[:1])
     jax.tree.map(np.testing.assert_array_equal, params, one)
 
 
