@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +106,9 @@ def context(
     frequencies, so a chunk's queries and all earlier keys share one s.
     ``xpos_norotate``: XPOS tables with θ_i = 0 (decay only).
     """
+    if position not in get_args(PositionKind):
+        known = ", ".join(get_args(PositionKind))
+        raise ValueError(f"position={position!r} is unknown; use one of {known}")
     q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
     q_rotary = k_rotary = bias = None
     if position in ("xpos", "rope", "xpos_norotate"):

@@ -35,6 +35,20 @@ __all__ = ["Decoder", "count_params", "remat_policy"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def _check_config(c) -> None:
+    """A ModelConfig built by hand (not by :func:`lexjax.config.make_config`, which
+    checks everything) fails here with one line, not deep inside Flax (an unknown
+    ``position`` fails in :func:`lexjax.attention.context`)."""
+    for name in ("dtype", "param_dtype"):
+        if getattr(c, name) not in _DTYPES:
+            raise ConfigError(f"model.{name}={getattr(c, name)!r}: use {', '.join(_DTYPES)}")
+    if not isinstance(c.vocab_size, int) or c.vocab_size < 1:
+        raise ConfigError(
+            f"model.vocab_size={c.vocab_size!r}: give a positive int, or build the config "
+            "with lexjax.make_config (it sets the tokenizer's)"
+        )
+
+
 def _init(axes, scale=1.0):
     return nn.with_logical_partitioning(
         nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal"), axes
@@ -241,6 +255,7 @@ class Decoder(nn.Module):
         return_scores: bool = False,
     ):
         c = self.config
+        _check_config(c)
         if (window is not None or sinks is not None) and cache is None:
             raise ValueError("window and sinks apply to a call with a cache")
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]

@@ -1,5 +1,7 @@
 """The decoder: causality (also across packed documents), caches, layer options, over-fitting."""
 
+import dataclasses
+
 import chex
 import flax.linen as nn
 import jax
@@ -170,3 +172,20 @@ def test_remat_policies_keep_the_gradients_and_save_what_they_name(scan_layers, 
         assert f"named '{name}'" in saved["dots_except_mlp"]
         assert f"named '{name}'" not in saved["full"]
     assert "named 'mlp" not in saved["dots_except_mlp"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"position": "XPOS"}, "position='XPOS' is unknown"),
+        ({"dtype": "fp16"}, "model.dtype='fp16'"),
+        ({"vocab_size": None}, "model.vocab_size=None"),
+    ],
+)
+def test_a_model_config_made_by_hand_is_checked(change, message):
+    """An unknown position encoded no position at all (the logits of position
+    'none'); a bad dtype was a KeyError, vocab_size None a TypeError deep in Flax."""
+    config = small_config()
+    model = Decoder(dataclasses.replace(config.model, **change))
+    with pytest.raises(ValueError, match=message):
+        model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
