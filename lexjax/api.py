@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import jax
 
 from lexjax import evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, from_configdict
+from lexjax.config import Config, check_path, from_configdict
 from lexjax.data import Tokenizer
 from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
@@ -67,6 +68,13 @@ def _quiet_orbax_notices():
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+def _listed(value):
+    """One value where a sequence is expected (``lengths=256``, ``modes="bca"``) as a
+    list of it; a string is one mode, not a sequence of letters."""
+    one = isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool)
+    return [value] if one else value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,9 +155,9 @@ class Run:
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=lengths,
+                lengths=_listed(lengths),
                 max_length=max_length,
-                modes=tuple(modes),
+                modes=tuple(_listed(modes)),
                 sinks=sinks,
                 eval_files=eval_files,
                 max_docs=max_docs,
@@ -188,10 +196,10 @@ class Run:
                 self.params,
                 self.step,
                 self.workdir,
-                lengths=lengths,
+                lengths=_listed(lengths),
                 depths=depths,
                 trials=trials,
-                modes=tuple(modes),
+                modes=tuple(_listed(modes)),
                 filler=filler,
                 eval_files=eval_files,
                 max_docs=max_docs,
@@ -245,7 +253,7 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     Raises :class:`lexjax.errors.CheckpointError` when there is none. Needs no
     lease: it reads while training runs, and only complete steps.
     """
-    workdir = os.fspath(workdir)
+    workdir = check_path("workdir", workdir)
     with _quiet_orbax_notices():
         loaded, mesh = evaluation.load_on_mesh(workdir)
     return Run(

@@ -499,6 +499,13 @@ def check_int(name: str, value, low: int = 1, high: int | None = None, bound: st
     return int(value)
 
 
+def check_path(name: str, value) -> str:
+    """``value`` (a str or ``os.PathLike``) as a str; else a one-line :class:`ConfigError`."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
+    return os.fspath(value)
+
+
 def check_seed(seed) -> int:
     """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
     return check_int("seed", seed, 0, 2**32, "an integer in [0, 2**32)")

@@ -28,7 +28,7 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, from_configdict, model_differences, to_dict
+from lexjax.config import Config, check_path, from_configdict, model_differences, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -248,7 +248,9 @@ def train(
     ``loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec`` (``mfu``)
     and ``val_loss``.
     """
-    config = config if isinstance(config, Config) else from_configdict(config)
+    # A Config built by hand or with dataclasses.replace is checked like any other.
+    config = from_configdict(to_dict(config) if isinstance(config, Config) else config)
+    workdir = check_path("workdir", workdir)
     with _StopFlag() as stop:  # from here on a signal ends the call cleanly
         created = not os.path.isdir(workdir)
         _check_workdir(workdir)

@@ -1,6 +1,7 @@
 """The public API in one process: train → load → evaluate → generate on a tiny config,
 checked against forward passes computed here, and `import lexjax` stays light."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,6 +75,22 @@ def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_train_checks_a_config_built_by_hand(tmp_path):
+    """A Config made with dataclasses.replace is checked as make_config checks one: an
+    unknown position trained silently as no position encoding, and the run could not
+    be loaded afterwards."""
+    config = lexjax.make_config({"train_len": 32})
+    bad = dataclasses.replace(config, model=dataclasses.replace(config.model, position="XPOS"))
+    with pytest.raises(ConfigError, match="model.position='XPOS'"):
+        lexjax.train(bad, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="train_len=33"):
+        lexjax.train(dataclasses.replace(config, train_len=33), str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="workdir must be a path"):
+        lexjax.train(config, 5)
+    assert not os.path.exists(tmp_path / "run")
+    assert len(dir(lexjax)) == len(set(dir(lexjax)))
+
+
 def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         lexjax.load(tmp_path)
@@ -134,6 +151,9 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         (run.generate, (123,), {}, "prompt must be text"),
         (run.generate, ("x",), {"max_new_tokens": 2.7}, "max_new_tokens=2.7"),
         (run.generate, ("x",), {"top_k": 1.5}, "top_k=1.5"),
+        (run.generate, ("x",), {"temperature": "1"}, "temperature must be finite and ≥ 0"),
+        (run.evaluate, ("32",), {}, "lengths='32' must be a positive integer"),
+        (lexjax.load, (None,), {}, "workdir must be a path"),
     ]:
         with pytest.raises(ConfigError, match=f"^{message}"):
             verb(*args, **kwargs)
@@ -155,6 +175,9 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
             np.testing.assert_allclose(r.nll, expected, rtol=1e-5)
             np.testing.assert_allclose(r.perplexity, np.exp(expected), rtol=1e-5)
     assert os.path.exists(os.path.join(workdir, "eval", "perplexity.json"))
+    # One length and one mode need no list.
+    (one,) = run.evaluate(16, modes="bca", eval_files=str(docs / "*.txt"), **numpy)
+    assert (one.mode, one.length) == ("bca", 16)
 
     # Generation starts from BOS by itself: greedy tokens within one training
     # length equal greedy decoding by full forward passes over [BOS, prompt, ...].
