@@ -27,6 +27,7 @@ appended; memory grows with the sequence.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -164,14 +165,22 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
     tokens (0: all) and to the smallest set whose probability reaches ``top_p``
     (1: all; the most likely token is always kept)."""
+    return _sample(
+        logits_BxV, rng, temperature, top_k, top_p, greedy=temperature == 0, nucleus=top_p < 1.0
+    )
+
+
+def _sample(logits_BxV, rng, temperature, top_k: int, top_p, *, greedy: bool, nucleus: bool):
+    """:func:`sample_logits` with ``temperature`` and ``top_p`` possibly traced: which
+    steps apply (``greedy``, ``top_k``, ``nucleus``) is static."""
     logits = logits_BxV.astype(jnp.float32)
-    if temperature == 0:
+    if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
+    if nucleus:
         ordered = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs
@@ -190,29 +199,42 @@ def check_sampling(
     seed: int = 0,
 ) -> None:
     """Raises :class:`ConfigError` for sampling parameters out of range."""
-    if not 0 <= temperature < float("inf"):  # NaN too
-        raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
+    if not _real(temperature) or not 0 <= temperature < float("inf"):  # NaN too
+        raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature!r}")
     check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+    if not _real(top_p) or not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
     check_int("max_new_tokens", max_new_tokens)
     check_seed(seed)
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # Tokens sampled per compiled call of generate(): the steps of its progress display.
 CHUNK = 1024
 
 
+def _chunk(max_new_tokens: int) -> int:
+    """Tokens per compiled call: ``max_new_tokens`` rounded up to a power of two
+    (≥ 16) up to 128, then to a multiple of 128, at most :data:`CHUNK`; so other
+    counts share a compilation, for at most 127 surplus tokens (dropped)."""
+    if max_new_tokens <= 128:
+        return min(CHUNK, 1 << max(4, (max_new_tokens - 1).bit_length()))
+    return min(CHUNK, -(-max_new_tokens // 128) * 128)
+
+
 @functools.cache
 def _compiled_generate(
-    model: Decoder, block: int, temperature: float, top_k: int, top_p: float, mode: str = "bca"
+    model: Decoder, block: int, greedy: bool, top_k: int, nucleus: bool, mode: str = "bca"
 ):
-    def run(params, logits_BxV, state, keys_N):
+    def run(params, logits_BxV, state, keys_N, temperature, top_p):
         """One token per key: ``(tokens_BxN, the logits and state after them)``."""
 
         def step(carry, key):
             logits, state = carry
-            token = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+            token = _sample(logits, key, temperature, top_k, top_p, greedy=greedy, nucleus=nucleus)
             if mode == "bca":
                 logits, state = _decode(model, params, state, token, block)
             else:
@@ -254,23 +276,29 @@ def generate(
     result may be shorter (the tokens it has are the same).
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
+    max_new_tokens = int(max_new_tokens)  # numpy's too
     if mode not in MODES:
         raise EvaluationError(f"generation mode {mode!r}: choose from {', '.join(MODES)}")
     if mode == "bca":
         logits, state = prefill(model, params, prompt_BxP, block=block)
     else:
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
-    run = _compiled_generate(model, block, float(temperature), int(top_k), float(top_p), mode)
-    # Every call samples `chunk` tokens, so one compilation serves them all: the last
-    # call's surplus tokens come after every kept one and are dropped (as are their
-    # cache writes past the end, in mode full).
-    chunk = min(CHUNK, max_new_tokens)
+    # Temperature and top_p are arguments: a new value compiles nothing.
+    run = _compiled_generate(model, block, temperature == 0, int(top_k), top_p < 1.0, mode)
+    sampling = jnp.float32(temperature), jnp.float32(top_p)
+    # Every call samples `chunk` tokens, so one compilation serves them all (and other
+    # max_new_tokens): the surplus tokens come after every kept one and are dropped (as
+    # are their cache writes past the end, in mode full).
+    chunk = _chunk(max_new_tokens)
     keys = jax.random.split(rng, max_new_tokens)
-    keys = jnp.concatenate([keys, keys[: -max_new_tokens % chunk]])
+    surplus = -max_new_tokens % chunk
+    keys = jnp.concatenate([keys, jnp.repeat(keys[:1], surplus, axis=0)])
     bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
     pieces, stopped_B = [], False
     for start in range(0, max_new_tokens, chunk):
-        tokens_BxC, logits, state = run(params, logits, state, keys[start : start + chunk])
+        tokens_BxC, logits, state = run(
+            params, logits, state, keys[start : start + chunk], *sampling
+        )
         pieces.append(tokens_BxC)
         if bar.enabled:  # wait for the chunk, so the display follows the computation
             jax.block_until_ready(tokens_BxC)
@@ -280,7 +308,7 @@ def generate(
             if stopped_B.all():
                 break
     bar.close()
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
+    return jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
 
 
 def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):

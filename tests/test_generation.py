@@ -204,3 +204,26 @@ def test_sampling_settings_out_of_range_are_config_errors(model_params, setting)
     name = next(iter(setting))
     with pytest.raises(ConfigError, match=f"^{name}"):
         generation.complete(RUN_CONFIG, model_params[1], "ab", max_new_tokens=2, **setting)
+
+
+def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
+    """A notebook asking for 100, then 101 tokens, or sweeping temperature or top_p,
+    paid a full compilation each time (seconds, against milliseconds of decoding)."""
+    model, params = model_params
+    prompt = jnp.ones((1, 3), jnp.int32)
+    generation._compiled_generate.cache_clear()
+    calls = [(100, 1.0, 1.0), (101, 1.0, 1.0), (70, 0.7, 1.0), (90, 1.3, 0.9), (100, 1.0, 0.5)]
+    out = {}
+    for n, temperature, top_p in calls:
+        out[n, temperature, top_p] = generation.generate(
+            model, params, prompt, block=W, max_new_tokens=n, rng=jax.random.key(0),
+            temperature=temperature, top_p=top_p,
+        )  # fmt: skip
+        assert out[n, temperature, top_p].shape == (1, n)
+    plain = generation._compiled_generate(model, W, False, 0, False, "bca")
+    nucleus = generation._compiled_generate(model, W, False, 0, True, "bca")
+    assert generation._compiled_generate.cache_info().currsize == 2
+    assert (plain._cache_size(), nucleus._cache_size()) == (1, 1)
+    # The same keys: 101 tokens begin with the 100, and the values still matter.
+    np.testing.assert_array_equal(out[101, 1.0, 1.0][:, :100], out[100, 1.0, 1.0])
+    assert not np.array_equal(out[100, 1.0, 0.5], out[100, 1.0, 1.0])
