@@ -223,13 +223,14 @@ def _compiled_sinks(model: Decoder, block: int, sinks: int):
 def _check_sink_count(block: int, sinks: int) -> None:
     try:
         sink_window(block, sinks)
-    except ValueError as e:
-        raise EvaluationError(str(e)) from None
+    except ValueError as e:  # a setting out of its range, as --sinks=-1 is
+        raise ConfigError(str(e)) from None
 
 
 def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
-    """Raises :class:`EvaluationError` when the sink + window mode cannot run:
-    a sink count outside ``0 … train_len/2``, or an absolute position encoding."""
+    """Raises :class:`ConfigError` for a sink count outside ``0 … train_len/2``,
+    :class:`EvaluationError` for an absolute position encoding (the sink + window
+    mode cannot run)."""
     _check_sink_count(block, sinks)
     if config.position in ABSOLUTE_ENCODINGS:
         raise EvaluationError(

@@ -12,6 +12,7 @@ import pytest
 
 from lexjax import evaluation
 from lexjax.blockwise import sink_window
+from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 from tests import paper
 from tests.helpers import SMALL_MODEL, TRAIN_LEN
@@ -147,7 +148,7 @@ def test_sink_counts_outside_the_first_block_are_refused():
         with pytest.raises(ValueError, match="sinks must be an integer"):
             sink_window(W, bad)
     model, params = _model("xpos")
-    with pytest.raises(evaluation.EvaluationError, match="sinks must be an integer"):
+    with pytest.raises(ConfigError, match="sinks must be an integer"):
         evaluation.sinks_logprobs(model, params, _tokens(1, 9), W, W + 1)
 
 
@@ -177,7 +178,7 @@ def test_perplexity_reports_the_sinks_mode():
     tokens = jnp.asarray(np.stack(docs))
     nll = -float(jnp.mean(evaluation.sinks_logprobs(model, params, tokens, W)))
     assert result.nll == pytest.approx(nll, rel=1e-5)
-    with pytest.raises(evaluation.EvaluationError, match="sinks must be an integer"):
+    with pytest.raises(ConfigError, match="sinks must be an integer"):
         evaluation.perplexity(model, params, docs, [TRAIN_LEN], block=W, modes=["sinks"], sinks=9)
 
 
