@@ -4,6 +4,7 @@ import collections
 import glob
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,19 @@ def test_text_source_is_raw_bytes(corpus):
     assert len(source) == sum(builders.split_of(n) == "train" for n in corpus["names"])
     assert all(isinstance(source[i], bytes) for i in range(len(source)))
     assert "tensorflow" not in sys.modules
+
+
+def test_sources_pickle_for_grain_worker_processes(corpus, tmp_path):
+    """grain hands the source to its worker processes pickled (data.worker_count >= 1);
+    TFDS pickles a builder as its base arguments, which cannot make a corpus builder."""
+    sources = [
+        data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"]),
+        data.load_source("python_stdlib", "train", tmp_path, max_files=12),
+    ]
+    for source in sources:
+        copy = pickle.loads(pickle.dumps(source))
+        assert copy.build == source.build
+        assert [copy[i] for i in range(len(copy))] == [source[i] for i in range(len(source))]
 
 
 def test_split_is_stable_disjoint_and_roughly_90_5_5():

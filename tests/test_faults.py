@@ -602,6 +602,19 @@ def test_corpus_edge_cases_train(ctx):
     assert "trained 2 steps" in result.stdout
 
 
+def test_grain_worker_processes_train(ctx, tmp_path):
+    """data.worker_count=1: the corpus's source reaches a grain worker process (it
+    failed to unpickle there, a traceback for every built-in corpus)."""
+    result = P.run(
+        args(
+            ctx, tmp_path / "run", num_train_steps=2, checkpoint_every=2, **{"data.worker_count": 1}
+        ),
+        ctx[3],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps" in result.stdout
+
+
 def test_glob_matching_nothing(ctx):
     files = str(ctx[0] / "nowhere" / "*.txt")
     result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])

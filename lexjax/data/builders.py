@@ -374,6 +374,16 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         config = tfds.core.BuilderConfig(name=plan.fingerprint[:16])
         super().__init__(config=config, file_format=file_format, **kwargs)
 
+    # A data source of this builder reaches grain's worker processes pickled, and
+    # TFDS pickles a builder as its base arguments (data_dir, config, version),
+    # which cannot make this one: it is made from its plan.
+    def __getstate__(self):
+        return {"plan": self.plan, "data_dir": self._original_state["data_dir"]}
+
+    def __setstate__(self, state):
+        with _quiet_tfds():  # "Using custom data configuration", in every worker
+            self.__init__(**state)
+
     # TFDS looks beside a builder's source file for checksums and metadata
     # files; these builders download nothing and have none. Saying so also
     # skips tfds 4.9.10's import of the undeclared `importlib_resources`
