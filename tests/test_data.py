@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -627,6 +628,27 @@ def test_explicit_validation_and_test_files_override(tmp_path):
     assert list(ranges["validation"]) == ["val.txt"]
     assert sorted(ranges["test"]) == ["a.txt", "b.txt", "test.txt"]
     assert "val.txt" not in ranges["train"]
+
+
+def test_symlinks_are_the_file_they_point_to(tmp_path):
+    """A symlink to a file, a symlinked directory and a symlink loop under ** put no
+    file's bytes in two splits and count each file once (each path used to be a file
+    of its own, with its own path hash: the same text in train and in test)."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for i in range(40):
+        (real / f"doc{i}.txt").write_text(f"document {i}\n" * 3)
+    (real / "copy.txt").symlink_to(real / "doc0.txt")
+    (tmp_path / "alias").symlink_to(real)
+    (real / "loop").symlink_to(real)
+    plan = data.plan_corpus("textfiles", str(tmp_path / "**" / "*.txt"))
+    assert plan.num_files == 40
+    homes = collections.defaultdict(list)
+    for split, pieces in plan.pieces.items():
+        for piece in pieces:
+            homes[os.path.realpath(piece.path)].append(split)
+            assert re.fullmatch(r"real/doc\d+\.txt", piece.relpath)  # the path with no symlink
+    assert len(homes) == 40 and all(len(splits) == 1 for splits in homes.values())
 
 
 def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatch):

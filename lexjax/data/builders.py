@@ -26,6 +26,9 @@ The split rule (no byte is ever in two splits):
    test. Each cut moves forward to the next line start (within 64 KiB, else the
    next UTF-8 character start).
 
+A path reached through symlinks is the file it points to (its real path): one
+file, in one split, counted once.
+
 Files are read in bounded pieces: a document is at most 4 MiB (a longer file or
 piece becomes several documents, cut at line starts), so a file of hundreds of
 MB is streamed. Empty files and binary files (a NUL byte in the first 8 KiB)
@@ -235,6 +238,25 @@ def _snap(f, size: int, offset: int) -> int:
     return size
 
 
+def _distinct(root: str, relpaths: list[str], taken: set[str]) -> list[str]:
+    """The `relpaths` (under `root`) that are distinct files not in `taken` (real
+    paths), whose real paths are then added to it: a symlink to a file, or a path
+    through a symlinked directory (or a loop of them under `**`), is the file it
+    points to, so its bytes are never in two splits or counted twice. Of several
+    paths of one file, one without a symlink is kept, else the first in order."""
+    real_root = os.path.realpath(root)
+    paths = []
+    for relpath in relpaths:
+        real = os.path.realpath(os.path.join(root, relpath))
+        paths.append((real != os.path.join(real_root, relpath), relpath, real))
+    by_real: dict[str, str] = {}
+    for _, relpath, real in sorted(paths):
+        if real not in taken:
+            by_real.setdefault(real, relpath)
+    taken.update(by_real)
+    return sorted(by_real.values())
+
+
 def plan_splits(
     pool: tuple[str, list[str]], explicit: dict[str, tuple[str, list[str]]] | None = None
 ) -> Plan:
@@ -259,14 +281,12 @@ def plan_splits(
 
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
-        for relpath in text_files(split, root, relpaths):
-            taken.add(os.path.realpath(os.path.join(root, relpath)))
+        for relpath in text_files(split, root, _distinct(root, relpaths, taken)):
             pieces[split].append(
                 Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
             )
     root, relpaths = pool
-    relpaths = [r for r in relpaths if os.path.realpath(os.path.join(root, r)) not in taken]
-    pool_files = text_files("pool", root, relpaths)
+    pool_files = text_files("pool", root, _distinct(root, relpaths, taken))
     num_files = len(pool_files) + sum(len(p) for p in pieces.values())
     if not pool_files:
         raise DataError(_no_text("training", skipped))
