@@ -31,7 +31,7 @@ import zstandard
 import lexjax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
-from lexjax import training
+from lexjax import data, training
 from lexjax.errors import CheckpointError, TrainingError
 from lexjax.steps import TrainSetup
 from tests import processes as P
@@ -613,6 +613,28 @@ def test_grain_worker_processes_train(ctx, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 2 steps" in result.stdout
+
+
+def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):
+    """A shared read-only data_dir holding the corpus's build but no SentencePiece
+    model of this vocab_size: one line, exit 3, nothing written (was an OSError
+    traceback, exit 1)."""
+    with P.tmpfs(tmp_path / "ro", "16m") as mount:
+        data_dir = (mount or tmp_path / "ro") / "tfds"
+        data.prepare("textfiles", data_dir, ctx[1])
+        P.make_read_only(mount, data_dir)
+        before = tree_digest(data_dir)
+        overrides = {"data.tokenizer": "sentencepiece", "data.vocab_size": 280}
+        result = P.run(P.train_args(tmp_path / "run", ctx[1], data_dir, **overrides), ctx[3])
+        line = one_error_line(result)
+        assert result.returncode == 3, line
+        assert re.fullmatch(
+            rf"error: data\.data_dir={data_dir}: cannot create \S+/sentencepiece-280\.model "
+            r"\(Read-only file system\); choose a writable data\.data_dir",
+            line,
+        ), line
+        assert tree_digest(data_dir) == before
+        assert not (tmp_path / "run").exists()
 
 
 def test_glob_matching_nothing(ctx):

@@ -544,10 +544,7 @@ def prepare(
             os.O_WRONLY | os.O_CREAT | os.O_APPEND,
         )
     except OSError as e:
-        raise DataError(
-            f"data.data_dir={data_dir}: cannot create {e.filename} ({e.strerror}); "
-            "choose a writable data.data_dir"
-        ) from e
+        raise _unwritable(data_dir, e, e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         builder, prepared = builder_of_plan()
@@ -564,6 +561,13 @@ def prepare(
             replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
+
+
+def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
+    return DataError(
+        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); "
+        "choose a writable data.data_dir"
+    )
 
 
 @contextlib.contextmanager
@@ -741,7 +745,12 @@ def load_tokenizer(
     finally:
         print(f" {time.perf_counter() - start:.0f} s", flush=True)
     partial = f"{path}.tmp{os.getpid()}"
-    with open(partial, "wb") as f:
-        f.write(trained.model_proto)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            f.write(trained.model_proto)
+        os.replace(partial, path)
+    except OSError as e:  # a shared read-only data_dir, a full disk
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise _unwritable(resolve_data_dir(data_dir), e, path) from e
     return trained
