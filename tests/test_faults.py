@@ -637,6 +637,52 @@ def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_build(ctx):
+    """ctx's corpus built, with a SentencePiece model of 280 ids, in a data_dir of its own."""
+    data_dir = ctx[0] / "sp-tfds"
+    data.load_tokenizer("sentencepiece", 280, "textfiles", data_dir, ctx[1])
+    [model] = data_dir.glob("textfiles/*/*/sentencepiece-280.model")
+    return data_dir, model.parent.relative_to(data_dir)
+
+
+def _flip_byte(path, offset=1000):
+    content = bytearray(path.read_bytes())
+    content[offset] ^= 0xFF
+    path.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize(
+    "damage,damaged,workdir_left",
+    [
+        (lambda b: os.truncate(b / "textfiles-train.array_record-00000-of-00001", 100), "build", 0),
+        # A flipped byte in a record not read when the split opens is found by the
+        # first batch, when the run has written its tensorboard file.
+        (lambda b: _flip_byte(b / "textfiles-train.array_record-00000-of-00001"), "build", 1),
+        (lambda b: (b / "dataset_info.json").write_text("garbage\n"), "build", 0),
+        (lambda b: os.truncate(b / "sentencepiece-280.model", 100), "model", 0),
+    ],
+    ids=["truncated_array_record", "flipped_byte", "garbled_dataset_info", "truncated_model"],
+)
+def test_a_damaged_corpus_build_is_one_line(
+    ctx, sentencepiece_build, tmp_path, damage, damaged, workdir_left
+):
+    """A build in data_dir damaged after it was written: one line naming it and saying
+    to delete it, exit 3, no workdir left (was a traceback, exit 1, and a workdir)."""
+    data_dir = tmp_path / "tfds"
+    shutil.copytree(sentencepiece_build[0], data_dir)
+    build = data_dir / sentencepiece_build[1]
+    damage(build)
+    overrides = {"data.tokenizer": "sentencepiece", "data.vocab_size": 280}
+    result = P.run(P.train_args(tmp_path / "run", ctx[1], data_dir, **overrides), ctx[3])
+    line = one_error_line(result)
+    assert result.returncode == 3, line
+    what = "corpus build" if damaged == "build" else "SentencePiece model"
+    named = build if damaged == "build" else build / "sentencepiece-280.model"
+    assert line.startswith(f"error: the {what} {named} is damaged; delete it and run again"), line
+    assert (tmp_path / "run").exists() == workdir_left
+
+
 def test_glob_matching_nothing(ctx):
     files = str(ctx[0] / "nowhere" / "*.txt")
     result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])

@@ -73,7 +73,7 @@ from pathlib import PurePath
 import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
-from lexjax.errors import DataError
+from lexjax.errors import DataError, one_line
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
 SPLITS = ("train", "validation", "test")
@@ -528,7 +528,13 @@ def prepare(
 
     def builder_of_plan():
         with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
-            builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
+            try:
+                builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
+            except Exception as e:  # TFDS reads a build's dataset_info.json and features here
+                build_dir = os.path.join(data_dir, name, plan.fingerprint[:16], "2.0.0")
+                if not os.path.exists(os.path.join(build_dir, "dataset_info.json")):
+                    raise
+                raise _damaged(build_dir, name, e) from e
             return builder, builder.is_prepared()
 
     builder, prepared = builder_of_plan()
@@ -561,6 +567,18 @@ def prepare(
             replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
+
+
+def _damaged(build_dir: str, name: str, error: Exception) -> DataError:
+    again = (
+        "run again to build it from the files again"
+        if name in BUILDER_NAMES
+        else f"prepare it again with `tfds build {name} --file_format=array_record`"
+    )
+    return DataError(
+        f"the corpus build {build_dir} is damaged; delete it and {again} "
+        f"({one_line(error, limit=120)})"
+    )
 
 
 def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
@@ -608,7 +626,11 @@ class TextSource:
         return getattr(info, "full_name", None)
 
     def __getitem__(self, index: int) -> bytes:
-        text = self._records[index][self._text_feature]
+        try:
+            text = self._records[index][self._text_feature]
+        except RuntimeError as e:  # array_record: a truncated or corrupted file
+            info = self._records.dataset_info
+            raise _damaged(os.fspath(info.data_dir), info.name, e) from e
         return text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
     def __repr__(self) -> str:
@@ -671,7 +693,7 @@ def load_source(
     any other name must already be prepared as ArrayRecord in data_dir.
     `split` accepts the TFDS split syntax ('train', 'validation[:10%]', ...).
     """
-    records_of, _ = _open(name, data_dir, files, validation_files, test_files, max_files)
+    records_of, build_dir = _open(name, data_dir, files, validation_files, test_files, max_files)
     try:
         records = records_of(split)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
@@ -679,13 +701,18 @@ def load_source(
         raise DataError(
             f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: {reason}"
         ) from e
+    except RuntimeError as e:  # array_record cannot open a file of the build
+        raise _damaged(build_dir, name, e) from e
     features = records.dataset_info.features
     if text_feature not in features:
         raise DataError(
             f"{name!r} has no feature {text_feature!r}; "
             f"pass text_feature= one of {sorted(features.keys())}"
         )
-    return TextSource(records, text_feature)
+    source = TextSource(records, text_feature)
+    for index in sorted({0, len(source) - 1} - {-1}):
+        source[index]  # a damaged (e.g. truncated) file fails here, not in training's pipeline
+    return source
 
 
 def load_tokenizer(
@@ -717,7 +744,14 @@ def load_tokenizer(
     path = os.path.join(build_dir, f"sentencepiece-{vocab_size}.model")
     if os.path.exists(path):
         with open(path, "rb") as f:
-            return tokenizer_lib.SentencePieceTokenizer(f.read())
+            model = f.read()
+        try:
+            return tokenizer_lib.SentencePieceTokenizer(model)
+        except RuntimeError as e:  # sentencepiece cannot parse it
+            raise DataError(
+                f"the SentencePiece model {path} is damaged; delete it and run again to "
+                f"learn it again ({one_line(e, limit=120)})"
+            ) from e
     if not train:
         return None
     train = load_source(
