@@ -630,6 +630,24 @@ def test_explicit_validation_and_test_files_override(tmp_path):
     assert "val.txt" not in ranges["train"]
 
 
+def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):
+    """Their text would be in both held-out splits (it was, and counted twice)."""
+    for name in ("a", "b", "held1", "held2"):
+        _book(tmp_path / f"{name}.txt", 50)
+    with pytest.raises(DataError) as e:
+        data.plan_corpus(
+            "textfiles",
+            str(tmp_path / "*.txt"),
+            validation_files=str(tmp_path / "held*.txt"),
+            test_files=str(tmp_path / "h*2.txt"),
+        )
+    assert str(e.value) == (
+        "data.validation_files and data.test_files both select 1 file (first "
+        f"{tmp_path / 'held2.txt'}), whose text would be in both splits; make the two "
+        "globs select different files"
+    )
+
+
 def test_symlinks_are_the_file_they_point_to(tmp_path):
     """A symlink to a file, a symlinked directory and a symlink loop under ** put no
     file's bytes in two splits and count each file once (each path used to be a file

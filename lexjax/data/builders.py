@@ -238,12 +238,14 @@ def _snap(f, size: int, offset: int) -> int:
     return size
 
 
-def _distinct(root: str, relpaths: list[str], taken: set[str]) -> list[str]:
-    """The `relpaths` (under `root`) that are distinct files not in `taken` (real
-    paths), whose real paths are then added to it: a symlink to a file, or a path
-    through a symlinked directory (or a loop of them under `**`), is the file it
-    points to, so its bytes are never in two splits or counted twice. Of several
-    paths of one file, one without a symlink is kept, else the first in order."""
+def _distinct(root: str, relpaths: list[str], taken: set[str]) -> tuple[list[str], list[str]]:
+    """(the `relpaths` (under `root`) that are distinct files not in `taken` (real
+    paths), whose real paths are then added to it; those already in `taken`).
+
+    A symlink to a file, or a path through a symlinked directory (or a loop of
+    them under `**`), is the file it points to, so its bytes are never in two
+    splits or counted twice. Of several paths of one file, one without a symlink
+    is kept, else the first in order."""
     real_root = os.path.realpath(root)
     paths = []
     for relpath in relpaths:
@@ -253,8 +255,9 @@ def _distinct(root: str, relpaths: list[str], taken: set[str]) -> list[str]:
     for _, relpath, real in sorted(paths):
         if real not in taken:
             by_real.setdefault(real, relpath)
+    already = sorted(relpath for _, relpath, real in paths if real in taken)
     taken.update(by_real)
-    return sorted(by_real.values())
+    return sorted(by_real.values()), already
 
 
 def plan_splits(
@@ -281,12 +284,19 @@ def plan_splits(
 
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
-        for relpath in text_files(split, root, _distinct(root, relpaths, taken)):
+        relpaths, both = _distinct(root, relpaths, taken)
+        if both:
+            raise DataError(
+                f"data.validation_files and data.test_files both select {len(both)} "
+                f"file{'s' if len(both) > 1 else ''} (first {os.path.join(root, both[0])}), "
+                "whose text would be in both splits; make the two globs select different files"
+            )
+        for relpath in text_files(split, root, relpaths):
             pieces[split].append(
                 Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
             )
     root, relpaths = pool
-    pool_files = text_files("pool", root, _distinct(root, relpaths, taken))
+    pool_files = text_files("pool", root, _distinct(root, relpaths, taken)[0])
     num_files = len(pool_files) + sum(len(p) for p in pieces.values())
     if not pool_files:
         raise DataError(_no_text("training", skipped))
