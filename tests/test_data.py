@@ -2,6 +2,7 @@
 
 import collections
 import glob
+import itertools
 import json
 import os
 import pickle
@@ -681,6 +682,23 @@ def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatc
     assert max(map(len, chunks)) <= 1000
     for chunk in chunks:
         chunk.decode("utf-8")  # each document is whole characters
+
+
+@pytest.mark.parametrize("content", [b"\xc3" + b"\x80" * 2500, b"\x80" * 2500])
+def test_a_window_without_a_character_start_still_advances(tmp_path, monkeypatch, content):
+    """No line break and no UTF-8 character start in a document's window (a lead byte
+    and then only continuation bytes): the cut was 0 and the build hung forever, or
+    1 byte and every document re-read the window."""
+    monkeypatch.setattr(builders, "_MAX_DOCUMENT_BYTES", 1000)
+    (tmp_path / "a.txt").write_bytes(content)
+    chunks = [
+        chunk
+        for _, chunk in itertools.islice(
+            builders.documents(builders.Piece(str(tmp_path), "a.txt", 0, len(content))), 10
+        )
+    ]
+    assert b"".join(chunks) == content
+    assert len(chunks) == 3
 
 
 def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):

@@ -366,10 +366,15 @@ def documents(piece: Piece):
                 if newline != -1:
                     chunk = chunk[: newline + 1]
                 else:  # no line break in 4 MiB: cut before a character start
+                    # (UTF-8 has at most 3 continuation bytes; in other bytes, such as
+                    # a lead byte followed only by continuation bytes, the window is
+                    # cut where it ends instead of nowhere, which never advanced).
                     cut = len(chunk)
-                    while cut > 1 and chunk[cut - 1] & 0xC0 == 0x80:
+                    while cut > len(chunk) - 3 and chunk[cut - 1] & 0xC0 == 0x80:
                         cut -= 1
-                    chunk = chunk[: cut - 1] if chunk[cut - 1] >= 0xC0 else chunk[:cut]
+                    if chunk[cut - 1] >= 0xC0:  # the lead byte of the character cut off
+                        cut -= 1
+                    chunk = chunk[:cut] if cut > 0 else chunk
             yield start, chunk
             start += len(chunk)
 
