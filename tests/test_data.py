@@ -255,6 +255,18 @@ def test_bad_input_says_what_to_change(tmp_path):
     with pytest.raises(DataError, match="matches no files") as e:
         data.load_source("textfiles", "train", tmp_path, str(tmp_path / "nothing" / "*.txt"))
     assert "\n" not in str(e.value)
+    with pytest.raises(DataError) as e:
+        data.plan_corpus("textfiles", str(tmp_path), test_files=str(tmp_path / "nothing"))
+    assert str(e.value) == (
+        f"test_files={str(tmp_path / 'nothing')!r} matches no files; pass a glob of existing "
+        "text files, e.g. files='/data/books/**/*.txt'"
+    )
+    with pytest.raises(DataError) as e:  # a directory: say how to take its files
+        data.plan_corpus("textfiles", str(tmp_path))
+    assert str(e.value) == (
+        f"files={str(tmp_path)!r} matches no files; it is a directory: pass a glob of its "
+        f"files, e.g. {tmp_path}/** or {tmp_path}/*.txt"
+    )
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
     with pytest.raises(DataError, match="textfiles needs files="):

@@ -139,10 +139,12 @@ def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
     root = os.path.join(*fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
-        raise DataError(
-            f"{what}={pattern!r} matches no files; pass a glob of existing text "
-            "files, e.g. files='/data/books/**/*.txt'"
+        hint = (
+            f"it is a directory: pass a glob of its files, e.g. {pattern}/** or {pattern}/*.txt"
+            if os.path.isdir(pattern)
+            else "pass a glob of existing text files, e.g. files='/data/books/**/*.txt'"
         )
+        raise DataError(f"{what}={pattern!r} matches no files; {hint}")
     return root, sorted(_relative(p, root) for p in matches)
 
 
