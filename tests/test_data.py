@@ -2,8 +2,11 @@
 
 import collections
 import glob
+import itertools
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -97,6 +100,19 @@ def test_text_source_is_raw_bytes(corpus):
     assert len(source) == sum(builders.split_of(n) == "train" for n in corpus["names"])
     assert all(isinstance(source[i], bytes) for i in range(len(source)))
     assert "tensorflow" not in sys.modules
+
+
+def test_sources_pickle_for_grain_worker_processes(corpus, tmp_path):
+    """grain hands the source to its worker processes pickled (data.worker_count >= 1);
+    TFDS pickles a builder as its base arguments, which cannot make a corpus builder."""
+    sources = [
+        data.load_source("textfiles", "train", corpus["data_dir"], corpus["pattern"]),
+        data.load_source("python_stdlib", "train", tmp_path, max_files=12),
+    ]
+    for source in sources:
+        copy = pickle.loads(pickle.dumps(source))
+        assert copy.build == source.build
+        assert [copy[i] for i in range(len(copy))] == [source[i] for i in range(len(source))]
 
 
 def test_split_is_stable_disjoint_and_roughly_90_5_5():
@@ -239,6 +255,18 @@ def test_bad_input_says_what_to_change(tmp_path):
     with pytest.raises(DataError, match="matches no files") as e:
         data.load_source("textfiles", "train", tmp_path, str(tmp_path / "nothing" / "*.txt"))
     assert "\n" not in str(e.value)
+    with pytest.raises(DataError) as e:
+        data.plan_corpus("textfiles", str(tmp_path), test_files=str(tmp_path / "nothing"))
+    assert str(e.value) == (
+        f"test_files={str(tmp_path / 'nothing')!r} matches no files; pass a glob of existing "
+        "text files, e.g. files='/data/books/**/*.txt'"
+    )
+    with pytest.raises(DataError) as e:  # a directory: say how to take its files
+        data.plan_corpus("textfiles", str(tmp_path))
+    assert str(e.value) == (
+        f"files={str(tmp_path)!r} matches no files; it is a directory: pass a glob of its "
+        f"files, e.g. {tmp_path}/** or {tmp_path}/*.txt"
+    )
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
     with pytest.raises(DataError, match="textfiles needs files="):
@@ -615,6 +643,45 @@ def test_explicit_validation_and_test_files_override(tmp_path):
     assert "val.txt" not in ranges["train"]
 
 
+def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):
+    """Their text would be in both held-out splits (it was, and counted twice)."""
+    for name in ("a", "b", "held1", "held2"):
+        _book(tmp_path / f"{name}.txt", 50)
+    with pytest.raises(DataError) as e:
+        data.plan_corpus(
+            "textfiles",
+            str(tmp_path / "*.txt"),
+            validation_files=str(tmp_path / "held*.txt"),
+            test_files=str(tmp_path / "h*2.txt"),
+        )
+    assert str(e.value) == (
+        "data.validation_files and data.test_files both select 1 file (first "
+        f"{tmp_path / 'held2.txt'}), whose text would be in both splits; make the two "
+        "globs select different files"
+    )
+
+
+def test_symlinks_are_the_file_they_point_to(tmp_path):
+    """A symlink to a file, a symlinked directory and a symlink loop under ** put no
+    file's bytes in two splits and count each file once (each path used to be a file
+    of its own, with its own path hash: the same text in train and in test)."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for i in range(40):
+        (real / f"doc{i}.txt").write_text(f"document {i}\n" * 3)
+    (real / "copy.txt").symlink_to(real / "doc0.txt")
+    (tmp_path / "alias").symlink_to(real)
+    (real / "loop").symlink_to(real)
+    plan = data.plan_corpus("textfiles", str(tmp_path / "**" / "*.txt"))
+    assert plan.num_files == 40
+    homes = collections.defaultdict(list)
+    for split, pieces in plan.pieces.items():
+        for piece in pieces:
+            homes[os.path.realpath(piece.path)].append(split)
+            assert re.fullmatch(r"real/doc\d+\.txt", piece.relpath)  # the path with no symlink
+    assert len(homes) == 40 and all(len(splits) == 1 for splits in homes.values())
+
+
 def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(builders, "_MAX_DOCUMENT_BYTES", 1000)
     content = _book(tmp_path / "big.txt", 2000)
@@ -627,6 +694,23 @@ def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatc
     assert max(map(len, chunks)) <= 1000
     for chunk in chunks:
         chunk.decode("utf-8")  # each document is whole characters
+
+
+@pytest.mark.parametrize("content", [b"\xc3" + b"\x80" * 2500, b"\x80" * 2500])
+def test_a_window_without_a_character_start_still_advances(tmp_path, monkeypatch, content):
+    """No line break and no UTF-8 character start in a document's window (a lead byte
+    and then only continuation bytes): the cut was 0 and the build hung forever, or
+    1 byte and every document re-read the window."""
+    monkeypatch.setattr(builders, "_MAX_DOCUMENT_BYTES", 1000)
+    (tmp_path / "a.txt").write_bytes(content)
+    chunks = [
+        chunk
+        for _, chunk in itertools.islice(
+            builders.documents(builders.Piece(str(tmp_path), "a.txt", 0, len(content))), 10
+        )
+    ]
+    assert b"".join(chunks) == content
+    assert len(chunks) == 3
 
 
 def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):

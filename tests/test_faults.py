@@ -31,7 +31,7 @@ import zstandard
 import lexjax
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
-from lexjax import training
+from lexjax import data, training
 from lexjax.errors import CheckpointError, TrainingError
 from lexjax.steps import TrainSetup
 from tests import processes as P
@@ -600,6 +600,87 @@ def test_corpus_edge_cases_train(ctx):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 2 steps" in result.stdout
+
+
+def test_grain_worker_processes_train(ctx, tmp_path):
+    """data.worker_count=1: the corpus's source reaches a grain worker process (it
+    failed to unpickle there, a traceback for every built-in corpus)."""
+    result = P.run(
+        args(
+            ctx, tmp_path / "run", num_train_steps=2, checkpoint_every=2, **{"data.worker_count": 1}
+        ),
+        ctx[3],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps" in result.stdout
+
+
+def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):
+    """A shared read-only data_dir holding the corpus's build but no SentencePiece
+    model of this vocab_size: one line, exit 3, nothing written (was an OSError
+    traceback, exit 1)."""
+    with P.tmpfs(tmp_path / "ro", "16m") as mount:
+        data_dir = (mount or tmp_path / "ro") / "tfds"
+        data.prepare("textfiles", data_dir, ctx[1])
+        P.make_read_only(mount, data_dir)
+        before = tree_digest(data_dir)
+        overrides = {"data.tokenizer": "sentencepiece", "data.vocab_size": 280}
+        result = P.run(P.train_args(tmp_path / "run", ctx[1], data_dir, **overrides), ctx[3])
+        line = one_error_line(result)
+        assert result.returncode == 3, line
+        assert re.fullmatch(
+            rf"error: data\.data_dir={data_dir}: cannot create \S+/sentencepiece-280\.model "
+            r"\(Read-only file system\); choose a writable data\.data_dir",
+            line,
+        ), line
+        assert tree_digest(data_dir) == before
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_build(ctx):
+    """ctx's corpus built, with a SentencePiece model of 280 ids, in a data_dir of its own."""
+    data_dir = ctx[0] / "sp-tfds"
+    data.load_tokenizer("sentencepiece", 280, "textfiles", data_dir, ctx[1])
+    [model] = data_dir.glob("textfiles/*/*/sentencepiece-280.model")
+    return data_dir, model.parent.relative_to(data_dir)
+
+
+def _flip_byte(path, offset=1000):
+    content = bytearray(path.read_bytes())
+    content[offset] ^= 0xFF
+    path.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize(
+    "damage,damaged,workdir_left",
+    [
+        (lambda b: os.truncate(b / "textfiles-train.array_record-00000-of-00001", 100), "build", 0),
+        # A flipped byte in a record not read when the split opens is found by the
+        # first batch, when the run has written its tensorboard file.
+        (lambda b: _flip_byte(b / "textfiles-train.array_record-00000-of-00001"), "build", 1),
+        (lambda b: (b / "dataset_info.json").write_text("garbage\n"), "build", 0),
+        (lambda b: os.truncate(b / "sentencepiece-280.model", 100), "model", 0),
+    ],
+    ids=["truncated_array_record", "flipped_byte", "garbled_dataset_info", "truncated_model"],
+)
+def test_a_damaged_corpus_build_is_one_line(
+    ctx, sentencepiece_build, tmp_path, damage, damaged, workdir_left
+):
+    """A build in data_dir damaged after it was written: one line naming it and saying
+    to delete it, exit 3, no workdir left (was a traceback, exit 1, and a workdir)."""
+    data_dir = tmp_path / "tfds"
+    shutil.copytree(sentencepiece_build[0], data_dir)
+    build = data_dir / sentencepiece_build[1]
+    damage(build)
+    overrides = {"data.tokenizer": "sentencepiece", "data.vocab_size": 280}
+    result = P.run(P.train_args(tmp_path / "run", ctx[1], data_dir, **overrides), ctx[3])
+    line = one_error_line(result)
+    assert result.returncode == 3, line
+    what = "corpus build" if damaged == "build" else "SentencePiece model"
+    named = build if damaged == "build" else build / "sentencepiece-280.model"
+    assert line.startswith(f"error: the {what} {named} is damaged; delete it and run again"), line
+    assert (tmp_path / "run").exists() == workdir_left
 
 
 def test_glob_matching_nothing(ctx):

@@ -26,6 +26,9 @@ The split rule (no byte is ever in two splits):
    test. Each cut moves forward to the next line start (within 64 KiB, else the
    next UTF-8 character start).
 
+A path reached through symlinks is the file it points to (its real path): one
+file, in one split, counted once.
+
 Files are read in bounded pieces: a document is at most 4 MiB (a longer file or
 piece becomes several documents, cut at line starts), so a file of hundreds of
 MB is streamed. Empty files and binary files (a NUL byte in the first 8 KiB)
@@ -70,7 +73,7 @@ from pathlib import PurePath
 import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
-from lexjax.errors import DataError
+from lexjax.errors import DataError, one_line
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
 SPLITS = ("train", "validation", "test")
@@ -136,10 +139,12 @@ def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
     root = os.path.join(*fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
-        raise DataError(
-            f"{what}={pattern!r} matches no files; pass a glob of existing text "
-            "files, e.g. files='/data/books/**/*.txt'"
+        hint = (
+            f"it is a directory: pass a glob of its files, e.g. {pattern}/** or {pattern}/*.txt"
+            if os.path.isdir(pattern)
+            else "pass a glob of existing text files, e.g. files='/data/books/**/*.txt'"
         )
+        raise DataError(f"{what}={pattern!r} matches no files; {hint}")
     return root, sorted(_relative(p, root) for p in matches)
 
 
@@ -235,6 +240,28 @@ def _snap(f, size: int, offset: int) -> int:
     return size
 
 
+def _distinct(root: str, relpaths: list[str], taken: set[str]) -> tuple[list[str], list[str]]:
+    """(the `relpaths` (under `root`) that are distinct files not in `taken` (real
+    paths), whose real paths are then added to it; those already in `taken`).
+
+    A symlink to a file, or a path through a symlinked directory (or a loop of
+    them under `**`), is the file it points to, so its bytes are never in two
+    splits or counted twice. Of several paths of one file, one without a symlink
+    is kept, else the first in order."""
+    real_root = os.path.realpath(root)
+    paths = []
+    for relpath in relpaths:
+        real = os.path.realpath(os.path.join(root, relpath))
+        paths.append((real != os.path.join(real_root, relpath), relpath, real))
+    by_real: dict[str, str] = {}
+    for _, relpath, real in sorted(paths):
+        if real not in taken:
+            by_real.setdefault(real, relpath)
+    already = sorted(relpath for _, relpath, real in paths if real in taken)
+    taken.update(by_real)
+    return sorted(by_real.values()), already
+
+
 def plan_splits(
     pool: tuple[str, list[str]], explicit: dict[str, tuple[str, list[str]]] | None = None
 ) -> Plan:
@@ -259,14 +286,19 @@ def plan_splits(
 
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
+        relpaths, both = _distinct(root, relpaths, taken)
+        if both:
+            raise DataError(
+                f"data.validation_files and data.test_files both select {len(both)} "
+                f"file{'s' if len(both) > 1 else ''} (first {os.path.join(root, both[0])}), "
+                "whose text would be in both splits; make the two globs select different files"
+            )
         for relpath in text_files(split, root, relpaths):
-            taken.add(os.path.realpath(os.path.join(root, relpath)))
             pieces[split].append(
                 Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
             )
     root, relpaths = pool
-    relpaths = [r for r in relpaths if os.path.realpath(os.path.join(root, r)) not in taken]
-    pool_files = text_files("pool", root, relpaths)
+    pool_files = text_files("pool", root, _distinct(root, relpaths, taken)[0])
     num_files = len(pool_files) + sum(len(p) for p in pieces.values())
     if not pool_files:
         raise DataError(_no_text("training", skipped))
@@ -336,10 +368,15 @@ def documents(piece: Piece):
                 if newline != -1:
                     chunk = chunk[: newline + 1]
                 else:  # no line break in 4 MiB: cut before a character start
+                    # (UTF-8 has at most 3 continuation bytes; in other bytes, such as
+                    # a lead byte followed only by continuation bytes, the window is
+                    # cut where it ends instead of nowhere, which never advanced).
                     cut = len(chunk)
-                    while cut > 1 and chunk[cut - 1] & 0xC0 == 0x80:
+                    while cut > len(chunk) - 3 and chunk[cut - 1] & 0xC0 == 0x80:
                         cut -= 1
-                    chunk = chunk[: cut - 1] if chunk[cut - 1] >= 0xC0 else chunk[:cut]
+                    if chunk[cut - 1] >= 0xC0:  # the lead byte of the character cut off
+                        cut -= 1
+                    chunk = chunk[:cut] if cut > 0 else chunk
             yield start, chunk
             start += len(chunk)
 
@@ -373,6 +410,16 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         self.replaced = set()  # files decoded with U+FFFD replacement in this build
         config = tfds.core.BuilderConfig(name=plan.fingerprint[:16])
         super().__init__(config=config, file_format=file_format, **kwargs)
+
+    # A data source of this builder reaches grain's worker processes pickled, and
+    # TFDS pickles a builder as its base arguments (data_dir, config, version),
+    # which cannot make this one: it is made from its plan.
+    def __getstate__(self):
+        return {"plan": self.plan, "data_dir": self._original_state["data_dir"]}
+
+    def __setstate__(self, state):
+        with _quiet_tfds():  # "Using custom data configuration", in every worker
+            self.__init__(**state)
 
     # TFDS looks beside a builder's source file for checksums and metadata
     # files; these builders download nothing and have none. Saying so also
@@ -498,7 +545,13 @@ def prepare(
 
     def builder_of_plan():
         with _quiet_tfds():  # is_prepared() warns about a version folder not written yet
-            builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
+            try:
+                builder = _BUILDERS[name](plan=plan, data_dir=data_dir)
+            except Exception as e:  # TFDS reads a build's dataset_info.json and features here
+                build_dir = os.path.join(data_dir, name, plan.fingerprint[:16], "2.0.0")
+                if not os.path.exists(os.path.join(build_dir, "dataset_info.json")):
+                    raise
+                raise _damaged(build_dir, name, e) from e
             return builder, builder.is_prepared()
 
     builder, prepared = builder_of_plan()
@@ -514,10 +567,7 @@ def prepare(
             os.O_WRONLY | os.O_CREAT | os.O_APPEND,
         )
     except OSError as e:
-        raise DataError(
-            f"data.data_dir={data_dir}: cannot create {e.filename} ({e.strerror}); "
-            "choose a writable data.data_dir"
-        ) from e
+        raise _unwritable(data_dir, e, e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         builder, prepared = builder_of_plan()
@@ -534,6 +584,25 @@ def prepare(
             replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
+
+
+def _damaged(build_dir: str, name: str, error: Exception) -> DataError:
+    again = (
+        "run again to build it from the files again"
+        if name in BUILDER_NAMES
+        else f"prepare it again with `tfds build {name} --file_format=array_record`"
+    )
+    return DataError(
+        f"the corpus build {build_dir} is damaged; delete it and {again} "
+        f"({one_line(error, limit=120)})"
+    )
+
+
+def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
+    return DataError(
+        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); "
+        "choose a writable data.data_dir"
+    )
 
 
 @contextlib.contextmanager
@@ -574,7 +643,11 @@ class TextSource:
         return getattr(info, "full_name", None)
 
     def __getitem__(self, index: int) -> bytes:
-        text = self._records[index][self._text_feature]
+        try:
+            text = self._records[index][self._text_feature]
+        except RuntimeError as e:  # array_record: a truncated or corrupted file
+            info = self._records.dataset_info
+            raise _damaged(os.fspath(info.data_dir), info.name, e) from e
         return text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
     def __repr__(self) -> str:
@@ -637,7 +710,7 @@ def load_source(
     any other name must already be prepared as ArrayRecord in data_dir.
     `split` accepts the TFDS split syntax ('train', 'validation[:10%]', ...).
     """
-    records_of, _ = _open(name, data_dir, files, validation_files, test_files, max_files)
+    records_of, build_dir = _open(name, data_dir, files, validation_files, test_files, max_files)
     try:
         records = records_of(split)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
@@ -645,13 +718,18 @@ def load_source(
         raise DataError(
             f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: {reason}"
         ) from e
+    except RuntimeError as e:  # array_record cannot open a file of the build
+        raise _damaged(build_dir, name, e) from e
     features = records.dataset_info.features
     if text_feature not in features:
         raise DataError(
             f"{name!r} has no feature {text_feature!r}; "
             f"pass text_feature= one of {sorted(features.keys())}"
         )
-    return TextSource(records, text_feature)
+    source = TextSource(records, text_feature)
+    for index in sorted({0, len(source) - 1} - {-1}):
+        source[index]  # a damaged (e.g. truncated) file fails here, not in training's pipeline
+    return source
 
 
 def load_tokenizer(
@@ -683,7 +761,14 @@ def load_tokenizer(
     path = os.path.join(build_dir, f"sentencepiece-{vocab_size}.model")
     if os.path.exists(path):
         with open(path, "rb") as f:
-            return tokenizer_lib.SentencePieceTokenizer(f.read())
+            model = f.read()
+        try:
+            return tokenizer_lib.SentencePieceTokenizer(model)
+        except RuntimeError as e:  # sentencepiece cannot parse it
+            raise DataError(
+                f"the SentencePiece model {path} is damaged; delete it and run again to "
+                f"learn it again ({one_line(e, limit=120)})"
+            ) from e
     if not train:
         return None
     train = load_source(
@@ -711,7 +796,12 @@ def load_tokenizer(
     finally:
         print(f" {time.perf_counter() - start:.0f} s", flush=True)
     partial = f"{path}.tmp{os.getpid()}"
-    with open(partial, "wb") as f:
-        f.write(trained.model_proto)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            f.write(trained.model_proto)
+        os.replace(partial, path)
+    except OSError as e:  # a shared read-only data_dir, a full disk
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise _unwritable(resolve_data_dir(data_dir), e, path) from e
     return trained
