@@ -692,7 +692,7 @@ def held_out_documents(
     run trained on), or when the build holds another tokenizer than ``tokenizer``."""
     try:
         if eval_files:
-            root, relpaths = glob_files(eval_files)
+            root, relpaths = glob_files(eval_files, "--eval_files")
             relpaths = text_files_of(root, relpaths, "evaluation", say)
             docs = []
             for rel in relpaths:
@@ -703,7 +703,7 @@ def held_out_documents(
         for split, fallback in zip(splits, [*splits[1:], None]):
             try:
                 source = data_lib.load_source(d.name, split, **d.corpus())
-            except ValueError as e:
+            except data_lib.MissingSplit as e:  # not a damaged one: that stops
                 if fallback is None:
                     raise
                 say(f"note: {e}; using the {fallback} split")

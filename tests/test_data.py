@@ -829,3 +829,25 @@ def test_vocab_larger_than_the_corpus_supports_names_the_largest(tmp_path):
             "sentencepiece", 5000, "textfiles", tmp_path / "tfds", str(tmp_path / "*.txt")
         )
     assert not glob.glob(str(tmp_path / "tfds" / "textfiles" / "*" / "*" / "sentencepiece-*"))
+
+
+def test_evaluation_stops_at_a_damaged_test_split_instead_of_scoring_another(tmp_path):
+    """Only a split the dataset lacks falls back to the next one (with a note); a
+    damaged test split is the one-line damage error, not the validation split's scores."""
+    from lexjax import evaluation
+    from tests.helpers import small_config
+    from tests.processes import write_corpus
+
+    files = write_corpus(tmp_path / "corpus")
+    config = small_config(
+        **{"data.name": "textfiles", "data.files": files, "data.data_dir": str(tmp_path / "tfds")}
+    )
+    notes = []
+    where, _ = evaluation.held_out_documents(config, say=notes.append)
+    assert where == "textfiles test split" and not notes
+    (test_file,) = glob.glob(str(tmp_path / "tfds" / "textfiles" / "*" / "*" / "*-test.*"))
+    with open(test_file, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataError, match="is damaged; delete it and run again"):
+        evaluation.held_out_documents(config, say=notes.append)
+    assert not notes

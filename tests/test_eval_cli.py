@@ -222,7 +222,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={tmp_path}/*.nope"),
         3,
-        "matches no files",
+        f"--eval_files='{tmp_path}/*.nope' matches no files",
     )
     short = tmp_path / "short.txt"
     short.write_text("x" * 50)

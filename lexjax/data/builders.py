@@ -586,6 +586,10 @@ def prepare(
     return builder
 
 
+class MissingSplit(DataError):
+    """The dataset has no such split (or TFDS cannot parse the split's name)."""
+
+
 def _damaged(build_dir: str, name: str, error: Exception) -> DataError:
     again = (
         "run again to build it from the files again"
@@ -715,7 +719,7 @@ def load_source(
         records = records_of(split)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(
+        raise MissingSplit(
             f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: {reason}"
         ) from e
     except RuntimeError as e:  # array_record cannot open a file of the build
