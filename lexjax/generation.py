@@ -170,10 +170,13 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     )
 
 
-def _sample(logits_BxV, rng, temperature, top_k: int, top_p, *, greedy: bool, nucleus: bool):
+def _sample(
+    logits_BxV, rng, temperature, top_k: int, top_p, *, greedy: bool, nucleus: bool, bias_V=0.0
+):
     """:func:`sample_logits` with ``temperature`` and ``top_p`` possibly traced: which
-    steps apply (``greedy``, ``top_k``, ``nucleus``) is static."""
-    logits = logits_BxV.astype(jnp.float32)
+    steps apply (``greedy``, ``top_k``, ``nucleus``) is static. ``bias_V`` (0 or
+    −inf per id) rules ids out first."""
+    logits = logits_BxV.astype(jnp.float32) + bias_V
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -229,12 +232,15 @@ def _chunk(max_new_tokens: int) -> int:
 def _compiled_generate(
     model: Decoder, block: int, greedy: bool, top_k: int, nucleus: bool, mode: str = "bca"
 ):
-    def run(params, logits_BxV, state, keys_N, temperature, top_p):
+    def run(params, logits_BxV, state, keys_N, temperature, top_p, bias_V):
         """One token per key: ``(tokens_BxN, the logits and state after them)``."""
 
         def step(carry, key):
             logits, state = carry
-            token = _sample(logits, key, temperature, top_k, top_p, greedy=greedy, nucleus=nucleus)
+            token = _sample(
+                logits, key, temperature, top_k, top_p, greedy=greedy, nucleus=nucleus,
+                bias_V=bias_V,
+            )  # fmt: skip
             if mode == "bca":
                 logits, state = _decode(model, params, state, token, block)
             else:
@@ -261,8 +267,12 @@ def generate(
     mode: str = "bca",
     progress: bool = False,
     stop_token: int | None = None,
+    allowed_V=None,
 ):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
+
+    ``allowed_V``: bool ``[vocab]``, the ids that may be sampled (default all; a
+    run's are :meth:`lexjax.data.Tokenizer.sampleable`).
 
     ``mode`` (one of :data:`MODES`): ``"bca"``, the blockwise window, whose
     cache never holds more than 2w tokens, so any number of tokens can be
@@ -285,7 +295,10 @@ def generate(
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
     # Temperature and top_p are arguments: a new value compiles nothing.
     run = _compiled_generate(model, block, temperature == 0, int(top_k), top_p < 1.0, mode)
-    sampling = jnp.float32(temperature), jnp.float32(top_p)
+    bias_V = jnp.zeros(logits.shape[-1], jnp.float32)
+    if allowed_V is not None:
+        bias_V = jnp.where(jnp.asarray(allowed_V, bool), bias_V, -jnp.inf)
+    sampling = jnp.float32(temperature), jnp.float32(top_p), bias_V
     # Every call samples `chunk` tokens, so one compilation serves them all (and other
     # max_new_tokens): the surplus tokens come after every kept one and are dropped (as
     # are their cache writes past the end, in mode full).
@@ -359,6 +372,7 @@ def complete(
         mode=mode,
         progress=True,
         stop_token=tokenizer.eos,
+        allowed_V=tokenizer.sampleable(config.model.vocab_size),
     )
     out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]

@@ -227,3 +227,20 @@ def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params
     # The same keys: 101 tokens begin with the 100, and the values still matter.
     np.testing.assert_array_equal(out[101, 1.0, 1.0][:, :100], out[100, 1.0, 1.0])
     assert not np.array_equal(out[100, 1.0, 0.5], out[100, 1.0, 1.0])
+
+
+def test_only_allowed_ids_are_sampled(model_params):
+    """The model's vocabulary is padded past the tokenizer's, and BOS is no text:
+    sampling them gave fewer characters than asked, silently (decode drops them)."""
+    model, params = model_params
+    vocab = model.config.vocab_size
+    allowed = np.zeros(vocab, bool)
+    allowed[[5, 7]] = True
+    for temperature in (0.0, 1.0, 5.0):
+        tokens = generation.generate(
+            model, params, jnp.ones((2, 3), jnp.int32), block=W, max_new_tokens=40,
+            rng=jax.random.key(0), temperature=temperature, allowed_V=allowed,
+        )  # fmt: skip
+        assert set(np.unique(tokens)) <= {5, 7}, temperature
+    sampleable = data_lib.BYTES.sampleable(320)  # a run's model: 258 ids padded to 320
+    assert sampleable[:256].all() and sampleable[data_lib.EOS] and sampleable.sum() == 257

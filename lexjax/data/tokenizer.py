@@ -96,6 +96,17 @@ class Tokenizer:
         """UTF-8 bytes of text that `ids` cover (BOS, EOS, padding cover none)."""
         return int(self._bytes_per_id[np.asarray(ids, dtype=np.int64).reshape(-1)].sum())
 
+    def sampleable(self, size: int) -> np.ndarray:
+        """bool ``[size]``: the ids a model with ``size`` logits may generate: those
+        that stand for text, and EOS; not BOS, padding or the model's ids past the
+        vocabulary, which :meth:`decode` would drop."""
+        allowed = np.zeros(size, bool)
+        n = min(size, self.vocab_size)
+        allowed[:n] = self._bytes_per_id[:n] > 0
+        if self.eos < size:
+            allowed[self.eos] = True
+        return allowed
+
     def to_json(self) -> dict:
         raise NotImplementedError
 
