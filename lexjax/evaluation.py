@@ -720,8 +720,8 @@ def held_out_documents(
         )
         if built is not None and built.fingerprint != tokenizer.fingerprint:
             raise DataError(
-                f"the {d.name} build holds a {built.describe()} tokenizer other than the "
-                f"{tokenizer.describe()} one this run was trained with; evaluate with "
+                f"the {d.name} build holds a {built.describe(tokenizer)} tokenizer other than "
+                f"the {tokenizer.describe(built)} one this run was trained with; evaluate with "
                 "--eval_files or rebuild the corpus the run was trained on"
             )
         docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]

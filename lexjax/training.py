@@ -360,7 +360,8 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
     if saved.fingerprint != tokenizer.fingerprint:
         raise CheckpointError(
             f"workdir {checkpointer.directory} was trained with another tokenizer "
-            f"({saved.describe()}) than this corpus build gives ({tokenizer.describe()}); "
+            f"({saved.describe(tokenizer)}) than this corpus build gives "
+            f"({tokenizer.describe(saved)}); "
             "use a new --workdir or the corpus and tokenizer it was trained with"
         )
     say(f"resumed from {checkpointer.directory} at step {step}")

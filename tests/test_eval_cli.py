@@ -450,7 +450,12 @@ def test_a_sentencepiece_run_evaluates_and_generates_with_its_own_tokenizer(tmp_
         "sentencepiece", 300, "textfiles", tmp_path / "t2", str(other / "*.txt")
     )
     model_file.write_bytes(retrained.model_proto)
-    _one_line_error(_run("eval.py", f"--workdir={workdir}"), 3, "other than the")
+    _one_line_error(
+        _run("eval.py", f"--workdir={workdir}"),
+        3,
+        f"sentencepiece (300 ids, {retrained.fingerprint[:8]}) tokenizer other than the "
+        f"sentencepiece (300 ids, {tok.fingerprint[:8]}) one",
+    )
 
 
 def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workdir, tmp_path):

@@ -115,8 +115,13 @@ class Tokenizer:
         """SHA-256 hex digest that is equal for two tokenizers iff they tokenize alike."""
         raise NotImplementedError
 
-    def describe(self) -> str:
-        return f"{self.kind} ({self.vocab_size} ids)"
+    def describe(self, versus: Tokenizer | None = None) -> str:
+        """``kind (N ids)``; beside a different tokenizer ``versus`` that reads the
+        same, its fingerprint's first 8 digits too (learned from other text)."""
+        plain = f"{self.kind} ({self.vocab_size} ids)"
+        if versus is None or versus.describe() != plain:
+            return plain
+        return f"{self.kind} ({self.vocab_size} ids, {self.fingerprint[:8]})"
 
 
 class ByteTokenizer(Tokenizer):
