@@ -104,36 +104,53 @@ def check_mesh(
     """Resolves the mesh shape for ``num_devices``; checks the model (and, with
     ``check_batch``, the training batch) divide it."""
     shape = mesh_shape(config.mesh, num_devices)
-    batch_shards = shape[0] * shape[1]
+    table = dict(rules(config))
+
+    def split(logical: str) -> tuple[tuple[str, ...], int]:
+        axes = table.get(logical)
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return axes, math.prod(shape[MESH_AXES.index(a)] for a in axes)
+
+    batch_axes, batch_shards = split("batch")
     per_step = config.batch_size // config.optim.grad_accum_steps
     if not check_batch:
         per_step = batch_shards * num_processes
     if per_step % batch_shards:
         raise ConfigError(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
-            f"mesh data×fsdp = {batch_shards}; change batch_size or the mesh"
+            f"mesh {'×'.join(batch_axes)} = {batch_shards}; change batch_size or the mesh"
         )
     if per_step % num_processes:
         raise ConfigError(
             f"batch_size={config.batch_size} is not divisible by the {num_processes} processes"
         )
-    m = config.model
-    table = dict(rules(config))
-    for logical, size in (
-        ("heads", m.num_heads),
-        ("mlp", m.mlp_dim),
-        ("vocab", m.vocab_size),
-        ("embed", m.d_model),
-    ):
-        axes = table.get(logical)
-        axes = (axes,) if isinstance(axes, str) else (axes or ())
-        n = math.prod(shape[MESH_AXES.index(a)] for a in axes)
+    for logical, size in _model_sizes(config.model).items():
+        axes, n = split(logical)
         if size % n:
             raise ConfigError(
                 f"model {logical} size {size} is not divisible by its mesh "
                 f"axes {axes} of size {n}; change the model or the mesh"
             )
     return shape
+
+
+def _model_sizes(m) -> dict[str, int]:
+    """The size of every logical axis a rule may shard (weights and activations)."""
+    sizes = {
+        "embed": m.d_model,
+        "heads": m.num_heads,
+        "act_heads": m.num_heads,
+        "kv": m.head_dim,
+        "mlp": m.mlp_dim,
+        "act_mlp": m.mlp_dim,
+        "vocab": m.vocab_size,
+        "act_vocab": m.vocab_size,
+    }
+    if m.scan_layers:  # the layers' parameters are stacked
+        sizes["layers"] = m.num_layers
+    if m.position == "learned":  # a [max_len, d_model] table
+        sizes["positions"] = m.max_len
+    return sizes
 
 
 def make_mesh(config: Config, devices=None, *, check_batch: bool = True) -> Mesh:
@@ -169,10 +186,25 @@ def fit_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
 
 def eval_mesh(config: Config, devices=None) -> Mesh:
     """The mesh evaluation and generation run on: ``config.mesh`` re-fitted to
-    ``devices`` (default: all) by :func:`fit_mesh`, with no training-batch check."""
+    ``devices`` (default: all) by :func:`fit_mesh`, with no training-batch check.
+    Where the ``-1`` axis would then not divide the model (FSDP trained on 8
+    devices, evaluated on 6), it keeps the largest share that does and ``data``
+    takes the rest."""
     devices = list(jax.devices() if devices is None else devices)
-    fitted = dataclasses.replace(config, mesh=fit_mesh(config.mesh, len(devices)))
-    return make_mesh(fitted, devices, check_batch=False)
+    fitted = fit_mesh(config.mesh, len(devices))
+    fill = next((axis for axis in MESH_AXES if getattr(config.mesh, axis) == -1), "data")
+    total = getattr(fitted, fill)
+    for share in [d for d in range(total, 0, -1) if total % d == 0] if fill != "data" else []:
+        candidate = dataclasses.replace(
+            fitted, **{fill: share, "data": fitted.data * (total // share)}
+        )
+        try:
+            check_mesh(dataclasses.replace(config, mesh=candidate), len(devices), check_batch=False)
+        except ConfigError:
+            continue
+        fitted = candidate
+        break
+    return make_mesh(dataclasses.replace(config, mesh=fitted), devices, check_batch=False)
 
 
 def model_param_shardings(config: Config, mesh: Mesh):

@@ -364,7 +364,7 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"({tokenizer.describe(saved)}); "
             "use a new --workdir or the corpus and tokenizer it was trained with"
         )
-    say(f"resumed from {checkpointer.directory} at step {step}")
+    say(f"resumed from {checkpointer.directory} at step {step}, mesh {dict(setup.mesh.shape)}")
     before = (stored or {}).get("num_train_steps", config.num_train_steps)
     if before != config.num_train_steps:
         say(

@@ -335,6 +335,19 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
     with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):
         sharding.check_mesh(config, 4)
+    # A rule the config overrides is checked too (it was an IndivisibleError traceback).
+    config = cfg.from_configdict(
+        {"model": {"d_model": 48}, "mesh": {"tensor": 8}, "sharding": "data"}
+        | {"sharding_rules": {"kv": "tensor"}}
+    )
+    with pytest.raises(cfg.ConfigError, match=r"model kv size 12 is not divisible .* of size 8"):
+        sharding.check_mesh(config, 8)
+    config = cfg.from_configdict(
+        {"batch_size": 4, "mesh": {"tensor": 8}, "sharding": "data"}
+        | {"sharding_rules": {"batch": "tensor"}}
+    )
+    with pytest.raises(cfg.ConfigError, match=r"= 4 is not divisible by mesh tensor = 8"):
+        sharding.check_mesh(config, 8)
 
 
 def test_a_changed_model_is_named_by_the_field_the_user_sets():

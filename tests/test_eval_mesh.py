@@ -38,6 +38,20 @@ def test_fit_mesh_keeps_what_fits_and_fills_the_rest(mesh, devices, want):
     assert shard_lib.mesh_shape(fitted, devices) == want
 
 
+@pytest.mark.skipif(jax.device_count() < 6, reason="needs 6 (simulated) devices")
+def test_an_fsdp_run_evaluates_on_devices_its_fill_axis_cannot_divide():
+    """d_model 32 trained with fsdp=-1 on 8 devices, evaluated on 6: fsdp 6 divides
+    nothing, so it keeps 2 and data takes 3 (it was a ConfigError eval.py had no flag
+    to get around)."""
+    config = small_config(**{"sharding": "fsdp", "mesh.data": 1, "mesh.fsdp": -1})
+    assert dict(shard_lib.eval_mesh(config, jax.devices()[:6]).shape) == {
+        "data": 3,
+        "fsdp": 2,
+        "tensor": 1,
+    }
+    assert dict(shard_lib.eval_mesh(config, jax.devices()[:4]).shape)["fsdp"] == 4
+
+
 def _perplexities(config, params, documents, devices):
     mesh = shard_lib.eval_mesh(config, devices)
     params = jax.device_put(params, shard_lib.model_param_shardings(config, mesh))
