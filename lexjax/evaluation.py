@@ -694,10 +694,20 @@ def held_out_documents(
         if eval_files:
             root, relpaths = glob_files(eval_files, "--eval_files")
             relpaths = text_files_of(root, relpaths, "evaluation", say)
-            docs = []
+            docs, replaced = [], 0
             for rel in relpaths:
                 with open(os.path.join(root, rel), "rb") as f:
-                    docs.append(tokenizer.encode_document(f.read()))
+                    raw = f.read()
+                try:  # read as a corpus build reads its files: every tokenizer the same text
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text, replaced = raw.decode("utf-8", errors="replace"), replaced + 1
+                docs.append(tokenizer.encode_document(text))
+            if replaced:
+                say(
+                    f"note: {replaced} of {len(relpaths)} evaluation files had invalid UTF-8, "
+                    "replaced by U+FFFD as in a corpus build (bits per byte counts its 3 bytes)"
+                )
             return f"{len(relpaths)} files of {eval_files}", docs
         d = config.data
         for split, fallback in zip(splits, [*splits[1:], None]):

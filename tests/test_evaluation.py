@@ -343,3 +343,24 @@ def test_eval_files_skip_empty_and_binary_files_as_the_corpus_build_does(tmp_pat
     assert notes == ["note: evaluation files: skipped 1 empty, 1 binary of 3"]
     with pytest.raises(DataError, match="no evaluation text: .* 1 binary .*all skipped"):
         evaluation.held_out_documents(small_config(), str(tmp_path / "b.txt"))
+
+
+def test_eval_files_with_invalid_utf8_are_read_as_the_corpus_build_reads_them(tmp_path):
+    """A latin-1 file: the byte tokenizer took its raw bytes and SentencePiece its
+    U+FFFD replacements, so bits per byte counted 1800 bytes for one and 2400 for the
+    other. Both now see the corpus build's text (U+FFFD), with a note."""
+    from lexjax import data as data_lib
+    from tests.helpers import small_config
+
+    (tmp_path / "latin1.txt").write_bytes("café naïve\n".encode("latin-1") * 10)
+    notes = []
+    _, (doc,) = evaluation.held_out_documents(
+        small_config(), str(tmp_path / "*.txt"), say=notes.append
+    )
+    text = "café naïve\n".encode("latin-1").decode("utf-8", errors="replace") * 10
+    np.testing.assert_array_equal(doc, data_lib.BYTES.encode_document(text))
+    assert data_lib.BYTES.num_bytes(doc) == len(text.encode()) == 150  # 110 bytes in the file
+    assert notes == [
+        "note: 1 of 1 evaluation files had invalid UTF-8, replaced by U+FFFD as in a corpus "
+        "build (bits per byte counts its 3 bytes)"
+    ]
