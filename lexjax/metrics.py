@@ -73,16 +73,19 @@ class MetricsWriter:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")
-        if enabled:
-            # Imported here: the FLOPs and MFU helpers above serve benchmarks on
-            # accelerator hosts that have only jax, flax and optax.
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        # Opened at the first record: a run that fails before it leaves no event file
+        # (and a workdir it created can be removed as empty).
+        self.tb, self._tb_dir = None, os.path.join(workdir, "tensorboard")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
+        if self.tb is None:
+            # Imported here: the FLOPs and MFU helpers above serve benchmarks on
+            # accelerator hosts that have only jax, flax and optax.
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(self._tb_dir)
         # Opened per write: a line is on disk before the next step, whatever stops the run.
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
@@ -91,7 +94,7 @@ class MetricsWriter:
         self.tb.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.tb is not None:
             self.tb.close()
 
 
