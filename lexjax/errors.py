@@ -105,5 +105,7 @@ def report(program, *args, **kwargs) -> int:
     try:
         return program(*args, **kwargs) or 0
     except LexjaxError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        # Whole: the message is ours, and its advice comes last, after paths that may
+        # be long (a foreign reason inside it was cut already).
+        print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -361,3 +361,18 @@ def test_a_changed_model_is_named_by_the_field_the_user_sets():
     assert cfg.model_differences(stored, config(**{"model.max_len": 32})) == ["model.max_len"]
     assert cfg.model_differences(stored, config(**{"model.d_model": 64})) == ["model.d_model"]
     assert cfg.model_differences({"seed": 0}, config(train_len=32)) == []  # no model stored
+
+
+def test_an_error_line_keeps_its_advice_after_long_paths(capsys):
+    """The advice comes last, after paths: a 300-character cut removed it where the
+    paths were long (CI's pytest directories were enough)."""
+    from lexjax import errors
+
+    path = "/very/long/directory" * 20
+    message = f"data.data_dir={path}: cannot create {path}/x (Read-only file system); choose …"
+
+    def program():
+        raise errors.DataError(message)
+
+    assert errors.report(program) == 3
+    assert capsys.readouterr().err == f"error: {message}\n"
