@@ -18,12 +18,12 @@ COMMAND = [
 ]
 
 
-def _run(out):
+def _run(out, *flags):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     # A relative --out, as in the documented command (orbax needs absolute paths inside).
     return subprocess.run(
-        [*COMMAND, f"--out={os.path.relpath(out, ROOT)}"],
+        [*COMMAND, f"--out={os.path.relpath(out, ROOT)}", *flags],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -168,6 +168,21 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     assert again.stdout.count("evaluated already") == 2
     with open(out / "timing.json") as f:
         assert len(json.load(f)["invocations"]) == 2
+
+    # Other evaluation settings are measured again (they were reported over the old
+    # numbers): one document, sinks 2, one passkey key. Training is kept.
+    changed = _run(out, "--config.eval_docs=1", "--config.sinks=2", "--config.passkey_trials=1")
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert changed.stdout.count("trained already") == 2, changed.stdout
+    assert "evaluated already" not in changed.stdout, changed.stdout
+    for path in out.glob("runs/*/perplexity_*.json"):
+        with open(path) as f:
+            stage = json.load(f)
+        assert {r["documents"] for r in stage["results"]} == {1}, path
+        assert stage["mode"] != "sinks" or stage["measured"]["sinks"] == 2, path
+    for path in out.glob("runs/*/passkey.json"):
+        with open(path) as f:
+            assert json.load(f)["trials"] == 1, path
 
 
 @pytest.mark.parametrize(

@@ -151,9 +151,14 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def _stage_done(path: str, config: Config, *, protocol: int | None = None) -> dict | None:
+def _stage_done(
+    path: str, config: Config, *, protocol: int | None = None, measured: dict | None = None
+) -> dict | None:
     """The stage's stored result if it exists and belongs to ``config``; refuses another
-    config. A result of another evaluation ``protocol`` is not done (it is redone)."""
+    config. A result of another evaluation ``protocol``, or of other evaluation
+    settings than ``measured`` (documents, lengths, sinks, passkey trials, ...), is
+    not done: it is redone, so the reports never state settings their numbers were
+    not measured with."""
     if not os.path.exists(path):
         return None
     stored = _read_json(path)
@@ -167,7 +172,25 @@ def _stage_done(path: str, config: Config, *, protocol: int | None = None) -> di
             f"{path} was written for another training config (differs in "
             f"{', '.join(diff)}); use a new --out or the same config"
         )
-    return None if protocol not in (None, stored.get("protocol")) else stored
+    if protocol not in (None, stored.get("protocol")):
+        return None
+    if measured is not None and _plain(_recorded(stored, measured)) != _plain(measured):
+        return None
+    return stored
+
+
+def _plain(value):
+    return json.loads(json.dumps(value))
+
+
+def _recorded(stored: dict, measured: dict) -> dict:
+    """The evaluation settings a stage file was measured with. Files written before
+    they were recorded hold some at the top or in their results (max_length, sinks,
+    documents, the passkey settings); the rest are taken as unchanged."""
+    if "measured" in stored:
+        return stored["measured"]
+    first = (stored.get("results") or [{}])[0]
+    return {k: stored.get(k, first.get(k, v)) for k, v in measured.items()}
 
 
 def machine() -> dict:
@@ -248,10 +271,27 @@ def _names(text: str, field: str, allowed) -> list[str]:
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per evaluation (:func:`evaluations`) and attention resolution of one
     trained run, each stage once."""
-    done = lambda path: _stage_done(path, config, protocol=PROTOCOL) is not None
-    todo = [e for e in plan["evaluations"](spec) if not done(_perplexity_path(workdir, e[0]))]
+    docs = plan["documents"][: plan["docs"]["perplexity"]]
+    shared = {"eval_split": plan["eval_split"]}
+    measured_perplexity = lambda mode: {
+        **shared,
+        "lengths": list(plan["lengths"]),
+        "max_length": plan["max_length"],
+        "documents": len(docs),
+        **({"sinks": plan["sinks"]} if mode == "sinks" else {}),
+    }
+    measured_resolution = {**shared, "resolution_docs": plan["docs"]["resolution"]}
+
+    def done(path, measured):
+        return _stage_done(path, config, protocol=PROTOCOL, measured=measured) is not None
+
+    todo = [
+        e
+        for e in plan["evaluations"](spec)
+        if not done(_perplexity_path(workdir, e[0]), measured_perplexity(e[1]))
+    ]
     resolution_path = os.path.join(workdir, "resolution.json")
-    measure_resolution = not done(resolution_path)
+    measure_resolution = not done(resolution_path, measured_resolution)
     if not todo and not measure_resolution:
         log(f"[{spec.name}] evaluated already")
         return
@@ -269,7 +309,6 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
     for key, mode, scaling in todo:
-        docs = plan["documents"][: plan["docs"]["perplexity"]]
         say(f"perplexity {key}: {len(docs)} documents × {plan['max_length']} tokens")
         start = time.perf_counter()
         scaled = dataclasses.replace(stored_config.model, rope_scaling=scaling, rope_factor=0.0)
@@ -291,6 +330,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         for r in results:
             say(f"  {key} {r.length:>6}: perplexity {r.perplexity:.4f} ({r.seconds:.0f} s)")
         extra = {"mode": mode, "rope_scaling": scaling, "sinks": plan["sinks"]}
+        extra["measured"] = measured_perplexity(mode)
         write(
             _perplexity_path(workdir, key), start, results, max_length=plan["max_length"], **extra
         )
@@ -307,14 +347,16 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         )
         for r in results:
             say(f"  resolution {r.mode} {r.length}: {r.mean:.3g}")
-        write(resolution_path, start, results)
+        write(resolution_path, start, results, measured=measured_resolution)
 
 
 def _passkey_stage(spec, config, workdir, plan, log) -> None:
     """Passkey retrieval of one trained run (lexjax.passkey) by length, depth and mode."""
     settings = plan["passkey"]
     path = os.path.join(workdir, "passkey.json")
-    if settings is None or _stage_done(path, config, protocol=PASSKEY) is not None:
+    if settings is None:
+        return
+    if _stage_done(path, config, protocol=PASSKEY, measured=settings) is not None:
         return
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
