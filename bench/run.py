@@ -27,6 +27,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import pathlib
 import sys
 import time
@@ -75,6 +76,15 @@ def parse(argv=None) -> argparse.Namespace:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    if not names:
+        p.error(f"--only names no benchmark; choose from {', '.join(BENCHMARKS)}")
+    if args.json:  # before any benchmark runs: its results are written after each one
+        try:
+            if os.path.isdir(args.json):
+                raise IsADirectoryError(21, "Is a directory")
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        except OSError as e:
+            p.error(f"--json={args.json}: cannot write there ({e.strerror}); choose another path")
     args.names = names
     return args
 

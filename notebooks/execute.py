@@ -51,6 +51,10 @@ def prepare(cwd: str | None, *outputs: str | None) -> str:
     """Makes the kernel's directory (a new temporary one when ``cwd`` is None) and the
     directories the ``outputs`` go in, before anything runs: a full-size execution
     takes minutes, and its notebook is written only at the end. Returns the cwd."""
+    for output in filter(None, outputs):
+        if os.path.isdir(output):
+            print(f"error: {output} is a directory; name the file to write", file=sys.stderr)
+            raise SystemExit(2)
     paths = [cwd] + [os.path.dirname(os.path.abspath(p)) for p in outputs if p]
     for path in filter(None, paths):
         try:

@@ -105,6 +105,15 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
     proc = _run(["bench/run.py", "--only", "nope"], tmp_path)
     assert proc.returncode == 2
     assert "unknown benchmark 'nope'" in proc.stderr
+    proc = _run(["bench/run.py", "--only", ","], tmp_path)
+    assert proc.returncode == 2 and "--only names no benchmark" in proc.stderr
+    # A --json it cannot write is refused before any benchmark runs (it was a traceback
+    # after the first, whose results were lost).
+    (tmp_path / "file").write_text("x")
+    proc = _run(
+        ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"], tmp_path
+    )
+    assert proc.returncode == 2 and "x.json: cannot write there (File exists)" in proc.stderr
 
 
 def test_paper_literal_mirrors_configs_paper():

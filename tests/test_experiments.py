@@ -267,3 +267,25 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     # Different seeds on the two sides: unpaired.
     other = [{**r, "seed": r["seed"] + 5} for r in seeded(*b)]
     assert not reports.compare(seeded(*a), other, "bca", 8)["paired"]
+
+
+def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
+    """--out naming a file (or a path under one) was a FileExistsError/NotADirectoryError
+    traceback; an empty --out wrote the study into the current directory."""
+    (tmp_path / "file").write_text("x")
+    for out, code, expected in [
+        (tmp_path / "file", 4, f"cannot make --out {tmp_path / 'file'} (File exists)"),
+        (tmp_path / "file" / "out", 4, "(Not a directory); choose another directory"),
+        ("", 2, "--out is empty"),
+    ]:
+        done = subprocess.run(
+            [*COMMAND, f"--out={out}"],
+            cwd=ROOT,
+            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == code, done.stderr[-3000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines

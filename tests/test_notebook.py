@@ -60,3 +60,12 @@ def test_output_directories_are_made_before_the_run_and_a_bad_one_is_one_line(tm
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot make the directory") and err.count("\n") == 1
+    # An existing directory is no file to write the notebook into (it was found after
+    # the whole run, an IsADirectoryError).
+    with pytest.raises(SystemExit) as stop:
+        execute.prepare(None, str(tmp_path / "a"))
+    assert stop.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {tmp_path / 'a'} is a directory; name the file to write\n"
+    )

@@ -489,6 +489,8 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     tables, JSON and figures. Returns the collected results, or None when a signal
     stopped a training (run again to continue)."""
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
+    if not out.strip():
+        raise ExperimentError("--out is empty; name the directory of the study")
     out = os.path.abspath(out)
     started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
     shared = exp["train"].to_dict() if hasattr(exp["train"], "to_dict") else dict(exp["train"])
@@ -510,7 +512,12 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
         f"of ≥ {plan['longest']} tokens"
     )
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:  # a file there, or a file above it
+        raise CheckpointError(
+            f"cannot make --out {out} ({e.strerror}); choose another directory"
+        ) from None
     stopped, outcome = False, "error"
     try:
         for spec, config in zip(specs, configs):
