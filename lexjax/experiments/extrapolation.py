@@ -21,7 +21,9 @@ Every stage writes its file when it completes, and a stage whose file exists
 is skipped, so running the command again continues where it stopped (an
 interrupted training resumes from its checkpoint). A stage's file records the
 training config it belongs to; a different config in the same ``OUT`` is
-refused rather than mixed.
+refused rather than mixed. An evaluation stage's file also records what it was
+measured with (documents, lengths, sinks, passkey settings): with other
+evaluation settings it is measured again, its training kept.
 """
 
 from __future__ import annotations
