@@ -183,11 +183,11 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
     checkpoint, depend on (lexjax.checkpoint refuses a position saved under
     other ones). The document shuffle permutes the source's documents (the
     corpus's build, named by its fingerprint, their count and the passkey/copy
-    mix) with ``seed``, which also seeds
-    the packing and the row shuffle; ``batch_size`` is the packing's bins,
-    ``train_len`` its row length, ``data.shuffle_rows`` the window (0 and 1 are
-    both off) and ``data.worker_count`` where packing runs. The process and
-    device counts are not among them (elastic resume)."""
+    mix) with ``seed``, which also seeds the packing and the row shuffle;
+    ``batch_size`` is the packing's bins, ``train_len`` its row length,
+    ``data.shuffle_rows`` the window (0 and 1 are both off) and
+    ``data.worker_count`` where packing runs. The process and device counts are
+    not among them (elastic resume)."""
     d, documents = config.data, getattr(source, "source", source)  # before the mix
     return {
         "train corpus": getattr(documents, "build", None),
