@@ -863,9 +863,10 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
         record = checkpointer._read_tokenizer(step)
         config = from_configdict(stored)
         shardings = sharding(config) if callable(sharding) else sharding
-        params = _restore_params(checkpointer, step, abstract_params(config), shardings)
+        integrity = checkpointer._read_integrity(step)
+        params = _restore_params(checkpointer, step, integrity, abstract_params(config), shardings)
         tok = _tokenizer_of(checkpointer, step, stored, record) if tokenizer else None
-        stream = checkpointer._read_integrity(step).get("data_iter") or {}
+        stream = integrity.get("data_iter") or {}
         return config, params, tok, (stream.get("settings") or {}).get("train corpus")
 
     try:
@@ -882,9 +883,12 @@ def load_params_and_tokenizer(workdir: str | os.PathLike[str], *, sharding: Any 
     return _load(workdir, sharding, tokenizer=True)
 
 
-def _restore_params(checkpointer: Checkpointer, step: int, abstract: PyTree, sharding) -> PyTree:
-    """Restores and verifies the ``params`` subtree of ``step`` (raises _Damaged)."""
-    saved = checkpointer._read_integrity(step)["leaves"]
+def _restore_params(
+    checkpointer: Checkpointer, step: int, integrity: dict, abstract: PyTree, sharding
+) -> PyTree:
+    """Restores the ``params`` subtree of ``step`` and verifies it against the step's
+    ``integrity`` record (raises _Damaged)."""
+    saved = integrity["leaves"]
     # The train state is a dataclass (".params[...]"); accept a dict state too.
     prefix = next((p for p in (".params", "['params']") if p + "[" in "".join(saved)), ".params")
     wanted = [(prefix + name, leaf) for name, leaf in _leaf_names(abstract)]
