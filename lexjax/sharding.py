@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -166,12 +167,17 @@ def make_mesh(config: Config, devices=None, *, check_batch: bool = True) -> Mesh
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def fit_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
+def fit_mesh(
+    mesh: MeshConfig, num_devices: int, fits: Callable[[MeshConfig], bool] | None = None
+) -> MeshConfig:
     """A run's mesh re-fitted to ``num_devices`` (evaluating where it did not train).
 
     Each fixed axis keeps the largest size dividing both its own and the
     devices left (tensor first, then fsdp, data); the ``-1`` axis (data if
-    none) takes the rest. A mesh that fits is returned as it resolves.
+    none) takes the rest. A mesh that fits is returned as it resolves. With
+    ``fits`` (does a mesh divide the model?), a ``-1`` axis other than data that
+    would not keeps the largest share of its devices that does, and data takes
+    the rest (FSDP trained on 8 devices, evaluated on 6).
     """
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
     fill = next((axis for axis in MESH_AXES if sizes[axis] == -1), "data")
@@ -181,29 +187,28 @@ def fit_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
             sizes[axis] = math.gcd(max(sizes[axis], 1), left)
             left //= sizes[axis]
     sizes[fill] = left
+    if fits is not None and fill != "data":
+        for share in (d for d in range(left, 0, -1) if left % d == 0):
+            shared = MeshConfig(**{**sizes, fill: share, "data": sizes["data"] * (left // share)})
+            if fits(shared):
+                return shared
     return MeshConfig(**sizes)
 
 
 def eval_mesh(config: Config, devices=None) -> Mesh:
     """The mesh evaluation and generation run on: ``config.mesh`` re-fitted to
-    ``devices`` (default: all) by :func:`fit_mesh`, with no training-batch check.
-    Where the ``-1`` axis would then not divide the model (FSDP trained on 8
-    devices, evaluated on 6), it keeps the largest share that does and ``data``
-    takes the rest."""
+    ``devices`` (default: all) by :func:`fit_mesh` so that it divides the model,
+    with no training-batch check."""
     devices = list(jax.devices() if devices is None else devices)
-    fitted = fit_mesh(config.mesh, len(devices))
-    fill = next((axis for axis in MESH_AXES if getattr(config.mesh, axis) == -1), "data")
-    total = getattr(fitted, fill)
-    for share in [d for d in range(total, 0, -1) if total % d == 0] if fill != "data" else []:
-        candidate = dataclasses.replace(
-            fitted, **{fill: share, "data": fitted.data * (total // share)}
-        )
+
+    def fits(mesh: MeshConfig) -> bool:
         try:
-            check_mesh(dataclasses.replace(config, mesh=candidate), len(devices), check_batch=False)
+            check_mesh(dataclasses.replace(config, mesh=mesh), len(devices), check_batch=False)
         except ConfigError:
-            continue
-        fitted = candidate
-        break
+            return False
+        return True
+
+    fitted = fit_mesh(config.mesh, len(devices), fits)
     return make_mesh(dataclasses.replace(config, mesh=fitted), devices, check_batch=False)
 
 
