@@ -81,7 +81,7 @@ from lexjax.config import (
     check_int,
     check_rope_scaling,
 )
-from lexjax.data.builders import glob_files, text_files_of
+from lexjax.data.builders import decode_text, glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -697,11 +697,9 @@ def held_out_documents(
             docs, replaced = [], 0
             for rel in relpaths:
                 with open(os.path.join(root, rel), "rb") as f:
-                    raw = f.read()
-                try:  # read as a corpus build reads its files: every tokenizer the same text
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    text, replaced = raw.decode("utf-8", errors="replace"), replaced + 1
+                    # As a corpus build reads its files: every tokenizer the same text.
+                    text, invalid = decode_text(f.read())
+                replaced += invalid
                 docs.append(tokenizer.encode_document(text))
             if replaced:
                 say(

@@ -331,6 +331,15 @@ def plan_splits(
     return Plan(pieces, rule, num_files, skipped, digest.hexdigest())
 
 
+def decode_text(raw: bytes) -> tuple[str, bool]:
+    """``(text, replaced)``: ``raw`` as UTF-8, invalid bytes replaced by U+FFFD
+    (``replaced``), as a build (and evaluation on other files) reads every file."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), True
+
+
 def text_files_of(root: str, relpaths: list[str], what: str, say) -> list[str]:
     """The text files among `relpaths` (under `root`): empty and binary ones are
     skipped with one note through `say`; DataError when none is left."""
@@ -463,10 +472,8 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def _generate_examples(self, pieces):
         for piece in pieces:
             for start, chunk in documents(piece):
-                try:
-                    text = chunk.decode("utf-8")
-                except UnicodeDecodeError:
-                    text = chunk.decode("utf-8", errors="replace")
+                text, replaced = decode_text(chunk)
+                if replaced:
                     self.replaced.add(piece.path)
                 # The key of a whole small file is its path, as in version 1.0.0, so
                 # TFDS's key-hash order of the documents (hence evaluation's) stays.
