@@ -506,6 +506,13 @@ def check_path(name: str, value) -> str:
     return os.fspath(value)
 
 
+def check_dtypes(m: ModelConfig) -> None:
+    """:class:`ConfigError` unless ``model.dtype`` and ``param_dtype`` are known."""
+    for name in ("dtype", "param_dtype"):
+        if getattr(m, name) not in _DTYPES:
+            raise ConfigError(f"model.{name}={getattr(m, name)!r}: use {', '.join(_DTYPES)}")
+
+
 def check_seed(seed) -> int:
     """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
     return check_int("seed", seed, 0, 2**32, "an integer in [0, 2**32)")
@@ -601,9 +608,7 @@ def _validated(config: Config) -> Config:
     for name in ("scale_base", "theta"):
         if not getattr(m, name) > 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    for name in ("dtype", "param_dtype"):
-        if getattr(m, name) not in _DTYPES:
-            raise ConfigError(f"model.{name}={getattr(m, name)!r}: use {', '.join(_DTYPES)}")
+    check_dtypes(m)
     if config.train_len < 2 or config.train_len % 2:
         raise ConfigError(
             f"train_len={config.train_len} must be an even integer ≥ 2 (the "

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lexjax import attention as attn_lib
 from lexjax import masks
 from lexjax import positions as pos_lib
-from lexjax.config import ModelConfig
+from lexjax.config import ModelConfig, check_dtypes
 from lexjax.errors import ConfigError
 
 __all__ = ["Decoder", "count_params", "remat_policy"]
@@ -39,9 +39,7 @@ def _check_config(c) -> None:
     """A ModelConfig built by hand (not by :func:`lexjax.config.make_config`, which
     checks everything) fails here with one line, not deep inside Flax (an unknown
     ``position`` fails in :func:`lexjax.attention.context`)."""
-    for name in ("dtype", "param_dtype"):
-        if getattr(c, name) not in _DTYPES:
-            raise ConfigError(f"model.{name}={getattr(c, name)!r}: use {', '.join(_DTYPES)}")
+    check_dtypes(c)
     if not isinstance(c.vocab_size, int) or c.vocab_size < 1:
         raise ConfigError(
             f"model.vocab_size={c.vocab_size!r}: give a positive int, or build the config "
