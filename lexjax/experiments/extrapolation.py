@@ -139,7 +139,7 @@ def eval_lengths(multipliers: str, train_len: int) -> list[int]:
 
 
 def _run_config(shared: dict, spec: RunSpec) -> Config:
-    values = json.loads(json.dumps(shared))
+    values = _plain(shared)
     values["model"].update(position=spec.position, scale_base=spec.scale_base)
     values["seed"] = spec.seed
     try:
@@ -153,6 +153,11 @@ def _read_json(path: str):
         return json.load(f)
 
 
+def _plain(value):
+    """``value`` as JSON reads it back (tuples become lists): what a file compares equal to."""
+    return json.loads(json.dumps(value))
+
+
 def _stage_done(
     path: str, config: Config, *, protocol: int | None = None, measured: dict | None = None
 ) -> dict | None:
@@ -164,10 +169,10 @@ def _stage_done(
     if not os.path.exists(path):
         return None
     stored = _read_json(path)
-    ours = json.loads(json.dumps(to_dict(config)))
+    ours = _plain(to_dict(config))
     theirs = {k: v for k, v in (stored.get("config") or {}).items() if k not in REMOVED_FIELDS}
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
-        theirs = json.loads(json.dumps(to_dict(from_configdict(theirs))))
+        theirs = _plain(to_dict(from_configdict(theirs)))
     if theirs != ours:
         diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         raise ExperimentError(
@@ -179,10 +184,6 @@ def _stage_done(
     if measured is not None and _plain(_recorded(stored, measured)) != _plain(measured):
         return None
     return stored
-
-
-def _plain(value):
-    return json.loads(json.dumps(value))
 
 
 def _recorded(stored: dict, measured: dict) -> dict:
@@ -500,7 +501,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         shared_config = from_configdict(shared)
     except ConfigError as e:
         raise ExperimentError(f"train.{e}") from None
-    shared = json.loads(json.dumps(to_dict(shared_config)))
+    shared = _plain(to_dict(shared_config))
     shared.pop("sharding_rules", None)
     specs = parse_runs(
         exp["runs"], scale_base=shared_config.model.scale_base, seed=shared_config.seed
