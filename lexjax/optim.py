@@ -7,7 +7,9 @@ import optax
 
 from lexjax.config import Config
 
-__all__ = ["learning_rate_schedule", "make_optimizer"]
+__all__ = ["decayed", "learning_rate_schedule", "make_optimizer"]
+
+_NOT_DECAYED = ("bias", "scale")  # every Dense/LayerNorm bias and LayerNorm scale
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -31,8 +33,20 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), decay], [warm])
 
 
+def decayed(params):
+    """The weight-decay mask: True for kernels and embeddings, False for biases
+    and LayerNorm scales. Chosen by name, so that scanned layers (which stack
+    every parameter on a leading layer axis) decay the same ones."""
+
+    def leaf(path, _):
+        return getattr(path[-1], "key", None) not in _NOT_DECAYED
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Global-norm clipping + AdamW; no weight decay on biases and LayerNorm scales (ndim < 2)."""
+    """Global-norm clipping + AdamW; no weight decay on biases and LayerNorm
+    scales (:func:`decayed`)."""
     o = config.optim
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
@@ -42,6 +56,6 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
             b2=o.b2,
             eps=o.eps,
             weight_decay=o.weight_decay,
-            mask=lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params),
+            mask=decayed,
         ),
     )

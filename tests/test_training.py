@@ -59,6 +59,33 @@ def test_gradient_accumulation_equals_one_big_batch():
     )
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_weight_decay_spares_biases_and_layernorm_with_and_without_scanned_layers(scan_layers):
+    """AdamW with zero gradients moves a parameter by its weight decay alone: kernels
+    and embeddings shrink, biases and LayerNorm scales stay. Scanned layers stack every
+    parameter on a layer axis, which must not change which ones decay."""
+    config = small_config(
+        **{
+            "model.scan_layers": scan_layers,
+            "optim.weight_decay": 0.5,
+            "optim.schedule": "constant",
+            "warmup_steps": 0,
+            "learning_rate": 0.1,
+        }
+    )
+    setup = TrainSetup(config, jax.devices()[:1])
+    params = jax.tree.map(lambda p: p + 0.5, setup.init_state().params)  # biases start at 0
+    zeros = jax.tree.map(np.zeros_like, params)
+    updates, _ = setup.tx.update(zeros, setup.tx.init(params), params)
+    moved = {
+        jax.tree_util.keystr(path): bool(np.abs(u).max() > 0)
+        for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]
+    }
+    expected = {name: name.endswith(("['kernel']", "['embedding']")) for name in moved}
+    assert moved == expected
+    assert sum(expected.values()) >= 6 and not all(expected.values())
+
+
 def test_train_step_compiler_options_are_cpu_only_and_change_no_number(monkeypatch):
     """The CPU train step's XLA options (YNNPACK for reductions only) select other
     kernels, not other math: three steps equal XLA's defaults to float32 rounding.
