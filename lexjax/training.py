@@ -246,7 +246,11 @@ def train(
     The summary holds ``start_step``, ``step``, ``checkpoint_dir``,
     ``stopped_by`` (a signal name or None), ``num_params`` and the last logged
     ``loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec`` (``mfu``)
-    and ``val_loss``.
+    and ``val_loss``. ``tokens_per_sec`` counts ``batch_size × train_len``
+    tokens per step (padding included) over the time of the training steps
+    since the previous record: neither the first step of a call (compilation)
+    nor validation and saves are timed, and a record after only that first
+    step has no rate.
     """
     # A Config built by hand or with dataclasses.replace is checked like any other.
     config = from_configdict(to_dict(config) if isinstance(config, Config) else config)
@@ -410,6 +414,9 @@ class _Loop:
                         state, setup.global_batch(next(self.data_iter))
                     )
                     step += 1
+                    if step == self.summary["start_step"] + 1:  # compiled and ran: not timed
+                        jax.block_until_ready(step_metrics)
+                        self.last = (time.perf_counter(), step)
                     self.pending.append((step, step_metrics))
                     boundary = step == total or step % config.checkpoint_every == 0
                     evaluate = step == total or step % config.eval_every == 0
@@ -419,6 +426,8 @@ class _Loop:
                         self._validate(state.params, step, val_batches)
                     if boundary:
                         saved_step = self._save(step, state)
+                    if evaluate or boundary:  # the next rate times training steps only
+                        self.last = (time.perf_counter(), step)
                     if stop_after is not None and step - self.summary["start_step"] >= stop_after:
                         stop.signal_name = stop.signal_name or "stop_after"
                 if self.pending:
@@ -483,19 +492,22 @@ class _Loop:
         self.pending.clear()
         now, (then, then_step) = time.perf_counter(), self.last
         config = self.setup.config
-        rate = (step - then_step) * config.batch_size * config.train_len / max(now - then, 1e-9)
         self.last = (now, step)
         record = {
             "loss": float(m["loss"]),
             "learning_rate": float(m["learning_rate"]),
             "grad_norm": float(m["grad_norm"]),
-            "tokens_per_sec": rate,
         }
-        if self.peak is not None:
-            record["mfu"] = metrics.mfu(rate, config, self.peak, jax.device_count())
+        shown = f"loss {record['loss']:.3f}"
+        if step > then_step:  # else only the first step (with its compilation) ran since
+            rate = (step - then_step) * config.batch_size * config.train_len / (now - then)
+            record["tokens_per_sec"] = rate
+            if self.peak is not None:
+                record["mfu"] = metrics.mfu(rate, config, self.peak, jax.device_count())
+            shown += f" {rate:,.0f} tok/s"
         self.writer.write(step, record)
         self.summary.update(record)
-        self.bar.update(step, f"loss {record['loss']:.3f} {rate:,.0f} tok/s")
+        self.bar.update(step, shown)
 
     def _validate(self, params, step: int, val_batches) -> None:
         setup = self.setup

@@ -334,6 +334,48 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     assert records[5]["mfu"] == pytest.approx(expected / (1e9 * jax.device_count()))
 
 
+def test_tokens_per_sec_times_the_training_steps_only(tmp_path, monkeypatch):
+    """On a clock that moves 1 s per training step, 50 s more for the first step's
+    compilation and 100 s for each validation and save, every logged rate is one
+    step's tokens per second; the record after only the first step has none."""
+    from lexjax import training
+
+    clock = [0.0]
+    monkeypatch.setattr(training, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+
+    class TimedSetup(TrainSetup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            inner, self.steps = self.train_step, 0
+
+            def step(state, batch):
+                self.steps += 1
+                clock[0] += 1.0 + 50.0 * (self.steps == 1)
+                return inner(state, batch)
+
+            self.train_step = step
+
+    def slow(method):
+        def run(*args, **kwargs):
+            clock[0] += 100.0
+            return method(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(training, "TrainSetup", TimedSetup)
+    monkeypatch.setattr(training._Loop, "_validate", slow(training._Loop._validate))
+    monkeypatch.setattr(training._Loop, "_save", slow(training._Loop._save))
+    config = _train_config(tmp_path, num_train_steps=7, eval_every=2, log_every=1)
+    summary = train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert "tokens_per_sec" not in records[0]
+    one_step = config.batch_size * config.train_len / 1.0
+    assert [r["tokens_per_sec"] for r in records[1:]] == [one_step] * 6
+    assert summary["tokens_per_sec"] == one_step
+
+
 def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_path, caplog):
     workdir = str(tmp_path)
     writer = metrics.MetricsWriter(workdir)
