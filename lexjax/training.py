@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
@@ -30,6 +31,7 @@ from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, from_configdict, model_differences, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
+from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
 
@@ -369,13 +371,45 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             "use a new --workdir or the corpus and tokenizer it was trained with"
         )
     say(f"resumed from {checkpointer.directory} at step {step}, mesh {dict(setup.mesh.shape)}")
-    before = (stored or {}).get("num_train_steps", config.num_train_steps)
-    if before != config.num_train_steps:
+    if changed := _schedule_changes(stored or {}, config, int(step)):
         say(
-            f"learning-rate schedule changed: num_train_steps {before} → "
-            f"{config.num_train_steps}; from step {step} the rate follows the new schedule"
+            f"learning-rate schedule changed: {', '.join(changed)}; "
+            f"from step {step} the rate follows the new schedule"
         )
     return state, int(step)
+
+
+_SCHEDULE_FIELDS = (
+    "num_train_steps",
+    "learning_rate",
+    "warmup_steps",
+    "optim.schedule",
+    "optim.end_lr_fraction",
+)
+
+
+def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
+    """``"field old → new"`` for each schedule setting that differs from the
+    checkpoint's config, if the rates from ``step`` on differ; else nothing."""
+
+    def at(values, name):
+        for key in name.split("."):
+            values = values.get(key) if isinstance(values, Mapping) else None
+        return values
+
+    now, before = to_dict(config), to_dict(config)
+    changed = []
+    for name in _SCHEDULE_FIELDS:
+        old, new = at(stored, name), at(now, name)
+        if old is not None and old != new:
+            *parents, key = name.split(".")
+            (before[parents[0]] if parents else before)[key] = old  # one level at most
+            changed.append(f"{name} {old} → {new}")
+    if not changed:
+        return []
+    steps = jnp.arange(step, max(config.num_train_steps, before["num_train_steps"]) + 1)
+    rates = [learning_rate_schedule(c)(steps) for c in (config, from_configdict(before))]
+    return [] if bool(jnp.allclose(*rates, rtol=1e-6, atol=0.0)) else changed
 
 
 class _Loop:

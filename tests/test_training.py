@@ -376,6 +376,37 @@ def test_tokens_per_sec_times_the_training_steps_only(tmp_path, monkeypatch):
     assert summary["tokens_per_sec"] == one_step
 
 
+def test_the_schedule_note_names_every_change_that_moves_the_rate():
+    from lexjax.training import _schedule_changes
+
+    def config(**values):
+        return small_config(**{"num_train_steps": 12, "warmup_steps": 2, **values})
+
+    def stored(c, **values):
+        return cfg.to_dict(cfg.from_configdict({**cfg.to_dict(c), **values}))
+
+    constant = config(**{"optim.schedule": "constant"})
+    # A constant rate after warmup is the same rate for 7 or 12 steps.
+    assert _schedule_changes(stored(constant, num_train_steps=7), constant, 7) == []
+    assert _schedule_changes(stored(constant, warmup_steps=3), constant, 5) == []
+    assert _schedule_changes(stored(constant, warmup_steps=3), constant, 1) == [
+        "warmup_steps 3 → 2"
+    ]
+    cosine = config(**{"optim.schedule": "cosine", "learning_rate": 1e-3})
+    assert _schedule_changes(stored(cosine, num_train_steps=7), cosine, 7) == [
+        "num_train_steps 7 → 12"
+    ]
+    old = stored(
+        cosine, learning_rate=2e-3, optim={**cfg.to_dict(cosine)["optim"], "schedule": "polynomial"}
+    )
+    assert _schedule_changes(old, cosine, 4) == [
+        "learning_rate 0.002 → 0.001",
+        "optim.schedule polynomial → cosine",
+    ]
+    assert _schedule_changes(stored(cosine), cosine, 4) == []
+    assert _schedule_changes({}, cosine, 4) == []  # a checkpoint without a config record
+
+
 def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_path, caplog):
     workdir = str(tmp_path)
     writer = metrics.MetricsWriter(workdir)
