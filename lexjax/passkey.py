@@ -426,6 +426,7 @@ def passkey_accuracy(
     )
     bar = Progress(len(cells) * len(depths) * trials, label="samples", enabled=progress)
     done, results = 0, []
+    writes_text = tokenizer.sampleable(model.config.vocab_size)
     for mode, length in cells:
         samples = [
             (depth, make_sample([seed, t], length, depth, tokenizer, filler))
@@ -455,6 +456,7 @@ def passkey_accuracy(
                     rng=jax.random.key(0),
                     temperature=0.0,
                     mode=mode,
+                    allowed_V=writes_text,  # an id writing no text would vanish from the answer
                 )
                 out = shard_lib.host_array(out)
                 logprobs = shard_lib.host_array(_logprobs(model, params, whole, mode, block))

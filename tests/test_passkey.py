@@ -299,6 +299,36 @@ def test_accuracy_counts_the_keys_decoding_gives(model_params, monkeypatch):
     assert all(shape[0] == 4 for _, shape in calls if shape[1] == 96 - 5)
 
 
+def test_greedy_answers_hold_only_ids_that_write_text(model_params, monkeypatch):
+    """A model whose every position's logits favour the last id of its vocabulary, one
+    the byte tokenizer never writes (the vocabulary is padded past its 258 ids). The
+    scorer drops ids that write no text, so such ids in an answer would let '1234<id>5'
+    count as key 12345: greedy decoding must keep to the ids that write text (and EOS)."""
+    config, model, params = model_params
+    unused = config.model.vocab_size - 1
+    assert unused >= 258
+    bias = np.random.default_rng(0).normal(size=config.model.d_model).astype(np.float32)
+    params = jax.tree.map(np.array, params)
+    params["ln_final"]["scale"][:] = 0.0  # the final features are `bias` at every position
+    params["ln_final"]["bias"][:] = bias
+    params["embed"]["embedding"][unused] = bias * 100.0 / (bias @ bias)  # logit 100
+    logits, _ = model.apply({"params": params}, jnp.zeros((1, 8), jnp.int32))
+    assert (np.asarray(logits).argmax(-1) == unused).all()
+    answers = []
+
+    def recording(*args, **kwargs):
+        answers.append(np.asarray(real(*args, **kwargs)))
+        return answers[-1]
+
+    real = generation.generate
+    monkeypatch.setattr(generation, "generate", recording)
+    passkey.passkey_accuracy(
+        model, params, block=config.block, lengths=[96], depths=[0.5], trials=2
+    )
+    writes_text = data_lib.BYTES.sampleable(config.model.vocab_size)
+    assert len(answers) == 2 and all(writes_text[a].all() for a in answers)
+
+
 def test_answer_nats_is_the_keys_negative_log_likelihood_under_a_dense_forward(model_params):
     """Without BCA, answer_nats equals −log p(key | prompt) from one plain forward pass
     of the whole sample (the model's own causal mask, no cache, no chunks)."""
