@@ -42,8 +42,11 @@ a Kubernetes Indexed Job the processes find each other; elsewhere start each wit
 accuracy of the greedy answer per length (--lengths, default 1,2,4,8 ×
 train_len), depth and mode (--bca), keys from --seed, filler a sentence or, with
 --passkey_filler=text, the first --max_docs documents of --eval_files (else the
-test split); flags it does not use are refused. It writes
-WORKDIR/eval/passkey.json and a heat map per mode, passkey-MODE.png.
+test split). It writes WORKDIR/eval/passkey.json and a heat map per mode,
+passkey-MODE.png.
+
+Each of the three runs (perplexity, --generate, --passkey) refuses a flag given
+that only another uses (e.g. --temperature with --passkey, which decodes greedily).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import sys
 
 from absl import app, flags, logging
 
-from lexjax import cli, distributed, evaluation
+from lexjax import cli, distributed, evaluation, generation
 from lexjax.config import ROPE_SCALINGS
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,11 +128,20 @@ _GENERATE = flags.DEFINE_bool(
     "the perplexity's other flags are refused.",
 )
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed; with --passkey, the keys' seed.")
+_SAMPLING = generation.SAMPLING
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", _SAMPLING["max_new_tokens"], "Tokens to generate."
+)
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", _SAMPLING["temperature"], "Sampling temperature; 0 is greedy."
+)
+_TOP_K = flags.DEFINE_integer(
+    "top_k", _SAMPLING["top_k"], "Sample among the k most likely tokens (0: all)."
+)
+_TOP_P = flags.DEFINE_float("top_p", _SAMPLING["top_p"], "Nucleus sampling mass (1: all).")
+_SEED = flags.DEFINE_integer(
+    "seed", _SAMPLING["seed"], "Sampling seed; with --passkey, the keys' seed."
+)
 _PASSKEY = flags.DEFINE_bool("passkey", False, "Measure passkey retrieval instead.")
 _PASSKEY_DEPTHS = flags.DEFINE_list(
     "passkey_depths",

@@ -73,6 +73,8 @@ def _check_workdir_flag(workdir: str) -> None:
 # --------------------------------------------------------------------------- eval.py
 
 BCA_MODES = {"both": ("bca", "full"), "on": ("bca",), "off": ("full",)}
+_SAMPLED = {"prompt", *generation.SAMPLING}  # the flags of --generate, of --passkey:
+_KEYED = {"passkey_depths", "passkey_trials", "passkey_filler"}
 
 
 def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
@@ -89,8 +91,7 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
 
 
 def parse_lengths(values) -> list[int] | None:
-    """``--lengths`` strings → ints (:func:`lexjax.evaluation.check_settings` checks
-    them); None (not given) → None (the default)."""
+    """``--lengths`` strings → ints (checked by :func:`lexjax.evaluation.check_settings`)."""
     if values is None:
         return None
     lengths = []
@@ -147,22 +148,29 @@ def run_eval(
         flag="--",
     )
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
-    # The perplexity's flags that generation and passkey retrieval would ignore.
-    unused = dict(rope_scaling=rope_scaling != "none", max_length=max_length is not None)
-    unused.update(resolution=resolution, figure=figure, eval_files=eval_files is not None)
-    unused.update(max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS, lengths=lengths is not None)
+    # Each run refuses the flags given (not at their defaults) that it would ignore.
+    given = dict(rope_scaling=rope_scaling != "none", max_length=max_length is not None)
+    given.update(resolution=resolution, figure=figure, eval_files=eval_files is not None)
+    given.update(max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS, lengths=lengths is not None)
+    given.update(sinks=sinks != evaluation.DEFAULT_SINKS, prompt=prompt != "")
+    given.update({k: v != generation.SAMPLING[k] for k, v in sampling.items()})
+    given.update(passkey_depths=passkey_depths is not None, passkey_trials=passkey_trials != 10)
+    given.update(passkey_filler=passkey_filler != "repeat")
+    verb, uses = "eval.py without --generate or --passkey", set(given) - _SAMPLED - _KEYED
     if generate:
         modes = modes if modes_given else ("bca",)  # generation's default: with BCA
         if len(modes) != 1 or modes[0] not in generation.MODES:
             raise ConfigError(
                 f"--generate decodes in one mode (--bca=on or off), not {','.join(modes)}"
             )
-        _reject_unused("--generate", **unused, sinks=sinks != evaluation.DEFAULT_SINKS)
+        verb, uses = "--generate", _SAMPLED
     if passkey_run:  # uses --lengths, and --eval_files and --max_docs with held-out text
         text = passkey_filler == "text"
-        unused.update(lengths=False, eval_files=unused["eval_files"] and not text)
-        unused.update(max_docs=unused["max_docs"] and not text)
-        _reject_unused("--passkey" + ("" if text else " with --passkey_filler=repeat"), **unused)
+        verb = "--passkey" + ("" if text else " with --passkey_filler=repeat")
+        uses = {"lengths", "seed", *_KEYED, *(("eval_files", "max_docs") if text else ())}
+    if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
+        them = "it" if len(names) == 1 else "them"
+        raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
     generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
@@ -178,8 +186,7 @@ def run_eval(
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
-            seed = sampling.get("seed", 0)
-            settings.update(eval_files=eval_files, max_docs=max_docs, seed=seed)
+            settings.update(eval_files=eval_files, max_docs=max_docs, seed=sampling.get("seed", 0))
             run.passkey(requested, modes=modes, **settings)
             return 0
         run.evaluate(
@@ -195,13 +202,6 @@ def run_eval(
             rope_factor=rope_factor,
         )
         return 0
-
-
-def _reject_unused(verb: str, **given: bool) -> None:
-    """A ConfigError naming the flags given (True) that ``verb`` would ignore."""
-    if names := [f"--{name}" for name, value in given.items() if value]:
-        them = "it" if len(names) == 1 else "them"
-        raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
 
 
 @contextlib.contextmanager

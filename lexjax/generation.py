@@ -340,6 +340,10 @@ def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_token
     return _compiled_dense_prefill(model, chunk, slots)(params, padded, length)
 
 
+SAMPLING = dict(max_new_tokens=256, temperature=1.0, top_k=0, top_p=1.0, seed=0)
+"""The sampling settings of :func:`complete` and eval.py, with their defaults."""
+
+
 def complete(
     config: Config,
     params,

@@ -150,7 +150,7 @@ EVAL_FLAGS = {
         [["--modes=sinks"], ["--modes=bca,full,sinks"], ["--modes=full", "--bca=both"]],
         ["", "dense", "bca,x", "sinks --bca=on"],
     ),
-    "sinks": ([["--sinks=0"], ["--sinks=8", "--modes=sinks"]], ["-1"]),
+    "sinks": ([["--sinks=0"], ["--sinks=8", "--modes=sinks"]], ["-1", "8 --passkey"]),
     "eval_files": (
         [
             ["--eval_files=/tmp/*.txt"],
@@ -183,12 +183,16 @@ EVAL_FLAGS = {
             "true --sinks=2",
         ],
     ),
-    "prompt": ([["--prompt=def "], ["--prompt="]], []),
-    "max_new_tokens": ([["--max_new_tokens=3"]], ["0", "-1"]),
-    "temperature": ([["--temperature=0"]], ["-0.5", "nan", "inf"]),
-    "top_k": ([["--top_k=5"]], ["-1"]),
-    "top_p": ([["--top_p=0.9"]], ["0", "1.5", "nan", "inf"]),
-    "seed": ([["--seed=7"]], ["-1", "-1 --passkey", str(10**23) + " --generate"]),
+    # Sampling and passkey flags belong to their runs; given to another, they are refused.
+    "prompt": ([["--prompt=def ", "--generate"], ["--prompt="]], ["def"]),
+    "max_new_tokens": ([["--max_new_tokens=3", "--generate"]], ["0", "-1", "3"]),
+    "temperature": ([["--temperature=0", "--generate"]], ["-0.5", "nan", "inf", "0 --passkey"]),
+    "top_k": ([["--top_k=5", "--generate"]], ["-1", "5 --passkey"]),
+    "top_p": ([["--top_p=0.9", "--generate"]], ["0", "1.5", "nan", "inf", "0.9"]),
+    "seed": (
+        [["--seed=7", "--generate"], ["--seed=7", "--passkey"]],
+        ["-1", "-1 --passkey", str(10**23) + " --generate", "7"],
+    ),
     "rope_scaling": (
         [["--rope_scaling=yarn"], ["--rope_scaling=dynamic_ntk", "--bca=off"]],
         ["linear", "", "pi --generate", "yarn --passkey"],
@@ -199,11 +203,11 @@ EVAL_FLAGS = {
     ),
     "passkey": ([["--passkey"], ["--nopasskey"]], ["maybe", "true --generate"]),
     "passkey_depths": (
-        [["--passkey_depths=0,0.5,1"], ["--passkey", "--passkey_depths=0.3"]],
-        ["", "1.5", "-0.1", "x", "0,nan"],
+        [["--passkey_depths=0,0.5,1", "--passkey"], ["--passkey", "--passkey_depths=0.3"]],
+        ["", "1.5", "-0.1", "x", "0,nan", "0.3", "0.3 --generate"],
     ),
-    "passkey_trials": ([["--passkey_trials=3"], ["--passkey", "--passkey_trials=1"]], ["0", "-2"]),
-    "passkey_filler": ([["--passkey_filler=text"]], ["words", ""]),
+    "passkey_trials": ([["--passkey", "--passkey_trials=1"]], ["0", "-2", "3"]),
+    "passkey_filler": ([["--passkey_filler=text", "--passkey"]], ["words", "", "text"]),
 }
 GENERIC_BAD = {  # wrong type and empty, by the flag's type
     "int": ["abc", "1.5", ""],
