@@ -28,7 +28,7 @@ def _run(out, *flags):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # a hang guard: on 2 loaded cores the smoke study took 300 s
     )
 
 
