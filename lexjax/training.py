@@ -407,8 +407,12 @@ def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
             changed.append(f"{name} {old} → {new}")
     if not changed:
         return []
-    steps = jnp.arange(step, max(config.num_train_steps, before["num_train_steps"]) + 1)
-    rates = [learning_rate_schedule(c)(steps) for c in (config, from_configdict(before))]
+    try:
+        old_config = from_configdict(before)
+    except ConfigError:  # a value this version no longer takes: say what changed
+        return changed
+    steps = jnp.arange(step, max(config.num_train_steps, old_config.num_train_steps) + 1)
+    rates = [learning_rate_schedule(c)(steps) for c in (config, old_config)]
     return [] if bool(jnp.allclose(*rates, rtol=1e-6, atol=0.0)) else changed
 
 
@@ -534,7 +538,8 @@ class _Loop:
         }
         shown = f"loss {record['loss']:.3f}"
         if step > then_step:  # else only the first step (with its compilation) ran since
-            rate = (step - then_step) * config.batch_size * config.train_len / (now - then)
+            tokens = (step - then_step) * config.batch_size * config.train_len
+            rate = tokens / max(now - then, 1e-9)
             record["tokens_per_sec"] = rate
             if self.peak is not None:
                 record["mfu"] = metrics.mfu(rate, config, self.peak, jax.device_count())
