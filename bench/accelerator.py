@@ -9,9 +9,9 @@ synthetic batches over every local device, for each attention implementation
 (explicit, fused = cuDNN on NVIDIA GPUs; splash on TPUs) and each
 ``model.remat_policy`` (none, full, dots_except_mlp): tokens/s/device, MFU
 against the chip's datasheet bf16 peak (:data:`lexjax.metrics.PEAK_FLOPS`)
-and against a measured bf16 matmul, and the device's peak memory where it
-reports one. Then XPOS's overhead (the first configuration again with
-``position=none``) and the block-scan evaluation
+and against a measured bf16 matmul, and the memory each configuration's
+compiled step needs per device (XLA's ``memory_analysis()``). Then XPOS's
+overhead (the first configuration again with ``position=none``) and the block-scan evaluation
 (:func:`lexjax.evaluation.block_scan_logprobs`) at 16k, 64k and 256k tokens.
 
 One JSON object per measurement, on stdout and in
@@ -103,10 +103,27 @@ def matmul_peak(n: int) -> float:
     return 2.0 * n**3 / best
 
 
-def _peak_memory_gib() -> float | None:
+def _process_peak_memory_gib() -> float | None:
+    """The allocator's high-water mark since this process started (None where the
+    device reports none, as on CPUs): the maximum over every configuration measured
+    so far, not one configuration's own figure; JAX cannot reset it."""
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**30
+
+
+def compiled_memory(compiled) -> dict:
+    """XLA's own account of one compiled train step, bytes per device: its temporaries,
+    arguments, outputs and the outputs that reuse a donated argument's buffer (the
+    state), whose sum ``total`` (temp + argument + output − alias) is what the step
+    needs on the device, whatever ran before it in this process."""
+    m = compiled.memory_analysis()
+    out = {
+        k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("temp", "argument", "output", "alias", "generated_code")
+    }
+    out["total"] = out["temp"] + out["argument"] + out["output"] - out["alias"]
+    return out
 
 
 def train(config, steps: int) -> dict:
@@ -139,6 +156,8 @@ def train(config, steps: int) -> dict:
         state, step_metrics = setup.train_step(state, batches[0])
         jax.block_until_ready(step_metrics)
         compile_s = time.perf_counter() - t0
+        # The executable the step just compiled (cached: lowering again does not compile).
+        memory = compiled_memory(setup.train_step.lower(state, batches[0]).compile())
         log(
             f"compiled and ran the first step in {compile_s:.1f} s "
             f"({setup.num_params / 1e6:.0f} M parameters, {n_dev} devices)"
@@ -166,7 +185,9 @@ def train(config, steps: int) -> dict:
         "flops_per_token": flops,
         "num_params": setup.num_params,
         "final_loss": float(step_metrics["loss"]),
-        "peak_memory_gib": _peak_memory_gib(),
+        "memory_bytes": memory,
+        "memory_gib": memory["total"] / 2**30,
+        "process_peak_memory_gib": _process_peak_memory_gib(),
         "params": state.params,
     }
 
@@ -253,7 +274,9 @@ def main(argv=None) -> int:
     emit("matmul_peak", bf16_flops=measured_peak)
     last_seconds, first = 0.0, None
 
-    def measure(kind: str, **model):
+    def measure(kind: str, keep_params: bool = False, **model):
+        """``(config, params or None, figures)``, or None when skipped or failed; only
+        ``keep_params`` keeps the trained parameters (1.25 GiB at paper size) alive."""
         nonlocal last_seconds
         config = config_of(**model)
         m = config.model
@@ -279,6 +302,8 @@ def main(argv=None) -> int:
         finally:
             last_seconds = time.perf_counter() - began
         params = trained.pop("params")
+        if not keep_params:
+            params = None
         flops = trained["tokens_per_sec_per_device"] * trained["flops_per_token"]
         trained["mfu_vs_measured_matmul"] = flops / measured_peak
         log(
@@ -288,25 +313,28 @@ def main(argv=None) -> int:
         emit(kind, **described, **trained)
         return config, params, trained
 
-    results = []
     for impl in impls.split(","):
         for policy in policies:
-            results.append(measure("train", attention_impl=impl, remat_policy=policy))
-            if first is None and results[-1] is not None:
-                first = results[-1]
-                # XPOS's cost, and the block scan, right after the first configuration.
-                none = measure(
-                    "train_position_none", attention_impl=impl, remat_policy=policy, position="none"
+            if first is not None:
+                measure("train", attention_impl=impl, remat_policy=policy)
+                continue
+            first = measure("train", keep_params=True, attention_impl=impl, remat_policy=policy)
+            if first is None:
+                continue
+            # XPOS's cost, and the block scan, right after the first configuration.
+            none = measure(
+                "train_position_none", attention_impl=impl, remat_policy=policy, position="none"
+            )
+            if none is not None:
+                overhead = (
+                    none[2]["tokens_per_sec_per_device"] / first[2]["tokens_per_sec_per_device"]
                 )
-                if none is not None:
-                    overhead = (
-                        none[2]["tokens_per_sec_per_device"] / first[2]["tokens_per_sec_per_device"]
-                    )
-                    emit("xpos_overhead", percent=100 * (overhead - 1), attention_impl=impl)
-                evals = evaluate(
-                    first[0], first[1], lengths, 1 if args.small else args.eval_batch, deadline
-                )
-                emit("block_scan", attention_impl=impl, lengths=evals)
+                emit("xpos_overhead", percent=100 * (overhead - 1), attention_impl=impl)
+            evals = evaluate(
+                first[0], first[1], lengths, 1 if args.small else args.eval_batch, deadline
+            )
+            emit("block_scan", attention_impl=impl, lengths=evals)
+            first = (first[0], None, first[2])  # the parameters are not needed any more
     log(
         f"done in {time.perf_counter() - start:.0f} s" + (f"; wrote {out_path}" if out_path else "")
     )

@@ -149,6 +149,19 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
     vocab = from_configdict(paper.get_config()).model.vocab_size  # reported with every figure
     assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == vocab for t in trains)
     assert set(lines[4]["lengths"]) == {"1024", "4096"}
+    # Each configuration's own compiled step (it was the process-wide high-water mark,
+    # so every row reported the largest configuration measured before it).
+    for t in [*trains, lines[2]]:
+        memory = t["memory_bytes"]
+        assert memory["argument"] >= 4 * t["num_params"] and memory["temp"] > 0
+        assert (
+            memory["total"]
+            == memory["temp"] + memory["argument"] + memory["output"] - (memory["alias"])
+        )
+        assert t["memory_gib"] == memory["total"] / 2**30 < 4
+        assert "peak_memory_gib" not in t and "process_peak_memory_gib" in t
+    full, dots = (t["memory_bytes"]["temp"] for t in trains)
+    assert full < dots  # full remat keeps fewer activations than dots_except_mlp
 
 
 def test_load_check_does_not_count_this_process():
