@@ -57,7 +57,7 @@ def paper_dict() -> tuple[dict, str]:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--per_device_batch",
         type=int,
@@ -91,7 +91,43 @@ def parse(argv=None) -> argparse.Namespace:
         default=str(common.ROOT / "docs" / "accelerator"),
         help="directory of the JSON-lines file ('' for none)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p, args) -> None:
+    """Refuses a bad flag before anything is measured: on a leased accelerator a typo
+    found after the first configuration costs its start-up and compile time."""
+    from lexjax.config import ATTENTION_IMPLS, REMAT_POLICIES
+
+    for flag, value, choices in (
+        ("--remat_policies", args.remat_policies, REMAT_POLICIES),
+        ("--attention_impls", args.attention_impls, ATTENTION_IMPLS),
+    ):
+        if value is None:
+            continue
+        names = value.split(",")
+        bad = [n for n in names if n not in choices]
+        if bad:
+            p.error(f"{flag}={value}: {bad[0]!r} is not one of {', '.join(choices)}")
+    for flag, value in (
+        ("--per_device_batch", args.per_device_batch),
+        ("--steps", args.steps),
+        ("--eval_batch", args.eval_batch),
+    ):
+        if value < 1:
+            p.error(f"{flag}={value}: give a whole number of at least 1")
+    if not args.budget > 0:
+        p.error(f"--budget={args.budget}: give a positive number of seconds")
+    try:
+        args.lengths = [int(n) for n in args.eval_lengths.split(",")]
+    except ValueError:
+        args.lengths = []
+    if not args.lengths or min(args.lengths) < 1:
+        p.error(
+            f"--eval_lengths={args.eval_lengths}: give comma-separated token counts of at least 1"
+        )
 
 
 def matmul_peak(n: int) -> float:
@@ -192,37 +228,46 @@ def train(config, steps: int) -> dict:
     }
 
 
-def evaluate(config, params, lengths: list[int], batch: int, deadline: float) -> dict:
+def evaluate(config, params, lengths: list[int], batch: int, deadline: float):
+    """Yields ``(length, fields)`` as each length is measured, so its JSON line is
+    written before the next (longer) one runs; a length that fails (out of memory) is
+    recorded with its error, and the longer ones after it as skipped."""
     from lexjax import evaluation
     from lexjax.model import Decoder
 
     model = Decoder(config.model)
-    out = {}
-    previous = None
+    previous, failed = None, None
     for length in lengths:
-        if previous and time.perf_counter() + previous * length / 1e3 > deadline:
-            out[str(length)] = {"skipped": "time budget"}
+        if failed is not None:
+            yield length, {"skipped": f"{failed} tokens failed"}
             continue
-        tokens = jnp.asarray(
-            np.random.default_rng(1).integers(0, 258, (batch, length + 1), dtype=np.int32)
-        )
-        evaluation.block_scan_logprobs(model, params, tokens, config.block).block_until_ready()
-        seconds = min(
-            common.timed(
-                lambda t=tokens: evaluation.block_scan_logprobs(
-                    model, params, t, config.block
-                ).block_until_ready()
+        if previous and time.perf_counter() + previous * length / 1e3 > deadline:
+            yield length, {"skipped": "time budget"}
+            continue
+        try:
+            tokens = jnp.asarray(
+                np.random.default_rng(1).integers(0, 258, (batch, length + 1), dtype=np.int32)
             )
-            for _ in range(2)
-        )
-        out[str(length)] = {
-            "tokens_per_sec": batch * length / seconds,
-            "seconds": seconds,
-            "batch": batch,
-        }
+            evaluation.block_scan_logprobs(model, params, tokens, config.block).block_until_ready()
+            seconds = min(
+                common.timed(
+                    lambda t=tokens: evaluation.block_scan_logprobs(
+                        model, params, t, config.block
+                    ).block_until_ready()
+                )
+                for _ in range(2)
+            )
+        except Exception as e:  # out of memory at a long length is a result
+            failed = length
+            log(f"block scan {length} tokens × {batch}: {common.error_text(e)}")
+            yield length, {"error": common.error_text(e), "batch": batch}
+            continue
         previous = seconds / length * 1e3  # seconds per 1k tokens, to predict the next
         log(f"block scan {length} tokens × {batch}: {batch * length / seconds:,.0f} tokens/s")
-    return out
+        yield (
+            length,
+            {"tokens_per_sec": batch * length / seconds, "seconds": seconds, "batch": batch},
+        )
 
 
 def main(argv=None) -> int:
@@ -236,7 +281,7 @@ def main(argv=None) -> int:
     )
     policies = args.remat_policies.split(",")
     steps = 3 if args.small else args.steps
-    lengths = [1024, 4096] if args.small else [int(n) for n in args.eval_lengths.split(",")]
+    lengths = [1024, 4096] if args.small else args.lengths
     per_device = 2 if args.small else args.per_device_batch
     top = {"train_len": 128} if args.small else {}
     common_fields = dict(
@@ -269,6 +314,15 @@ def main(argv=None) -> int:
             base, model=model, batch_size=per_device * jax.device_count(), **top
         )
 
+    from lexjax.errors import ConfigError
+
+    try:  # every configuration is valid before anything is measured
+        for impl in impls.split(","):
+            for policy in policies:
+                config_of(attention_impl=impl, remat_policy=policy)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     log(f"{jax.device_count()} × {device.device_kind} ({backend}), jax {jax.__version__}")
     measured_peak = matmul_peak(1024 if args.small else 8192)
     emit("matmul_peak", bf16_flops=measured_peak)
@@ -297,7 +351,7 @@ def main(argv=None) -> int:
         try:
             trained = train(config, steps)
         except Exception as e:  # an option that does not fit (out of memory) is a result
-            emit(kind, error=str(e).splitlines()[0][:300], **described)
+            emit(kind, error=common.error_text(e), **described)
             return None
         finally:
             last_seconds = time.perf_counter() - began
@@ -330,10 +384,9 @@ def main(argv=None) -> int:
                     none[2]["tokens_per_sec_per_device"] / first[2]["tokens_per_sec_per_device"]
                 )
                 emit("xpos_overhead", percent=100 * (overhead - 1), attention_impl=impl)
-            evals = evaluate(
-                first[0], first[1], lengths, 1 if args.small else args.eval_batch, deadline
-            )
-            emit("block_scan", attention_impl=impl, lengths=evals)
+            batch = 1 if args.small else args.eval_batch
+            for length, fields in evaluate(first[0], first[1], lengths, batch, deadline):
+                emit("block_scan", attention_impl=impl, length=length, **fields)
             first = (first[0], None, first[2])  # the parameters are not needed any more
     log(
         f"done in {time.perf_counter() - start:.0f} s" + (f"; wrote {out_path}" if out_path else "")

@@ -8,6 +8,7 @@ median with min–max over rounds.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -27,6 +28,21 @@ from configs import paper  # noqa: E402  (needs ROOT on sys.path)
 # What configs/paper.py changes from the defaults, as a plain dict: bench/accelerator.py
 # builds the paper config from it on hosts without ml_collections.
 PAPER = paper.OVERRIDES
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``error: …``, and exit status 2 (the
+    README's "Errors and exit statuses"), not the usage text plus ``PROG: error: …``."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def error_text(e: BaseException) -> str:
+    """An exception's first line for a JSON record (its type where the message is empty)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else '(no message)'}"[:300]
 
 
 def config_dict(name: str) -> dict:

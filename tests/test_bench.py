@@ -142,13 +142,18 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
         "train_position_none",
         "xpos_overhead",
         "block_scan",
+        "block_scan",
         "train",
     ]
     trains = [line for line in lines if line["kind"] == "train"]
     assert [t["remat_policy"] for t in trains] == ["full", "dots_except_mlp"]
     vocab = from_configdict(paper.get_config()).model.vocab_size  # reported with every figure
     assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == vocab for t in trains)
-    assert set(lines[4]["lengths"]) == {"1024", "4096"}
+    # One line per length, each written as soon as it is measured: a failure at a longer
+    # length (out of memory at 256k) loses none measured before it.
+    scans = [line for line in lines if line["kind"] == "block_scan"]
+    assert [s["length"] for s in scans] == [1024, 4096]
+    assert all(s["tokens_per_sec"] > 0 for s in scans)
     # Each configuration's own compiled step (it was the process-wide high-water mark,
     # so every row reported the largest configuration measured before it).
     for t in [*trains, lines[2]]:
@@ -162,6 +167,32 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
         assert "peak_memory_gib" not in t and "process_peak_memory_gib" in t
     full, dots = (t["memory_bytes"]["temp"] for t in trains)
     assert full < dots  # full remat keeps fewer activations than dots_except_mlp
+
+
+def test_accelerator_refuses_a_bad_flag_before_measuring(tmp_path):
+    """A typo was a traceback (exit 1) after the matmul peak, on a leased accelerator."""
+    for flag, value, said in (
+        ("--remat_policies", "full,ful", "--remat_policies=full,ful: 'ful' is not one of"),
+        ("--attention_impls", "cudnn", "--attention_impls=cudnn: 'cudnn' is not one of"),
+        ("--eval_lengths", "16k", "--eval_lengths=16k: give comma-separated token counts"),
+        ("--steps", "0", "--steps=0: give a whole number of at least 1"),
+    ):
+        proc = _run(["bench/accelerator.py", "--small", flag, value, "--out", str(tmp_path)], None)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert said in proc.stderr and proc.stdout == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_error_text_survives_an_empty_message():
+    """``str(e).splitlines()[0]`` raised IndexError on an empty message, ending the run."""
+    sys.path.insert(0, str(ROOT))
+    from bench import common
+
+    assert common.error_text(MemoryError()) == "MemoryError: (no message)"
+    assert common.error_text(RuntimeError("RESOURCE_EXHAUSTED: 2 GiB\nmore")) == (
+        "RuntimeError: RESOURCE_EXHAUSTED: 2 GiB"
+    )
 
 
 def test_load_check_does_not_count_this_process():
