@@ -11,6 +11,11 @@ measured in one run, alternating its sides, as a median with min–max over
 rounds. ``--quick`` runs fewer rounds and shorter lengths (a smoke test, not
 a measurement). The accelerator benchmark is ``bench/accelerator.sh``.
 
+A flag it cannot use ends it with one line on stderr, ``error: …``, and status
+2 before anything runs. So does a ``--reference_python`` that cannot be run or
+lacks torch and torchscale, after the other benchmarks: the JSON records that
+benchmark's ``error``.
+
 Before it starts, the run samples for a few seconds how many cores *other*
 processes keep busy (its own process and children do not count), and again
 over each benchmark; ``machine.load_check`` and each entry's
@@ -52,7 +57,7 @@ BENCHMARKS = (
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--only",
         default=",".join(BENCHMARKS),
@@ -72,6 +77,8 @@ def parse(argv=None) -> argparse.Namespace:
         help="torch threads for the reference (JAX uses every core: set both equal)",
     )
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads={args.threads}: give a whole number of at least 1")
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
         ),
         "shared_cores": bool(check["shared"]),
     }
-    failed = False
+    errors = []
     for name in args.names:
         module = importlib.import_module(f"bench.{name}")
         start = time.perf_counter()
@@ -142,7 +149,8 @@ def main(argv=None) -> int:
             ):
                 raise
             results[name] = {"error": str(e)}
-            failed = True
+            if str(e) not in errors:  # train_processes repeats train_vs_reference's
+                errors.append(str(e))
         results[name]["wall_seconds"] = time.perf_counter() - start
         busy = common.other_cores_busy(snapshot, common.cpu_snapshot())
         shared = busy is not None and busy > common.SHARED_THRESHOLD_CORES
@@ -153,7 +161,10 @@ def main(argv=None) -> int:
     print(table(results))
     if results["shared_cores"]:
         print("SHARED CORES: other processes ran during this run; its ratios are not speeds")
-    return 1 if failed else 0
+    if errors:  # a missing reference interpreter: a flag to change, status 2
+        print(f"error: {'; '.join(errors)}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -42,8 +42,15 @@ def _has_reference(python: str) -> bool:
 def resolve_python(requested: str | None) -> str:
     """The interpreter for the reference: ``requested``, else this one if it has torch."""
     python = requested or sys.executable
-    if not _has_reference(python):
-        where = f"--reference_python={requested}" if requested else f"this Python ({python})"
+    where = f"--reference_python={requested}" if requested else f"this Python ({python})"
+    try:
+        found = _has_reference(python)
+    except OSError as e:  # no such file, not executable: was a traceback
+        raise ReferenceUnavailable(
+            f"{where} cannot be run ({e.strerror}); pass an interpreter with torch and "
+            f"torchscale (`{INSTALL_HINT}` makes one)"
+        ) from None
+    if not found:
         raise ReferenceUnavailable(
             f"{where} cannot import torch and torchscale; install them into an environment "
             f"with `{INSTALL_HINT}` (torch CPU 2.13 + torchscale, kept out of lexjax's venv) and "

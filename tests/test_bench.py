@@ -104,7 +104,16 @@ def test_train_processes_quick_runs_every_side_in_its_own_process(tmp_path):
 def test_unknown_benchmark_is_a_one_line_error(tmp_path):
     proc = _run(["bench/run.py", "--only", "nope"], tmp_path)
     assert proc.returncode == 2
-    assert "unknown benchmark 'nope'" in proc.stderr
+    # One line, not argparse's usage text and "run.py: error: ...".
+    assert proc.stderr.startswith("error: unknown benchmark 'nope'"), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    for flags, said in (
+        (["--threads", "0"], "error: --threads=0: give a whole number of at least 1"),
+        (["--threads", "x"], "error: argument --threads: invalid int value: 'x'"),
+        (["--bogus"], "error: unrecognized arguments: --bogus"),
+    ):
+        proc = _run(["bench/run.py", "--only", "mfu", *flags], tmp_path)
+        assert proc.returncode == 2 and proc.stderr == said + "\n", proc.stderr
     proc = _run(["bench/run.py", "--only", ","], tmp_path)
     assert proc.returncode == 2 and "--only names no benchmark" in proc.stderr
     # A --json it cannot write is refused before any benchmark runs (it was a traceback
@@ -114,6 +123,25 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
         ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"], tmp_path
     )
     assert proc.returncode == 2 and "x.json: cannot write there (File exists)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "python, said",
+    [
+        ("/nonexistent/python", "cannot be run (No such file or directory)"),
+        ("/bin/false", "cannot import torch and torchscale"),  # runs, imports nothing
+    ],
+)
+def test_a_reference_python_without_torch_is_a_one_line_error(tmp_path, python, said):
+    """Was a FileNotFoundError traceback, or exit 1 with the message on stdout only."""
+    out = tmp_path / "bench.json"
+    args = ["--only", "train_vs_reference", "--reference_python", python, "--json", str(out)]
+    proc = _run(["bench/run.py", *args], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and said in errors[0], errors
+    assert f"--reference_python={python}" in errors[0]
+    assert said in json.loads(out.read_text())["train_vs_reference"]["error"]  # still recorded
 
 
 def test_paper_literal_mirrors_configs_paper():
