@@ -53,11 +53,17 @@ def _train_rate(dtype: str, steps: int, model: dict):
 
 def breakdown(setup, batch, reps: int) -> dict:
     """Seconds of the forward loss, forward+backward (the step's own loss function,
-    jitted alone) and the library's whole train step (median of reps)."""
+    jitted alone with the step's XLA options) and the library's whole train step
+    (median of reps, each timed warm)."""
     params = setup.init_state().params
     model = setup.model
-    forward = jax.jit(lambda p, b: loss_fn(p, model, b)[0])
-    grads = jax.jit(lambda p, b: jax.grad(lambda q: loss_fn(q, model, b)[0])(p))
+    # Compiled as the step is (its XLA options), or step − forward_backward compares
+    # differently compiled programs (it came out negative).
+    options = setup.compiler_options
+    forward = jax.jit(lambda p, b: loss_fn(p, model, b)[0], compiler_options=options)
+    grads = jax.jit(
+        lambda p, b: jax.grad(lambda q: loss_fn(q, model, b)[0])(p), compiler_options=options
+    )
     b = setup.global_batch(batch)
     fns = {
         "forward": lambda: forward(params, b).block_until_ready(),
@@ -74,8 +80,11 @@ def breakdown(setup, batch, reps: int) -> dict:
 
     fns["step"] = step
     step()
-    seconds = common.alternate({k: (lambda f=f: common.timed(f)) for k, f in fns.items()}, reps)
+    seconds = common.alternate(
+        {k: (lambda f=f: common.timed(f)) for k, f in fns.items()}, reps, warm=True
+    )
     out = {k: common.Summary.of(v).median for k, v in seconds.items()}
+    out["compiler_options"] = dict(options)
     out["backward"] = out["forward_backward"] - out["forward"]
     out["optimizer_update"] = out["step"] - out["forward_backward"]
     with jax.set_mesh(setup.mesh):
@@ -103,8 +112,10 @@ def run(args) -> dict:
         for n, fn in peaks[dtype].items():
             sides[f"peak_{dtype}_{n}"] = fn
     # alternate() times callables returning seconds; these return rates, which
-    # is all the rounds need.
-    measured = common.alternate(sides, rounds)
+    # is all the rounds need. Warm: the step's first call after the matmul sides is
+    # slow and swings from round to round (docs/benchmarks.md §12), as in the first
+    # runs' figures (§4, §13).
+    measured = common.alternate(sides, rounds, warm=True)
     out = {}
     for dtype in ("float32", "bfloat16"):
         peak_rounds = [max(measured[f"peak_{dtype}_{n}"][r] for n in sizes) for r in range(rounds)]
@@ -142,6 +153,7 @@ def run(args) -> dict:
         by_dtype=out,
         rounds=rounds,
         steps_per_round=steps,
+        warm=True,  # each side timed right after one untimed call of its own
         step_breakdown_seconds=where,
     )
 

@@ -28,6 +28,13 @@ def _run(args, tmp_path):
     )
 
 
+# The train step's XLA options in a process like the benchmark's (one CPU device).
+_OPTIONS = (
+    "import json, jax; from lexjax.steps import train_step_compiler_options as o; "
+    "print(json.dumps(o(jax.devices()[:1])))"
+)
+
+
 def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(["bench/run.py", "--quick", "--only", "mfu", "--json", str(out)], tmp_path)
@@ -43,6 +50,11 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     assert entry["value"] > 0
     assert set(entry["by_dtype"]) == {"float32", "bfloat16"}
     assert entry["model_overrides"] == {"num_layers": 2}  # --quick: a smoke test, not a figure
+    # The step was timed cold (its first call after the matmul sides) against a warm peak,
+    # and the forward/backward split compiled without the step's XLA options.
+    assert entry["warm"] is True
+    options = json.loads(_run(["-c", _OPTIONS], tmp_path).stdout)
+    assert entry["step_breakdown_seconds"]["compiler_options"] == options
     assert "mfu:" in proc.stdout
 
 
