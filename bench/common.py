@@ -276,6 +276,19 @@ def other_cores_busy(before: dict | None, after: dict | None) -> float | None:
     return max(0.0, others) / (after["total"] - before["total"]) * (os.cpu_count() or 1)
 
 
+def shared_cores(busy: float | None) -> bool | None:
+    """Whether other processes used more than SHARED_THRESHOLD_CORES; None when the
+    load was not measured (no /proc): unknown, not idle."""
+    return None if busy is None else busy > SHARED_THRESHOLD_CORES
+
+
+def any_shared(a: bool | None, b: bool | None) -> bool | None:
+    """Two ``shared_cores`` flags combined: True if either is, else None if either is unknown."""
+    if a or b:
+        return True
+    return None if a is None or b is None else False
+
+
 def load_check(seconds: float = 3.0) -> dict:
     """Samples what other processes use for ``seconds`` (this process and its
     children do not count); ``shared`` when that exceeds SHARED_THRESHOLD_CORES."""
@@ -285,7 +298,7 @@ def load_check(seconds: float = 3.0) -> dict:
     return {
         "other_cores_busy": busy,
         "seconds": seconds,
-        "shared": None if busy is None else busy > SHARED_THRESHOLD_CORES,
+        "shared": shared_cores(busy),
         "threshold_cores": SHARED_THRESHOLD_CORES,
         "load_average_1m": os.getloadavg()[0],
     }

@@ -21,7 +21,8 @@ processes keep busy (its own process and children do not count), and again
 over each benchmark; ``machine.load_check`` and each entry's
 ``other_cores_busy`` record it, and ``shared_cores`` (top level and per
 entry) is true when other work used more than
-``common.SHARED_THRESHOLD_CORES`` cores: a ratio taken under load is not a
+``common.SHARED_THRESHOLD_CORES`` cores (null where the load could not be
+measured, as without /proc): a ratio taken under load is not a
 speed (sides of a comparison slow down unequally), so such a run is flagged
 and its figures do not go into the docs unflagged.
 """
@@ -125,6 +126,13 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    elif check["shared"] is None:
+        print(
+            "warning: cannot measure other processes' load here (no /proc); "
+            "shared_cores will be null",
+            file=sys.stderr,
+            flush=True,
+        )
     results: dict = {
         "machine": dict(
             common.machine(),
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
             command=" ".join(["python"] + sys.argv),
             load_check=check,
         ),
-        "shared_cores": bool(check["shared"]),
+        "shared_cores": check["shared"],  # None: not measured (no /proc), not "idle"
     }
     errors = []
     for name in args.names:
@@ -153,9 +161,9 @@ def main(argv=None) -> int:
                 errors.append(str(e))
         results[name]["wall_seconds"] = time.perf_counter() - start
         busy = common.other_cores_busy(snapshot, common.cpu_snapshot())
-        shared = busy is not None and busy > common.SHARED_THRESHOLD_CORES
+        shared = common.shared_cores(busy)
         results[name].update(other_cores_busy=busy, shared_cores=shared)
-        results["shared_cores"] |= shared
+        results["shared_cores"] = common.any_shared(results["shared_cores"], shared)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

@@ -235,6 +235,18 @@ def test_error_text_survives_an_empty_message():
     )
 
 
+def test_an_unmeasured_load_is_null_not_idle():
+    """Without /proc the load check measured nothing, yet run.py wrote shared_cores false."""
+    sys.path.insert(0, str(ROOT))
+    from bench import common
+
+    assert common.other_cores_busy(None, None) is None
+    assert common.shared_cores(None) is None
+    assert common.shared_cores(0.0) is False and common.shared_cores(1.5) is True
+    assert common.any_shared(None, False) is None and common.any_shared(False, None) is None
+    assert common.any_shared(None, True) is True and common.any_shared(False, False) is False
+
+
 def test_load_check_does_not_count_this_process():
     sys.path.insert(0, str(ROOT))
     from bench import common
