@@ -41,6 +41,8 @@ import numpy as np
 
 from bench import common
 
+# Alternating rounds of the XPOS and position=none steps (each round: 2 × steps steps a side).
+XPOS_ROUNDS = 5
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=128)
 
 
@@ -224,8 +226,29 @@ def train(config, steps: int) -> dict:
         "memory_bytes": memory,
         "memory_gib": memory["total"] / 2**30,
         "process_peak_memory_gib": _process_peak_memory_gib(),
-        "params": state.params,
+        "live": Live(setup, state, batches, steps),
     }
+
+
+class Live:
+    """A measured configuration's compiled step and state, kept to time it again
+    (``timer()``: ``steps`` more steps → seconds) and to evaluate its ``params``."""
+
+    def __init__(self, setup, state, batches, steps: int):
+        self.setup, self.state, self.batches, self.steps = setup, state, batches, steps
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def timer(self) -> float:
+        state, start = self.state, time.perf_counter()
+        with jax.set_mesh(self.setup.mesh):
+            for i in range(self.steps):
+                state, _ = self.setup.train_step(state, self.batches[i % 2])
+            jax.block_until_ready(state)
+        self.state = state
+        return time.perf_counter() - start
 
 
 def evaluate(config, params, lengths: list[int], batch: int, deadline: float):
@@ -328,9 +351,10 @@ def main(argv=None) -> int:
     emit("matmul_peak", bf16_flops=measured_peak)
     last_seconds, first = 0.0, None
 
-    def measure(kind: str, keep_params: bool = False, **model):
-        """``(config, params or None, figures)``, or None when skipped or failed; only
-        ``keep_params`` keeps the trained parameters (1.25 GiB at paper size) alive."""
+    def measure(kind: str, keep: bool = False, **model):
+        """``(config, Live or None, figures)``, or None when skipped or failed; only
+        ``keep`` keeps the trained state (3.75 GiB at paper size: parameters and
+        AdamW's two moments) alive."""
         nonlocal last_seconds
         config = config_of(**model)
         m = config.model
@@ -355,9 +379,9 @@ def main(argv=None) -> int:
             return None
         finally:
             last_seconds = time.perf_counter() - began
-        params = trained.pop("params")
-        if not keep_params:
-            params = None
+        live = trained.pop("live")
+        if not keep:
+            live = None
         flops = trained["tokens_per_sec_per_device"] * trained["flops_per_token"]
         trained["mfu_vs_measured_matmul"] = flops / measured_peak
         log(
@@ -365,29 +389,62 @@ def main(argv=None) -> int:
             f"MFU {trained['mfu'] if trained['mfu'] is None else round(100 * trained['mfu'], 1)}%"
         )
         emit(kind, **described, **trained)
-        return config, params, trained
+        return config, live, trained
+
+    def xpos_overhead(impl: str, first, none) -> None:
+        """Both compiled steps timed in alternating rounds (each after an untimed call of
+        its own), the overhead a median [min–max] of per-round ratios."""
+        rounds = 3 if args.small else XPOS_ROUNDS
+        need = 2 * rounds * steps * (first[2]["step_seconds"] + none[2]["step_seconds"])
+        if time.perf_counter() + need > deadline:
+            emit("xpos_overhead", skipped="time budget", attention_impl=impl)
+            return
+        try:
+            seconds = common.alternate(
+                {"xpos": first[1].timer, "none": none[1].timer}, rounds, warm=True
+            )
+        except Exception as e:
+            emit("xpos_overhead", error=common.error_text(e), attention_impl=impl)
+            return
+        # Same tokens on both sides: none's tokens/s over xpos's = xpos's seconds over none's.
+        percent = common.Summary.of(
+            [100 * (x / n - 1) for x, n in zip(seconds["xpos"], seconds["none"])]
+        )
+        log(f"XPOS overhead: {percent:+.1f} %")
+        emit(
+            "xpos_overhead",
+            percent=percent.median,
+            percent_min=percent.min,
+            percent_max=percent.max,
+            percent_per_round=percent.values,
+            rounds=rounds,
+            steps_per_round=steps,
+            attention_impl=impl,
+        )
 
     for impl in impls.split(","):
         for policy in policies:
             if first is not None:
                 measure("train", attention_impl=impl, remat_policy=policy)
                 continue
-            first = measure("train", keep_params=True, attention_impl=impl, remat_policy=policy)
+            first = measure("train", keep=True, attention_impl=impl, remat_policy=policy)
             if first is None:
                 continue
             # XPOS's cost, and the block scan, right after the first configuration.
             none = measure(
-                "train_position_none", attention_impl=impl, remat_policy=policy, position="none"
+                "train_position_none",
+                keep=True,
+                attention_impl=impl,
+                remat_policy=policy,
+                position="none",
             )
             if none is not None:
-                overhead = (
-                    none[2]["tokens_per_sec_per_device"] / first[2]["tokens_per_sec_per_device"]
-                )
-                emit("xpos_overhead", percent=100 * (overhead - 1), attention_impl=impl)
+                xpos_overhead(impl, first, none)
+            none = None  # its state is not needed any more
             batch = 1 if args.small else args.eval_batch
-            for length, fields in evaluate(first[0], first[1], lengths, batch, deadline):
+            for length, fields in evaluate(first[0], first[1].params, lengths, batch, deadline):
                 emit("block_scan", attention_impl=impl, length=length, **fields)
-            first = (first[0], None, first[2])  # the parameters are not needed any more
+            first = (first[0], None, first[2])  # nor is the first configuration's
     log(
         f"done in {time.perf_counter() - start:.0f} s" + (f"; wrote {out_path}" if out_path else "")
     )

@@ -185,6 +185,10 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
         "block_scan",
         "train",
     ]
+    # Timed side by side in alternating rounds, not one window of each in turn.
+    xpos = lines[3]
+    assert xpos["rounds"] == 3 and len(xpos["percent_per_round"]) == 3
+    assert xpos["percent_min"] <= xpos["percent"] <= xpos["percent_max"]
     trains = [line for line in lines if line["kind"] == "train"]
     assert [t["remat_policy"] for t in trains] == ["full", "dots_except_mlp"]
     vocab = from_configdict(paper.get_config()).model.vocab_size  # reported with every figure
