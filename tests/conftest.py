@@ -1,9 +1,21 @@
 """Shared test setup: 8 simulated CPU devices (before JAX is imported) and small configs."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per pytest run, shared by its xdist workers (they
+# inherit this environment) and by the train.py/eval.py subprocesses the tests start,
+# so that the many runs of the same tiny model compile once: 13% less wall time for
+# test_eval_cli.py + test_generation.py on 2 idle cores (375 s → 326 s, cold cache).
+_OWN_CACHE = None  # the directory this process made, removed when the run ends
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="lexjax-tests-jaxcache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # The README's test command runs two pytest-xdist workers, each given one test file
 # at a time in collection order. The files that take longest go first (longest
@@ -27,3 +39,8 @@ _LONGEST_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:  # the controller (xdist workers inherit its directory)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
