@@ -354,6 +354,14 @@ _DERIVED_FROM = {
 }
 
 
+def field_at(values, name: str):
+    """The value of dotted field ``name`` (``optim.schedule``) in a config dict; None
+    where it or a parent is missing or not a mapping (an older checkpoint's record)."""
+    for key in name.split("."):
+        values = values.get(key) if isinstance(values, Mapping) else None
+    return values
+
+
 def model_differences(stored: dict, config: Config) -> list[str]:
     """The fields to change in ``config`` to get the model of ``stored`` (a config
     dict stored with a checkpoint): ``model.*`` fields, or for one that follows
@@ -367,14 +375,9 @@ def model_differences(stored: dict, config: Config) -> list[str]:
     for how_it_runs in ("remat", "remat_policy", "attention_impl"):
         ours.pop(how_it_runs)
 
-    def at(values, name):
-        for key in name.split("."):
-            values = (values or {}).get(key)
-        return values
-
     differences = set()
     for key in (k for k in ours if theirs.get(k) != ours[k]):
-        sources = [s for s in _DERIVED_FROM.get(key, ()) if at(stored, s) != at(now, s)]
+        sources = [s for s in _DERIVED_FROM.get(key, ()) if field_at(stored, s) != field_at(now, s)]
         differences.update(sources or [f"model.{key}"])
     return sorted(differences)
 

@@ -29,7 +29,7 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, check_path, from_configdict, model_differences, to_dict
+from lexjax.config import Config, check_path, field_at, from_configdict, model_differences, to_dict
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
@@ -392,15 +392,10 @@ def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
     """``"field old → new"`` for each schedule setting that differs from the
     checkpoint's config, if the rates from ``step`` on differ; else nothing."""
 
-    def at(values, name):
-        for key in name.split("."):
-            values = values.get(key) if isinstance(values, Mapping) else None
-        return values
-
     now, before = to_dict(config), to_dict(config)
     changed = []
     for name in _SCHEDULE_FIELDS:
-        old, new = at(stored, name), at(now, name)
+        old, new = field_at(stored, name), field_at(now, name)
         if old is not None and old != new:
             *parents, key = name.split(".")
             (before[parents[0]] if parents else before)[key] = old  # one level at most
