@@ -15,6 +15,13 @@ it finds the lease no longer its own (a stalled holder was declared stale and
 replaced), :attr:`WorkdirLease.held` turns False and training refuses to save
 (fencing: two jobs never write the same checkpoints).
 
+No step replaces a lease file in place after reading it: a lease is changed
+by renaming it aside (of two renamers one wins), checking what was moved, and
+installing the new one with a hard link, which fails rather than overwrite a
+lease another job created meanwhile. So a heartbeat never writes over a
+takeover, and a takeover never replaces a lease that was renewed after it was
+judged stale.
+
 Readers (``eval.py``, :func:`lexjax.checkpoint.load_params`) take no lease:
 they only read complete, verified steps.
 """
@@ -88,6 +95,7 @@ class WorkdirLease:
         self.token = uuid.uuid4().hex
         self.held = False
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the heartbeat's renewal against owned() and release()
         self._thread: threading.Thread | None = None
         self._record = {
             "host": socket.gethostname(),
@@ -114,19 +122,39 @@ class WorkdirLease:
     def _content(self) -> bytes:
         return json.dumps({**self._record, "heartbeat": time.time()}).encode()
 
-    def _create(self) -> bool:
-        """Creates the lease file if there is none; True if this call created it."""
+    def _install(self, source: str) -> bool:
+        """Puts the file ``source`` at the lease's path unless a file is there (then
+        False): a hard link, all or nothing; where the filesystem has no hard links, an
+        exclusive create and a copy."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.link(source, self.path)
         except FileExistsError:
             return False
+        except OSError:
+            with open(source, "rb") as f:
+                content = f.read()
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+        return True
+
+    def _create(self) -> bool:
+        """Creates our lease file, complete, if there is none; True if this call created it."""
+        tmp = f"{self.path}.{self.token}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._content())
+            return self._install(tmp)
         except OSError as e:
             raise CheckpointError(
                 f"cannot create the workdir lease {self.path}: {e.strerror or e}"
             ) from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(self._content())
-        return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def _stale_reason(self, record: dict) -> str | None:
         """Why the holder of ``record`` is gone, or None if it may be alive."""
@@ -186,28 +214,40 @@ class WorkdirLease:
         self._thread = threading.Thread(target=self._heartbeat, name="lexjax-lease", daemon=True)
         self._thread.start()
 
-    def _take_over(self, stale: dict) -> bool:
-        """Replaces the stale lease ``stale`` by ours; False if another job got there first.
-
-        The stale file is renamed aside (atomic: of two newcomers one succeeds),
-        then ours is created exclusively. If what was renamed aside is not the
-        stale lease (another newcomer replaced it in between), it is put back.
-        """
-        aside = f"{self.path}.{self.token}.stale"
+    def _move_aside(self, suffix: str) -> tuple[str, dict] | None:
+        """Renames the lease file aside (atomic: of two renamers one succeeds): its new
+        path and its record ({} if unreadable); None if there is no lease file."""
+        aside = f"{self.path}.{self.token}.{suffix}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
-            return False
-        with open(aside, encoding="utf-8", errors="replace") as f:
-            moved = f.read()
+            return None
         try:
-            moved_token = json.loads(moved).get("token")
-        except ValueError:
-            moved_token = None
-        if moved_token != stale.get("token"):
-            with contextlib.suppress(OSError):  # FileExistsError: never over a newer lease
-                os.link(aside, self.path)
-            os.unlink(aside)
+            with open(aside, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = {}
+        return aside, record if isinstance(record, dict) else {}
+
+    def _put_back(self, aside: str) -> None:
+        """Returns a lease moved aside to its place, unless a newer one is there."""
+        with contextlib.suppress(OSError):
+            self._install(aside)
+        os.unlink(aside)
+
+    def _take_over(self, stale: dict) -> bool:
+        """Replaces the stale lease ``stale`` by ours; False if another job got there first.
+
+        The stale file is moved aside, then ours is created exclusively. If what
+        was moved is not the record judged stale (another newcomer replaced it, or
+        its holder renewed it since), it is put back.
+        """
+        moved = self._move_aside("stale")
+        if moved is None:
+            return False
+        aside, record = moved
+        if record != stale:
+            self._put_back(aside)
             return False
         os.unlink(aside)
         return self._create()
@@ -218,19 +258,31 @@ class WorkdirLease:
                 return
 
     def _renew(self) -> bool:
-        """Rewrites our heartbeat if the lease is still ours; else marks it lost."""
-        record = self._read()
-        if not record or record.get("token") != self.token:
-            self.held = False
-            return False
-        tmp = f"{self.path}.{self.token}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(self._content())
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # e.g. a full disk: the next beat tries again; saving reports the disk
-        return True
+        """Rewrites our heartbeat if the lease is still ours; else marks it lost.
+
+        Ours is moved aside, then the renewed one linked into its place: a takeover
+        that lands in between keeps its lease and this one is lost. (A lease file that
+        is gone, moved aside by a newcomer still judging it, is simply recreated:
+        whichever is created first holds.)
+        """
+        with self._lock:
+            try:
+                moved = self._move_aside("renew")
+            except OSError:
+                return True  # e.g. a full disk: the next beat tries again
+            if moved is not None and moved[1].get("token") != self.token:
+                self._put_back(moved[0])
+                self.held = False
+                return False
+            try:
+                self.held = self._create()
+            except CheckpointError:  # e.g. a full disk: ours goes back; the next beat retries
+                if moved is not None:
+                    self._put_back(moved[0])
+                return True
+            if moved is not None:
+                os.unlink(moved[0])
+            return self.held
 
     def release(self) -> None:
         """Stops the heartbeat and deletes the lease file if it is still ours."""
@@ -246,9 +298,10 @@ class WorkdirLease:
 
     def owned(self) -> bool:
         """Whether the lease file still holds this job's lease (re-read now)."""
-        record = self._read() if self.held else None
-        self.held = bool(record) and record.get("token") == self.token
-        return self.held
+        with self._lock:
+            record = self._read() if self.held else None
+            self.held = bool(record) and record.get("token") == self.token
+            return self.held
 
     def __enter__(self) -> WorkdirLease:
         self.acquire()

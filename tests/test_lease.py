@@ -27,9 +27,12 @@ HOST = socket.gethostname()
 
 
 def write_lease(workdir, **fields):
+    """Another job's lease, put in place at once (as a real job's is: never half-written)."""
     record = {"host": HOST, "pid": os.getpid(), "started": "then", "token": "old"}
     record |= {"heartbeat": time.time(), "timeout_s": 60.0} | fields
-    pathlib.Path(workdir, lease_lib.LEASE_FILE).write_text(json.dumps(record))
+    tmp = pathlib.Path(workdir, "other-job.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, pathlib.Path(workdir, lease_lib.LEASE_FILE))
 
 
 def lease_record(workdir) -> dict:
@@ -159,6 +162,35 @@ def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_pat
         with pytest.raises(CheckpointError, match="was taken over by another job"):
             lease_lib.check_held(lease, str(tmp_path))
     assert lease_record(tmp_path)["token"] == "new"  # never deleted by the old holder
+
+
+def test_a_takeover_that_lands_during_a_heartbeat_keeps_its_lease(tmp_path):
+    """The heartbeat checks the lease is its own, then writes the renewed one: a takeover
+    that lands in between is never written over (the old holder loses the lease)."""
+    with lease_lib.WorkdirLease(tmp_path, timeout_s=60) as lease:  # beats every 15 s
+        renewed = lease._content
+
+        def a_takeover_meanwhile():
+            write_lease(tmp_path, host="elsewhere", token="new")
+            return renewed()
+
+        lease._content = a_takeover_meanwhile  # called after the check, before the write
+        assert not lease._renew() and not lease.held
+        assert lease_record(tmp_path)["token"] == "new"
+    assert lease_record(tmp_path)["token"] == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
+
+
+def test_a_lease_renewed_after_it_was_judged_stale_is_not_taken_over(tmp_path):
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 70)
+    newcomer = lease_lib.WorkdirLease(tmp_path)
+    stale = newcomer._read()
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time())  # its holder woke up
+    assert not newcomer._take_over(stale)
+    assert lease_record(tmp_path)["token"] == "old"
+    with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
+        newcomer.acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
 
 
 def test_an_exception_inside_train_releases_the_lease(tmp_path):
