@@ -15,12 +15,11 @@ it finds the lease no longer its own (a stalled holder was declared stale and
 replaced), :attr:`WorkdirLease.held` turns False and training refuses to save
 (fencing: two jobs never write the same checkpoints).
 
-No step replaces a lease file in place after reading it: a lease is changed
-by renaming it aside (of two renamers one wins), checking what was moved, and
-installing the new one with a hard link, which fails rather than overwrite a
-lease another job created meanwhile. So a heartbeat never writes over a
-takeover, and a takeover never replaces a lease that was renewed after it was
-judged stale.
+Every change of the lease file (take, take over, renew, release) reads, checks
+and writes it under an exclusive ``flock`` of the workdir, so a heartbeat never
+writes over a takeover that landed after its check, nor a takeover over a lease
+renewed after it was judged stale; the file is replaced atomically and is never
+absent while held. (On a filesystem without ``flock`` the steps run unlocked.)
 
 Readers (``eval.py``, :func:`lexjax.checkpoint.load_params`) take no lease:
 they only read complete, verified steps.
@@ -30,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -48,6 +49,33 @@ __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held"]
 LEASE_FILE = "lease.json"
 
 _HELD: set[str] = set()  # the tokens of the leases this process holds now
+_LOCK_WAIT_S = 10.0  # a lease change holds the lock for a few file operations
+
+
+@contextlib.contextmanager
+def _locked(directory: str, wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
+    """Holds an exclusive ``flock`` on ``directory`` for the block: True, or False if
+    another holder kept it for ``wait_s`` (then nothing is held). True without a lock
+    on a filesystem that has no ``flock``."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.005)
+            except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                    break  # no flock here
+                raise
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _pid_alive(pid: int) -> bool:
@@ -95,7 +123,6 @@ class WorkdirLease:
         self.token = uuid.uuid4().hex
         self.held = False
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the heartbeat's renewal against owned() and release()
         self._thread: threading.Thread | None = None
         self._record = {
             "host": socket.gethostname(),
@@ -122,36 +149,29 @@ class WorkdirLease:
     def _content(self) -> bytes:
         return json.dumps({**self._record, "heartbeat": time.time()}).encode()
 
-    def _install(self, source: str) -> bool:
-        """Puts the file ``source`` at the lease's path unless a file is there (then
-        False): a hard link, all or nothing; where the filesystem has no hard links, an
-        exclusive create and a copy."""
-        try:
-            os.link(source, self.path)
-        except FileExistsError:
-            return False
-        except OSError:
-            with open(source, "rb") as f:
-                content = f.read()
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(content)
-        return True
-
-    def _create(self) -> bool:
-        """Creates our lease file, complete, if there is none; True if this call created it."""
+    def _write(self, *, replace: bool) -> bool:
+        """Puts our lease, complete, at its path (written aside, then renamed or
+        linked into place): over the file there if ``replace``, else only if there is
+        none (False if there is one)."""
         tmp = f"{self.path}.{self.token}.tmp"
         try:
             with open(tmp, "wb") as f:
                 f.write(self._content())
-            return self._install(tmp)
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot create the workdir lease {self.path}: {e.strerror or e}"
-            ) from None
+            if replace:
+                os.replace(tmp, self.path)
+                return True
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            except OSError:  # a filesystem without hard links: exclusive create
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self._content())
+            return True
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -184,12 +204,29 @@ class WorkdirLease:
 
     def acquire(self) -> None:
         """Takes the lease, taking over a stale one; raises CheckpointError if it is held."""
-        for _ in range(3):  # a lost race against another newcomer is retried
-            if self._create():
-                break
+        try:
+            with _locked(os.path.dirname(self.path)) as locked:
+                taken = locked and self._take()
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create the workdir lease {self.path}: {e.strerror or e}"
+            ) from None
+        if not taken:
+            raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
+        self.held = True
+        _HELD.add(self.token)
+        self._thread = threading.Thread(target=self._heartbeat, name="lexjax-lease", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> bool:
+        """Under the lock: creates the lease, or takes over a stale one; raises
+        CheckpointError if it is held. (Without flock a lost race returns False.)"""
+        for _ in range(3):  # unlocked, a lease released in between is retried
+            if self._write(replace=False):
+                return True
             record = self._read()
             if record is None:
-                continue  # released in between
+                continue
             reason = self._stale_reason(record)
             holder = _describe(record)
             if reason is None and holder:
@@ -206,51 +243,34 @@ class WorkdirLease:
             if self._take_over(record):
                 whose = f"the stale lease of {holder}" if holder else f"the unreadable {self.path}"
                 self.log(f"note: took over {whose}: {reason}")
-                break
-        else:
-            raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
-        self.held = True
-        _HELD.add(self.token)
-        self._thread = threading.Thread(target=self._heartbeat, name="lexjax-lease", daemon=True)
-        self._thread.start()
-
-    def _move_aside(self, suffix: str) -> tuple[str, dict] | None:
-        """Renames the lease file aside (atomic: of two renamers one succeeds): its new
-        path and its record ({} if unreadable); None if there is no lease file."""
-        aside = f"{self.path}.{self.token}.{suffix}"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return None
-        try:
-            with open(aside, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            record = {}
-        return aside, record if isinstance(record, dict) else {}
-
-    def _put_back(self, aside: str) -> None:
-        """Returns a lease moved aside to its place, unless a newer one is there."""
-        with contextlib.suppress(OSError):
-            self._install(aside)
-        os.unlink(aside)
+                return True
+        return False
 
     def _take_over(self, stale: dict) -> bool:
         """Replaces the stale lease ``stale`` by ours; False if another job got there first.
 
-        The stale file is moved aside, then ours is created exclusively. If what
-        was moved is not the record judged stale (another newcomer replaced it, or
-        its holder renewed it since), it is put back.
+        The stale file is renamed aside (atomic: of two newcomers one succeeds),
+        then ours is created exclusively. If what was renamed aside is not the
+        stale lease (another newcomer replaced it in between), it is put back.
         """
-        moved = self._move_aside("stale")
-        if moved is None:
+        aside = f"{self.path}.{self.token}.stale"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
             return False
-        aside, record = moved
-        if record != stale:
-            self._put_back(aside)
+        with open(aside, encoding="utf-8", errors="replace") as f:
+            moved = f.read()
+        try:
+            moved_token = json.loads(moved).get("token")
+        except ValueError:
+            moved_token = None
+        if moved_token != stale.get("token"):
+            with contextlib.suppress(OSError):  # FileExistsError: never over a newer lease
+                os.link(aside, self.path)
+            os.unlink(aside)
             return False
         os.unlink(aside)
-        return self._create()
+        return self._write(replace=False)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
@@ -258,50 +278,37 @@ class WorkdirLease:
                 return
 
     def _renew(self) -> bool:
-        """Rewrites our heartbeat if the lease is still ours; else marks it lost.
-
-        Ours is moved aside, then the renewed one linked into its place: a takeover
-        that lands in between keeps its lease and this one is lost. (A lease file that
-        is gone, moved aside by a newcomer still judging it, is simply recreated:
-        whichever is created first holds.)
-        """
-        with self._lock:
-            try:
-                moved = self._move_aside("renew")
-            except OSError:
-                return True  # e.g. a full disk: the next beat tries again
-            if moved is not None and moved[1].get("token") != self.token:
-                self._put_back(moved[0])
-                self.held = False
-                return False
-            try:
-                self.held = self._create()
-            except CheckpointError:  # e.g. a full disk: ours goes back; the next beat retries
-                if moved is not None:
-                    self._put_back(moved[0])
-                return True
-            if moved is not None:
-                os.unlink(moved[0])
-            return self.held
+        """Rewrites our heartbeat if the lease is still ours; else marks it lost."""
+        try:
+            with _locked(os.path.dirname(self.path), self.timeout_s / 4) as locked:
+                if not locked:
+                    return True  # another job is judging it: the next beat tries again
+                record = self._read()
+                if not record or record.get("token") != self.token:
+                    self.held = False
+                    return False
+                self._write(replace=True)
+        except OSError:
+            pass  # e.g. a full disk: the next beat tries again; saving reports the disk
+        return True
 
     def release(self) -> None:
         """Stops the heartbeat and deletes the lease file if it is still ours."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        record = self._read()
-        if self.held and record and record.get("token") == self.token:
-            with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError), _locked(os.path.dirname(self.path)) as locked:
+            record = self._read()
+            if locked and self.held and record and record.get("token") == self.token:
                 os.unlink(self.path)
         self.held = False
         _HELD.discard(self.token)
 
     def owned(self) -> bool:
         """Whether the lease file still holds this job's lease (re-read now)."""
-        with self._lock:
-            record = self._read() if self.held else None
-            self.held = bool(record) and record.get("token") == self.token
-            return self.held
+        record = self._read() if self.held else None
+        self.held = bool(record) and record.get("token") == self.token
+        return self.held
 
     def __enter__(self) -> WorkdirLease:
         self.acquire()

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -27,12 +28,11 @@ HOST = socket.gethostname()
 
 
 def write_lease(workdir, **fields):
-    """Another job's lease, put in place at once (as a real job's is: never half-written)."""
+    """Another job's lease, written as a job writes its lease."""
     record = {"host": HOST, "pid": os.getpid(), "started": "then", "token": "old"}
     record |= {"heartbeat": time.time(), "timeout_s": 60.0} | fields
-    tmp = pathlib.Path(workdir, "other-job.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, pathlib.Path(workdir, lease_lib.LEASE_FILE))
+    with lease_lib._locked(str(workdir)):  # as every change of a lease is made
+        pathlib.Path(workdir, lease_lib.LEASE_FILE).write_text(json.dumps(record))
 
 
 def lease_record(workdir) -> dict:
@@ -164,33 +164,51 @@ def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_pat
     assert lease_record(tmp_path)["token"] == "new"  # never deleted by the old holder
 
 
-def test_a_takeover_that_lands_during_a_heartbeat_keeps_its_lease(tmp_path):
-    """The heartbeat checks the lease is its own, then writes the renewed one: a takeover
-    that lands in between is never written over (the old holder loses the lease)."""
+def test_a_takeover_that_comes_during_a_heartbeat_waits_for_it_and_then_holds(tmp_path):
+    """The heartbeat checks the lease is its own, then writes the renewed one: another job
+    replacing the lease meanwhile waits for the heartbeat to finish and is never written
+    over; the old holder then knows it lost the lease."""
     with lease_lib.WorkdirLease(tmp_path, timeout_s=60) as lease:  # beats every 15 s
-        renewed = lease._content
+        renewed, other = (
+            lease._content,
+            threading.Thread(
+                target=write_lease, args=(tmp_path,), kwargs={"host": "elsewhere", "token": "new"}
+            ),
+        )
 
-        def a_takeover_meanwhile():
-            write_lease(tmp_path, host="elsewhere", token="new")
+        def a_takeover_meanwhile():  # called after the check, before the write
+            other.start()
+            other.join(0.3)
+            assert other.is_alive()  # it waits for the lease's lock
             return renewed()
 
-        lease._content = a_takeover_meanwhile  # called after the check, before the write
-        assert not lease._renew() and not lease.held
-        assert lease_record(tmp_path)["token"] == "new"
+        lease._content = a_takeover_meanwhile
+        assert lease._renew() and lease.held
+        other.join()
+        assert lease_record(tmp_path)["token"] == "new" and not lease.owned()
+        assert not lease._renew()
     assert lease_record(tmp_path)["token"] == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
 
 
-def test_a_lease_renewed_after_it_was_judged_stale_is_not_taken_over(tmp_path):
-    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 70)
-    newcomer = lease_lib.WorkdirLease(tmp_path)
-    stale = newcomer._read()
-    write_lease(tmp_path, host="elsewhere", heartbeat=time.time())  # its holder woke up
-    assert not newcomer._take_over(stale)
-    assert lease_record(tmp_path)["token"] == "old"
-    with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
-        newcomer.acquire()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
+def test_a_lease_being_renewed_is_always_there_whole_and_refuses_newcomers(tmp_path):
+    with lease_lib.WorkdirLease(tmp_path, timeout_s=60) as lease:
+        end = time.monotonic() + 1.0
+
+        def beat():  # heartbeats back to back, as the heartbeat thread makes them
+            while time.monotonic() < end:
+                assert lease._renew()
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        reads = 0
+        while time.monotonic() < end:
+            assert lease_record(tmp_path)["token"] == lease.token
+            with pytest.raises(CheckpointError, match="in use by a training job"):
+                lease_lib.WorkdirLease(tmp_path).acquire()
+            reads += 1
+        beating.join()
+        assert lease.owned() and reads > 10
 
 
 def test_an_exception_inside_train_releases_the_lease(tmp_path):
