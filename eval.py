@@ -51,6 +51,7 @@ that only another uses (e.g. --temperature with --passkey, which decodes greedil
 
 from __future__ import annotations
 
+import io
 import logging as py_logging
 import os
 import sys
@@ -130,7 +131,9 @@ _GENERATE = flags.DEFINE_bool(
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text for --generate.")
 _SAMPLING = generation.SAMPLING
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
-    "max_new_tokens", _SAMPLING["max_new_tokens"], "Tokens to generate."
+    "max_new_tokens",
+    _SAMPLING["max_new_tokens"],
+    f"Tokens to generate (at most {generation.MAX_NEW_TOKENS:,}).",
 )
 _TEMPERATURE = flags.DEFINE_float(
     "temperature", _SAMPLING["temperature"], "Sampling temperature; 0 is greedy."
@@ -164,6 +167,10 @@ def main(argv):
     # read-only; lexjax's own warnings (a damaged checkpoint skipped) still show.
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
+    # Text a terminal's encoding cannot show (e.g. U+FFFD for bytes the model wrote
+    # that are not UTF-8) is shown as "?", not a traceback after the whole run.
+    if isinstance(sys.stdout, io.TextIOWrapper):  # not a notebook's stream
+        sys.stdout.reconfigure(errors="replace")
     return cli.run_eval(
         _WORKDIR.value,
         lengths=_LENGTHS.value,

@@ -171,7 +171,7 @@ def run_eval(
     if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
-    generation.check_sampling(**sampling)  # also without --generate: a bad flag is never ignored
+    generation.check_sampling(prompt=prompt, **sampling)  # a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use

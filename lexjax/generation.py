@@ -164,10 +164,18 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     """One token per row: greedy when ``temperature == 0``, else sampled from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
     tokens (0: all) and to the smallest set whose probability reaches ``top_p``
-    (1: all; the most likely token is always kept)."""
+    (1: all; the most likely token is always kept). Tokens tied with the last one
+    kept are kept too. A temperature below float32's smallest normal number
+    (about 1.2e-38) is greedy, the limit it stands for."""
     return _sample(
-        logits_BxV, rng, temperature, top_k, top_p, greedy=temperature == 0, nucleus=top_p < 1.0
+        logits_BxV, rng, temperature, top_k, top_p, greedy=_greedy(temperature), nucleus=top_p < 1.0
     )
+
+
+def _greedy(temperature: float) -> bool:
+    """Whether sampling at ``temperature`` is greedy: 0, or so small that logits /
+    temperature would overflow float32 (its limit is the argmax)."""
+    return abs(float(np.float32(temperature))) < np.finfo(np.float32).tiny
 
 
 def _sample(
@@ -179,7 +187,8 @@ def _sample(
     logits = logits_BxV.astype(jnp.float32) + bias_V
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
+    # Largest logit 0 first: a small temperature sends the others to -inf, never to +inf.
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -200,15 +209,30 @@ def check_sampling(
     top_p: float = 1.0,
     max_new_tokens: int = 1,
     seed: int = 0,
+    prompt: str = "",
 ) -> None:
-    """Raises :class:`ConfigError` for sampling parameters out of range."""
+    """Raises :class:`ConfigError` for sampling parameters out of range, or a prompt
+    that is not text."""
+    if not isinstance(prompt, str):
+        raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # e.g. a byte argv held that is not UTF-8
+        raise ConfigError(
+            f"the prompt is not valid text: {prompt[e.start : e.end]!r} at character {e.start} "
+            "cannot be written in UTF-8; pass UTF-8 text"
+        ) from None
     if not _real(temperature) or not 0 <= temperature < float("inf"):  # NaN too
         raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature!r}")
     check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
     if not _real(top_p) or not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
-    check_int("max_new_tokens", max_new_tokens)
+    check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS + 1)
     check_seed(seed)
+
+
+MAX_NEW_TOKENS = 1 << 24
+"""The most tokens one call generates (each needs its random key in memory up front)."""
 
 
 def _real(value) -> bool:
@@ -294,7 +318,7 @@ def generate(
     else:
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
     # Temperature and top_p are arguments: a new value compiles nothing.
-    run = _compiled_generate(model, block, temperature == 0, int(top_k), top_p < 1.0, mode)
+    run = _compiled_generate(model, block, _greedy(temperature), int(top_k), top_p < 1.0, mode)
     bias_V = jnp.zeros(logits.shape[-1], jnp.float32)
     if allowed_V is not None:
         bias_V = jnp.where(jnp.asarray(allowed_V, bool), bias_V, -jnp.inf)
@@ -360,8 +384,7 @@ def complete(
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
     in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
     in ``mode`` (:func:`generate`)."""
-    if not isinstance(prompt, str):
-        raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}")
+    check_sampling(prompt=prompt)
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model, shard_lib.rules(config)),

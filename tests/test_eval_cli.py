@@ -29,8 +29,8 @@ TINY = [
 ]
 
 
-def _run(script, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(script, *args, **environ):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, script, *args],
@@ -219,6 +219,19 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")
+    # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
+    # that cannot show a character of the text gets "?" for it, not a traceback.
+    bad = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=a\udcff")
+    _one_line_error(bad, 2, r"the prompt is not valid text: '\udcff' at character 1")
+    shown = _run(
+        "eval.py",
+        f"--workdir={workdir}",
+        "--generate",
+        "--prompt=\u2713 ",
+        "--max_new_tokens=4",
+        PYTHONIOENCODING="latin-1",
+    )
+    assert shown.returncode == 0 and shown.stdout.startswith("? "), shown.stderr[-2000:]
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={tmp_path}/*.nope"),
         3,

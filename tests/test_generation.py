@@ -69,6 +69,16 @@ def test_sampling_filters():
     assert len(set(draw(temperature=1.0).ravel())) >= 3
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1e-38, 1e-39, 1e-44, 1e-46])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    """softmax(logits / T) tends to the argmax as T → 0: dividing by a T that float32
+    holds as subnormal or zero must not send logits to ±inf or NaN."""
+    rows = jnp.asarray([[5.0, 4, 3, 1, 0, -1], [-5, -4, -3, -6, -7, -9], [90, -90, 0, 89, 3, 1]])
+    for key in jax.random.split(jax.random.key(0), 20):
+        drawn = generation.sample_logits(rows, key, temperature=temperature)
+        np.testing.assert_array_equal(drawn, [0, 2, 0])
+
+
 def test_generation_runs_far_beyond_the_training_length(model_params):
     model, params = model_params
     prompt = jnp.ones((1, 3), jnp.int32)
@@ -198,12 +208,15 @@ def test_complete_decodes_in_the_mode_asked():
         {"temperature": float("nan")},
         {"temperature": float("inf")},
         {"top_p": float("nan")},
+        {"max_new_tokens": generation.MAX_NEW_TOKENS + 1},
+        {"prompt": "ab\udcff"},  # not UTF-8 text (a byte argv held that is not)
     ],
 )
 def test_sampling_settings_out_of_range_are_config_errors(model_params, setting):
     name = next(iter(setting))
-    with pytest.raises(ConfigError, match=f"^{name}"):
-        generation.complete(RUN_CONFIG, model_params[1], "ab", max_new_tokens=2, **setting)
+    setting = {"prompt": "ab", "max_new_tokens": 2} | setting
+    with pytest.raises(ConfigError, match=f"^(the )?{name}"):
+        generation.complete(RUN_CONFIG, model_params[1], **setting)
 
 
 def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
