@@ -115,11 +115,15 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
                     return name
         return None
 
-    proc = P.start(args(ctx, workdir), ctx[3])
-    tmp = P.wait_until(writing_step_4_or_later, proc, poll=0.001)
-    code, _, _ = P.kill(proc)
-    assert code == -signal.SIGKILL
-    assert (ckpts / tmp).exists(), "the write finished before the kill landed"
+    for _ in range(3):  # a write takes a few tenths of a second; a loaded test can miss it
+        proc = P.start(args(ctx, workdir), ctx[3])
+        tmp = P.wait_until(writing_step_4_or_later, proc, poll=0.001)
+        code, _, _ = P.kill(proc)
+        assert code == -signal.SIGKILL
+        if (ckpts / tmp).exists():
+            break  # killed while writing
+    else:
+        pytest.fail("three times the write finished before the kill landed")
     first_resume = P.complete_steps(workdir)[-1]
     assert first_resume == int(tmp.split(".")[0]) - 2
 
@@ -145,11 +149,17 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(ctx, reference):
 def test_sigterm_saves_the_current_step_and_exits_0(ctx, reference):
     _, ref_losses, ref_params = reference
     workdir = ctx[0] / "terminated"
-    proc = P.start(args(ctx, workdir), ctx[3])
-    P.wait_until(lambda: P.last_step(workdir) >= 3, proc, poll=0.005)
-    code, out, err = P.kill(proc, signal.SIGTERM)
-    assert code == 0, err[-3000:]
-    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    for _ in range(3):  # the run has ~1.5 s left at step 3; a loaded test can miss it
+        shutil.rmtree(workdir, ignore_errors=True)
+        proc = P.start(args(ctx, workdir), ctx[3])
+        P.wait_until(lambda: P.last_step(workdir) >= 3, proc, poll=0.005)
+        code, out, err = P.kill(proc, signal.SIGTERM)
+        assert code == 0, err[-3000:]
+        if found := re.search(r"stopped by SIGTERM at step (\d+)", out):
+            break
+    else:
+        pytest.fail("three times the run ended before SIGTERM landed")
+    stopped = int(found.group(1))
     assert 3 <= stopped < N, out
     assert P.complete_steps(workdir)[-1] == stopped
 
@@ -180,8 +190,12 @@ def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
         ), read + out
         assert not lease.exists()
 
+    # SIGTERM as soon as the lease is taken: the corpus and the model are set up after it,
+    # seconds before the first step. (At "model: " less than a second is left on a loaded
+    # machine, and a signal during the first step rightly saves it.)
     proc = P.start(args(ctx, workdir, num_train_steps=4), ctx[3])
-    stopped(signal.SIGTERM, P.read_until(proc, "model: "), "before the first step")
+    P.wait_until(lease.exists, proc, poll=0.001)
+    stopped(signal.SIGTERM, "", "before the first step")
     assert not list(ckpts.glob("*"))
     result = P.run(args(ctx, workdir, num_train_steps=4), ctx[3])
     assert result.returncode == 0, result.stderr[-3000:]
