@@ -16,6 +16,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# A size limit makes JAX read and write cache entries under a file lock (the filelock
+# package): without one an entry is written in place, and a process reading it meanwhile
+# warns on stderr, which the tests of exact stderr would take for the program's.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 # The README's test command runs two pytest-xdist workers, each given one test file
 # at a time in collection order. The files that take longest go first (longest
