@@ -153,10 +153,10 @@ class WorkdirLease:
         """Puts our lease, complete, at its path (written aside, then renamed or
         linked into place): over the file there if ``replace``, else only if there is
         none (False if there is one)."""
-        tmp = f"{self.path}.{self.token}.tmp"
+        tmp, content = f"{self.path}.{self.token}.tmp", self._content()
         try:
             with open(tmp, "wb") as f:
-                f.write(self._content())
+                f.write(content)
             if replace:
                 os.replace(tmp, self.path)
                 return True
@@ -170,7 +170,7 @@ class WorkdirLease:
                 except FileExistsError:
                     return False
                 with os.fdopen(fd, "wb") as f:
-                    f.write(self._content())
+                    f.write(content)
             return True
         finally:
             with contextlib.suppress(OSError):
