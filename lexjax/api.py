@@ -220,6 +220,8 @@ class Run:
         top_p: float = 1.0,
         seed: int = 0,
         mode: str = "bca",
+        on_text=None,
+        progress: bool = True,
     ) -> str:
         """The text the model writes after ``prompt``, up to its first end-of-document.
 
@@ -229,7 +231,10 @@ class Run:
         is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit. ``mode="full"``
         decodes without BCA: plain causal attention over every earlier token,
         whose cache grows with the text (:func:`lexjax.generation.generate`).
-        More than ``generation.CHUNK`` (1024) tokens show progress on stderr.
+        More than ``generation.CHUNK`` (1024) tokens show progress on stderr
+        (``progress=False``: not). ``on_text`` (e.g. ``functools.partial(print,
+        end="")``) is given the text as it comes, in pieces that join to the result
+        (on every process of a multi-process run).
         """
         with jax.set_mesh(self.mesh):
             return generation.complete(
@@ -243,6 +248,8 @@ class Run:
                 seed=seed,
                 tokenizer=self.tokenizer,
                 mode=mode,
+                on_text=on_text,
+                progress=progress,
             )
 
 

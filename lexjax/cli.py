@@ -92,16 +92,13 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
 
 def parse_lengths(values) -> list[int] | None:
     """``--lengths`` strings → ints (checked by :func:`lexjax.evaluation.check_settings`)."""
-    if values is None:
-        return None
-    lengths = []
-    for value in values:
+    for value in values or ():
         try:
-            lengths.append(int(value))
+            int(value)
         except ValueError:
             message = f"--lengths={','.join(values)}: {value!r} is not an integer"
             raise ConfigError(message) from None
-    return lengths
+    return None if values is None else [int(value) for value in values]
 
 
 def run_eval(
@@ -181,26 +178,29 @@ def run_eval(
         print(
             f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
         )
-        if generate:
-            sys.stdout.write(prompt + run.generate(prompt, mode=modes[0], **sampling) + "\n")
+        if generate:  # the text as it comes; on a terminal it shows the progress itself
+            # The prompt waits for the first text: by then the processes have connected,
+            # and the C++ lines that gloo prints then on stdout come before it.
+            waiting = [prompt]
+
+            def show(text):
+                print(*waiting, text, sep="", end="", flush=True)
+                waiting.clear()
+
+            try:
+                sampling.update(on_text=show, progress=not sys.stdout.isatty())
+                run.generate(prompt, mode=modes[0], **sampling)
+            finally:
+                show("\n")  # also after a Ctrl-C
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
             settings.update(eval_files=eval_files, max_docs=max_docs, seed=sampling.get("seed", 0))
             run.passkey(requested, modes=modes, **settings)
             return 0
-        run.evaluate(
-            requested,
-            max_length=max_length,
-            modes=modes,
-            sinks=sinks,
-            eval_files=eval_files,
-            max_docs=max_docs,
-            resolution=resolution,
-            figure=figure,
-            rope_scaling=rope_scaling,
-            rope_factor=rope_factor,
-        )
+        settings = dict(max_length=max_length, modes=modes, sinks=sinks, eval_files=eval_files)
+        settings.update(max_docs=max_docs, resolution=resolution, figure=figure)
+        run.evaluate(requested, rope_scaling=rope_scaling, rope_factor=rope_factor, **settings)
         return 0
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "check_sampling",
     "generate",
     "complete",
+    "TextStream",
 ]
 
 # The attention patterns generate() decodes with (lexjax.evaluation.MODES names them).
@@ -292,6 +293,7 @@ def generate(
     progress: bool = False,
     stop_token: int | None = None,
     allowed_V=None,
+    on_chunk=None,
 ):
     """Prefills the prompt and samples ``max_new_tokens`` more: int32 ``[B, max_new_tokens]``.
 
@@ -307,7 +309,9 @@ def generate(
     :data:`CHUNK` at a time; with ``progress``, more than one chunk shows the
     progress display (:mod:`lexjax.progress`) on stderr. With ``stop_token``,
     sampling ends after the first chunk by which every row has sampled it, so the
-    result may be shorter (the tokens it has are the same).
+    result may be shorter (the tokens it has are the same). ``on_chunk``, if
+    given, is called with each chunk's tokens as they come, a numpy ``[B, ≤ CHUNK]``
+    (on every process, which must all call this alike).
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     max_new_tokens = int(max_new_tokens)  # numpy's too
@@ -340,8 +344,14 @@ def generate(
         if bar.enabled:  # wait for the chunk, so the display follows the computation
             jax.block_until_ready(tokens_BxC)
             bar.update(min(start + chunk, max_new_tokens))
-        if stop_token is not None:  # host_array: every process takes the same decision
-            stopped_B = stopped_B | shard_lib.host_array(tokens_BxC == stop_token).any(axis=1)
+        if on_chunk is None and stop_token is None:
+            continue
+        # host_array: every process sees every row, and takes the same decision.
+        host_BxC = shard_lib.host_array(tokens_BxC)[:, : max_new_tokens - start]
+        if on_chunk is not None:
+            on_chunk(host_BxC)
+        if stop_token is not None:
+            stopped_B = stopped_B | (host_BxC == stop_token).any(axis=1)
             if stopped_B.all():
                 break
     bar.close()
@@ -380,11 +390,25 @@ def complete(
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     mode: str = "bca",
+    on_text=None,
+    progress: bool = True,
 ) -> str:
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
     in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
-    in ``mode`` (:func:`generate`)."""
+    in ``mode`` (:func:`generate`).
+
+    ``on_text``, if given, is called with the text as it is written, in pieces
+    (one per chunk of :func:`generate`, a character split between chunks held
+    back until it is whole): joined, they are the returned text. ``progress``:
+    the progress display on stderr of more than one chunk.
+    """
     check_sampling(prompt=prompt)
+    stream = TextStream(tokenizer)
+
+    def show(tokens_BxC):
+        if piece := stream.add(tokens_BxC[0]):
+            on_text(piece)
+
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
         Decoder(config.model, shard_lib.rules(config)),
@@ -397,10 +421,66 @@ def complete(
         top_k=top_k,
         top_p=top_p,
         mode=mode,
-        progress=True,
+        progress=progress,
         stop_token=tokenizer.eos,
         allowed_V=tokenizer.sampleable(config.model.vocab_size),
+        on_chunk=None if on_text is None else show,
     )
     out = shard_lib.host_array(out)[0]
     end = np.nonzero(out == tokenizer.eos)[0]
-    return tokenizer.decode(out[: end[0]] if len(end) else out)
+    text = tokenizer.decode(out[: end[0]] if len(end) else out)
+    if on_text is not None and (rest := stream.flush()):
+        on_text(rest)
+    return text
+
+
+class TextStream:
+    """The text of ids that come in pieces, as soon as it is final.
+
+    :meth:`add` takes the next ids and returns the text they complete: all of it,
+    except the last ids while they hold the first bytes of a character that later
+    ids may finish (a UTF-8 sequence that byte-level ids or byte-fallback pieces
+    have only begun: at most 3 ids); nothing after EOS. :meth:`flush` returns what
+    waits. Text is cut only where a character starts, so, joined, the pieces are
+    ``tokenizer.decode`` of every id before the first EOS; each call decodes only
+    its ids and the few waiting.
+    """
+
+    def __init__(self, tokenizer: data_lib.Tokenizer):
+        self.tokenizer = tokenizer
+        self.waiting = np.zeros(0, np.int64)
+        self.ended = False
+
+    def add(self, ids) -> str:
+        if self.ended:
+            return ""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        end = np.nonzero(ids == self.tokenizer.eos)[0]
+        if len(end):
+            ids, self.ended = ids[: end[0]], True
+        self.waiting = np.concatenate([self.waiting, ids])
+        if self.ended:
+            return self.flush()
+        done = len(self.waiting) - self._unfinished()
+        text = self.tokenizer.decode(self.waiting[:done])
+        self.waiting = self.waiting[done:]
+        return text
+
+    def _unfinished(self) -> int:
+        """How many of the last waiting ids hold a character's first bytes, too few of
+        them for it (0: the bytes end in a whole character, or in bytes that no later
+        byte can make one)."""
+        seen = 0  # bytes, from the end
+        for k, id_ in enumerate(self.waiting[::-1][:3], start=1):
+            for byte in self.tokenizer.utf8([id_])[::-1]:
+                seen += 1
+                if byte < 0x80:  # ASCII: a whole character
+                    return 0
+                if byte >= 0xC0:  # a first byte: 110xxxxx, 1110xxxx, 11110xxx
+                    need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+                    return k if seen < need else 0
+        return 0  # continuation bytes (10xxxxxx) alone: their first byte is further back
+
+    def flush(self) -> str:
+        text, self.waiting = self.tokenizer.decode(self.waiting), self.waiting[:0]
+        return text

@@ -257,3 +257,70 @@ def test_only_allowed_ids_are_sampled(model_params):
         assert set(np.unique(tokens)) <= {5, 7}, temperature
     sampleable = data_lib.BYTES.sampleable(320)  # a run's model: 258 ids padded to 320
     assert sampleable[:256].all() and sampleable[data_lib.EOS] and sampleable.sum() == 257
+
+
+def _stream_in_pieces(tokenizer, ids, rng):
+    """Feeds ``ids`` to a TextStream in random pieces of 1-6 ids. Returns the text
+    given after each piece, all of it joined with the flush's, and how many ids had
+    been fed after each piece."""
+    stream, pieces = generation.TextStream(tokenizer), []
+    cuts = np.cumsum(rng.integers(1, 7, size=len(ids)))
+    cuts = [*cuts[cuts < len(ids)], len(ids)]
+    for start, stop in zip([0, *cuts], cuts):
+        pieces.append(stream.add(ids[start:stop]))
+        assert len(stream.waiting) <= 3  # at most an unfinished character waits
+    return pieces, "".join(pieces) + stream.flush(), cuts
+
+
+def test_a_text_stream_joins_to_the_decoded_text_however_the_ids_are_split():
+    """The oracle is each tokenizer's decoding of the ids (up to the first EOS)."""
+    text = "naïve café, 東京 and 🙂 ok\n" * 3  # characters of 1, 2, 3 and 4 UTF-8 bytes
+    lines = [f"plain ascii line {i} with words and numbers {i * 7}" for i in range(300)]
+    subword = data_lib.tokenizer.train_sentencepiece(lines, 300)  # 東, 🙂: byte pieces
+    rng = np.random.default_rng(0)
+    for tokenizer in (data_lib.BYTES, subword):
+        ids = tokenizer.encode(text).astype(np.int64)
+        assert len(ids) > 20
+        assert tokenizer.utf8(ids) == text.encode() and tokenizer.num_bytes(ids) == len(
+            text.encode()
+        )
+        for _ in range(20):
+            pieces, joined, cuts = _stream_in_pieces(tokenizer, ids, rng)
+            assert joined == tokenizer.decode(ids) == text
+            for k, cut in enumerate(cuts):  # a character is given as soon as it is whole
+                assert "".join(pieces[: k + 1]) == tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+        # An EOS ends the text; what follows it is never given.
+        with_eos = np.concatenate([ids[:7], [tokenizer.eos], ids[7:]])
+        _, joined, _ = _stream_in_pieces(tokenizer, with_eos, rng)
+        assert joined == tokenizer.decode(ids[:7])
+    # Bytes that are not UTF-8 (a stray continuation byte, 0xFF, a cut sequence) are
+    # U+FFFD as in the whole decoding, also where a piece ends with them.
+    ids = np.array([104, 105, 0x80, 0xFF, 0xE6, 0x9D, 104, 0xE6, 0x9D, 0xB1, 0xC3], np.int64)
+    for _ in range(20):
+        _, joined, _ = _stream_in_pieces(data_lib.BYTES, ids, rng)
+        assert joined == data_lib.BYTES.decode(ids) == "hi\ufffd\ufffd\ufffdh東\ufffd"
+    # Long runs of such bytes (as an untrained model writes) stream too, in both
+    # tokenizers (the subword one's byte-fallback pieces, among whole-text pieces).
+    some = [0xC3, 0xE6, 0xF0, 0x80, 0x9D, 0xB1, 0xA9, 0xFF, 104]
+    pieces_of = {b: subword._sp.piece_to_id(f"<0x{b:02X}>") for b in some}
+    for tokenizer, choices in (
+        (data_lib.BYTES, some),
+        (subword, [*pieces_of.values(), *subword.encode("plain line 7 é")]),
+    ):
+        ids = rng.choice(choices, size=500).astype(np.int64)
+        for _ in range(5):
+            _, joined, _ = _stream_in_pieces(tokenizer, ids, rng)
+            assert joined == tokenizer.decode(ids)
+
+
+def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
+    config = small_config()
+    model = Decoder(config.model)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, 16), jnp.int32))["params"])
+    monkeypatch.setattr(generation, "CHUNK", 8)
+    for seed in range(3):
+        pieces = []
+        sampled = dict(max_new_tokens=40, seed=seed, progress=False)
+        text = generation.complete(config, params, "ab", on_text=pieces.append, **sampled)
+        assert "".join(pieces) == text == generation.complete(config, params, "ab", **sampled)
+        assert 1 < len(pieces) <= 40 // 8 + 1  # at most one per chunk, and the flush's

@@ -92,6 +92,11 @@ class Tokenizer:
         """int32 ids [BOS, encode(text)..., EOS], shape [n + 2]."""
         return np.concatenate([[self.bos], self.encode(text), [self.eos]]).astype(np.int32)
 
+    def utf8(self, ids: Iterable[int] | np.ndarray) -> bytes:
+        """The UTF-8 bytes ``ids`` stand for, joined (BOS, EOS, padding: none); not
+        always valid UTF-8 (:meth:`decode` makes U+FFFD of what is not)."""
+        raise NotImplementedError
+
     def num_bytes(self, ids: Iterable[int] | np.ndarray) -> int:
         """UTF-8 bytes of text that `ids` cover (BOS, EOS, padding cover none)."""
         return int(self._bytes_per_id[np.asarray(ids, dtype=np.int64).reshape(-1)].sum())
@@ -139,6 +144,10 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids):
         return decode(ids)
 
+    def utf8(self, ids):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
+
     def to_json(self):
         return {"kind": "bytes"}
 
@@ -162,17 +171,15 @@ class SentencePieceTokenizer(Tokenizer):
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
         sp = self._sp
         self.vocab_size, self.bos, self.eos = sp.get_piece_size(), sp.bos_id(), sp.eos_id()
-        self._bytes_per_id = np.array(
-            [
-                0
-                if sp.is_control(i) or sp.is_unknown(i)
-                else 1
-                if sp.is_byte(i)
-                else len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
-                for i in range(self.vocab_size)
-            ],
-            dtype=np.int64,
-        )
+        self._utf8 = [
+            b""
+            if sp.is_control(i) or sp.is_unknown(i)
+            else bytes([int(sp.id_to_piece(i)[1:-1], 16)])  # "<0xE6>"
+            if sp.is_byte(i)
+            else sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8")
+            for i in range(self.vocab_size)
+        ]
+        self._bytes_per_id = np.array([len(b) for b in self._utf8], dtype=np.int64)
 
     # grain's worker processes get the tokenizer by pickling; the C++ processor
     # is rebuilt from the model bytes.
@@ -190,6 +197,10 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
+
+    def utf8(self, ids):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return b"".join(self._utf8[i] for i in ids if 0 <= i < self.vocab_size)
 
     def to_json(self):
         return {
