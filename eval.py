@@ -45,6 +45,11 @@ train_len), depth and mode (--bca), keys from --seed, filler a sentence or, with
 test split). It writes WORKDIR/eval/passkey.json and a heat map per mode,
 passkey-MODE.png.
 
+--generate writes the prompt and the text as the model writes it, a chunk of up
+to 1,024 tokens at a time (until its end-of-document or --max_new_tokens), then a
+newline; Ctrl-C stops it there (exit 130, `interrupted (Ctrl-C)` on stderr). Its
+mesh line goes to stderr.
+
 Each of the three runs (perplexity, --generate, --passkey) refuses a flag given
 that only another uses (e.g. --temperature with --passkey, which decodes greedily).
 """

@@ -18,6 +18,9 @@ status  kind                                           class
 6       evaluation or generation cannot be done as      :class:`EvaluationError`
         asked
 7       the processes of a multi-host run cannot join   :class:`DistributedError`
+130     interrupted by Ctrl-C where the program does
+        not stop cleanly itself (eval.py; train.py's
+        second Ctrl-C): ``interrupted (Ctrl-C)``
 ======  =============================================  ======================
 """
 
@@ -99,11 +102,19 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The shell's status of a program ended by SIGINT (128 + 2).
+INTERRUPTED = 130
+
+
 def report(program, *args, **kwargs) -> int:
     """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
-    ``error: <one line>`` on stderr and the exit status of its kind."""
+    ``error: <one line>`` on stderr and the exit status of its kind, a Ctrl-C
+    that reaches here ``interrupted (Ctrl-C)`` and :data:`INTERRUPTED`."""
     try:
         return program(*args, **kwargs) or 0
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPTED
     except LexjaxError as e:
         # Whole: the message is ours, and its advice comes last, after paths that may
         # be long (a foreign reason inside it was cut already).

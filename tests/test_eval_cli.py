@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -125,6 +126,47 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("def ")
+
+
+def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tmp_path):
+    """The text comes while the model writes it; Ctrl-C then stops eval.py with one
+    line and status 130, the text so far kept (and ended by a newline)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    many = f"--max_new_tokens={10**6}"  # chunks of 1,024 tokens: far more than the test waits
+    command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate", "--prompt=ab", many]
+    with (tmp_path / "stderr").open("wb") as stderr:  # a file: progress never blocks it
+        proc = subprocess.Popen(
+            [*command, "--temperature=0"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            bufsize=0,  # unbuffered: what read() does not return, communicate() does
+        )
+        got = b""
+        try:
+            while len(got) < 3 and (part := proc.stdout.read(3)):  # the prompt, then text
+                got += part
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+    err = (tmp_path / "stderr").read_bytes()
+    err_lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130 and err_lines[-1] == "interrupted (Ctrl-C)", err_lines[-5:]
+    assert "Traceback" not in err.decode()
+    text = (got + out).decode(errors="replace")
+    assert text.startswith("ab") and text.endswith("\n") and len(text) > 4
+    # The text shown is what the model wrote: the start of an uninterrupted run's.
+    whole = subprocess.run(
+        [*command[:-1], f"--max_new_tokens={4 * len(text)}", "--temperature=0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert whole.returncode == 0, whole.stderr.decode()[-2000:]
+    assert whole.stdout.decode(errors="replace").startswith(text[:-1])
 
 
 def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):

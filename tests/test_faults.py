@@ -22,6 +22,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -172,6 +173,34 @@ def test_sigterm_saves_the_current_step_and_exits_0(ctx, reference):
     assert step == N
     assert_same_params(params, ref_params)
     assert_losses_match(workdir, ref_losses)
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes(ctx, reference):
+    """The first Ctrl-C asks for a save after the current step; a second one ends the
+    run there: `interrupted (Ctrl-C)`, status 130, no traceback. Nothing is lost: the
+    lease is released and the next run resumes from the last finished checkpoint."""
+    _, ref_losses, ref_params = reference
+    workdir = ctx[0] / "interrupted"
+    for _ in range(3):  # both signals must land in the run, the second after the first
+        shutil.rmtree(workdir, ignore_errors=True)
+        proc = P.start(args(ctx, workdir), ctx[3])
+        P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        code, out, err = P.kill(proc, signal.SIGINT)
+        if code == 130:
+            break
+        assert code == 0, err[-3000:]  # the run ended, or saw a single signal: again
+    else:
+        pytest.fail("three times the second Ctrl-C came too late or merged with the first")
+    assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)", err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not (workdir / "lease.json").exists()
+    result = P.run(args(ctx, workdir), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
 
 
 def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
