@@ -214,11 +214,39 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The vector extensions XLA:CPU and PyTorch pick kernels by; with the family and model,
+# they tell apart hosts that cloud VMs all call "AMD EPYC" (a Zen 3 and a Zen 5).
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def cpu_details() -> dict:
+    """Family, model, L2/L3 per /proc/cpuinfo's first processor, and which of
+    :data:`_CPU_FLAGS` it has ({} without /proc/cpuinfo)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return {}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "cache_size": fields.get("cache size"),
+        "flags": [flag for flag in _CPU_FLAGS if flag in flags],
+    }
+
+
 def machine() -> dict:
     import jax
 
     return {
         "cpu": cpu_model(),
+        "cpu_details": cpu_details(),
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
         "jax": jax.__version__,
