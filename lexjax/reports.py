@@ -633,10 +633,6 @@ def _stats(runs, mode, length):
     return float(np.mean(values)), std, len(values)
 
 
-def _mean(runs, mode, length):
-    return _stats(runs, mode, length)[0]
-
-
 def _fmt_stats(runs, mode, length, digits=3):
     """``mean ± std`` over seeds (the mean alone for one seed)."""
     mean, std, _ = _stats(runs, mode, length)

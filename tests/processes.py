@@ -153,23 +153,6 @@ def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180, poll: fl
     raise AssertionError("timed out waiting for the training process")
 
 
-def read_until(proc: subprocess.Popen, text: str) -> str:
-    """Reads `proc`'s stdout (a pipe) line by line up to a line holding `text`; returns
-    what it read. Fails if `proc` exits first."""
-    read = ""
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            out, err = proc.communicate()
-            raise AssertionError(
-                f"train.py exited ({proc.returncode}) before printing {text!r}:"
-                f"\n{read + out}\n{err[-3000:]}"
-            )
-        read += line
-        if text in line:
-            return read
-
-
 def kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 120):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)
