@@ -63,7 +63,7 @@ import sys
 
 from absl import app, flags, logging
 
-from lexjax import cli, distributed, evaluation, generation
+from lexjax import cli, distributed, evaluation, generation, passkey
 from lexjax.config import ROPE_SCALINGS
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,7 +76,8 @@ _LENGTHS = flags.DEFINE_list(
     "lengths",
     None,
     "Evaluation lengths in tokens (default: 1,2,4,8,16 × train_len); each must divide "
-    "--max_length. With --passkey: sample lengths (default: 1,2,4,8 × train_len).",
+    "--max_length. With --passkey: sample lengths (default: 1,2,4,8 × train_len; at most "
+    f"{passkey.MAX_LENGTH:,}).",
 )
 _MAX_LENGTH = flags.DEFINE_integer(
     "max_length",

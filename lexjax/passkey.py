@@ -311,6 +311,10 @@ class PasskeyResult:
         return dataclasses.asdict(self)
 
 
+# The longest passkey sample, as generation's longest continuation.
+MAX_LENGTH = generation.MAX_NEW_TOKENS
+
+
 def default_lengths(train_len: int) -> list[int]:
     """1, 2, 4 and 8 × ``train_len``."""
     return [m * train_len for m in (1, 2, 4, 8)]
@@ -522,6 +526,8 @@ def evaluate_passkey(
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)
+    for n in lengths:  # a sample is built whole on the host: 8 bytes a token, and more
+        check_int("passkey length", n, 1, MAX_LENGTH + 1, f"at most {MAX_LENGTH:,} tokens")
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
         source, stream = _text_filler(config, eval_files, max_docs, tokenizer, corpus, say)

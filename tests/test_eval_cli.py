@@ -261,6 +261,8 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")
+    huge = _run("eval.py", f"--workdir={workdir}", "--passkey", f"--lengths=64,{10**11}")
+    _one_line_error(huge, 2, "passkey length=100000000000 must be at most 16,777,216 tokens")
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
     # that cannot show a character of the text gets "?" for it, not a traceback.
     bad = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=a\udcff")
