@@ -7,8 +7,6 @@ table in :mod:`lexjax.errors`), never as a traceback.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 
 import jax
@@ -16,7 +14,7 @@ from absl import flags as absl_flags
 
 from lexjax import api, checkpoint, distributed, evaluation, generation, passkey
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
-from lexjax.errors import one_line, report
+from lexjax.errors import StdoutClosed, one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
 
@@ -172,7 +170,7 @@ def run_eval(
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
-    with _first_process_speaks():
+    with distributed.first_process_speaks():
         run = api.load(workdir)
         # Like train.py's; on stderr with --generate, whose stdout is the text alone.
         print(
@@ -184,14 +182,18 @@ def run_eval(
             waiting = [prompt]
 
             def show(text):
-                print(*waiting, text, sep="", end="", flush=True)
-                waiting.clear()
+                try:
+                    print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
+                except BrokenPipeError:  # e.g. `eval.py --generate | head`
+                    raise StdoutClosed from None
 
             try:
                 sampling.update(on_text=show, progress=not sys.stdout.isatty())
                 run.generate(prompt, mode=modes[0], **sampling)
+                show("")  # the prompt, when no text came
             finally:
-                show("\n")  # also after a Ctrl-C
+                if not waiting:
+                    show("\n")  # the text's end, also after a Ctrl-C
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
@@ -202,19 +204,3 @@ def run_eval(
         settings.update(max_docs=max_docs, resolution=resolution, figure=figure)
         run.evaluate(requested, rope_scaling=rope_scaling, rope_factor=rope_factor, **settings)
         return 0
-
-
-@contextlib.contextmanager
-def _first_process_speaks():
-    """On processes other than 0, stdout and stderr go nowhere inside the block (the
-    reports are written by process 0 alone); an error still leaves the block and
-    reaches :func:`main`, which reports it on every process."""
-    if jax.process_index() == 0:
-        yield
-        return
-    with (
-        open(os.devnull, "w") as sink,
-        contextlib.redirect_stdout(sink),
-        contextlib.redirect_stderr(sink),
-    ):
-        yield

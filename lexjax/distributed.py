@@ -32,6 +32,7 @@ starts still ends the others through JAX's abort.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -51,6 +52,7 @@ __all__ = [
     "initialize",
     "any_process",
     "all_processes",
+    "first_process_speaks",
 ]
 
 
@@ -256,3 +258,19 @@ def any_process(flag: bool) -> bool:
 def all_processes(flag: bool) -> bool:
     """True only if ``flag`` is true on every process (a collective)."""
     return flag if jax.process_count() == 1 else bool(np.all(_gather_flags(flag)))
+
+
+@contextlib.contextmanager
+def first_process_speaks():
+    """On processes other than 0, stdout and stderr go nowhere inside the block (the
+    reports are written by process 0 alone); an error still leaves the block and
+    reaches the program's :func:`lexjax.errors.report`, on every process."""
+    if jax.process_index() == 0:
+        yield
+        return
+    with (
+        open(os.devnull, "w") as sink,
+        contextlib.redirect_stdout(sink),
+        contextlib.redirect_stderr(sink),
+    ):
+        yield

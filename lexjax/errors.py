@@ -20,12 +20,18 @@ status  kind                                           class
 7       the processes of a multi-host run cannot join   :class:`DistributedError`
 130     interrupted by Ctrl-C where the program does
         not stop cleanly itself (eval.py; train.py's
-        second Ctrl-C): ``interrupted (Ctrl-C)``
+        second Ctrl-C): ``interrupted (Ctrl-C)``, then
+        the process ends by SIGINT, as Python does, so
+        that a shell loop running it stops too
+141     stdout's reader went away (``eval.py
+        --generate | head``): quiet, as a program
+        ended by SIGPIPE
 ======  =============================================  ======================
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = [
@@ -102,21 +108,43 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# The shell's status of a program ended by SIGINT (128 + 2).
-INTERRUPTED = 130
+# The shell's status of a program ended by SIGPIPE (128 + 13).
+STDOUT_CLOSED = 141
+
+
+class StdoutClosed(Exception):
+    """What a program printed to could not take it: stdout's reader went away."""
 
 
 def report(program, *args, **kwargs) -> int:
     """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
-    ``error: <one line>`` on stderr and the exit status of its kind, a Ctrl-C
-    that reaches here ``interrupted (Ctrl-C)`` and :data:`INTERRUPTED`."""
+    ``error: <one line>`` on stderr and the exit status of its kind.
+
+    A Ctrl-C that reaches here prints ``interrupted (Ctrl-C)`` and goes on without
+    its traceback: uncaught, it makes Python end the process by SIGINT (status 130
+    in a shell, which then stops a loop that ran it, as it would have without
+    lexjax). :class:`StdoutClosed` returns :data:`STDOUT_CLOSED`, quietly.
+    """
     try:
         return program(*args, **kwargs) or 0
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        sys.excepthook = _quiet_interrupt(sys.excepthook)
+        raise
+    except StdoutClosed:
+        # Python would flush stdout once more at exit, and fail again: it goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return STDOUT_CLOSED
     except LexjaxError as e:
         # Whole: the message is ours, and its advice comes last, after paths that may
         # be long (a foreign reason inside it was cut already).
         print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+def _quiet_interrupt(hook):
+    def quiet(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            hook(kind, value, traceback)
+
+    return quiet

@@ -275,7 +275,9 @@ def _compiled_generate(
         (logits_BxV, state), tokens_NxB = jax.lax.scan(step, (logits_BxV, state), keys_N)
         return tokens_NxB.swapaxes(0, 1), logits_BxV, state
 
-    return jax.jit(run)
+    # The logits and the state (mode full's cache grows with the text) are each
+    # chunk's to replace: donated, the new ones take their buffers.
+    return jax.jit(run, donate_argnums=(1, 2))
 
 
 def generate(
@@ -336,25 +338,27 @@ def generate(
     keys = jnp.concatenate([keys, jnp.repeat(keys[:1], surplus, axis=0)])
     bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
     pieces, stopped_B = [], False
-    for start in range(0, max_new_tokens, chunk):
-        tokens_BxC, logits, state = run(
-            params, logits, state, keys[start : start + chunk], *sampling
-        )
-        pieces.append(tokens_BxC)
-        if bar.enabled:  # wait for the chunk, so the display follows the computation
-            jax.block_until_ready(tokens_BxC)
-            bar.update(min(start + chunk, max_new_tokens))
-        if on_chunk is None and stop_token is None:
-            continue
-        # host_array: every process sees every row, and takes the same decision.
-        host_BxC = shard_lib.host_array(tokens_BxC)[:, : max_new_tokens - start]
-        if on_chunk is not None:
-            on_chunk(host_BxC)
-        if stop_token is not None:
-            stopped_B = stopped_B | (host_BxC == stop_token).any(axis=1)
-            if stopped_B.all():
-                break
-    bar.close()
+    try:  # the display ends its line also after a Ctrl-C
+        for start in range(0, max_new_tokens, chunk):
+            tokens_BxC, logits, state = run(
+                params, logits, state, keys[start : start + chunk], *sampling
+            )
+            pieces.append(tokens_BxC)
+            if bar.enabled:  # wait for the chunk, so the display follows the computation
+                jax.block_until_ready(tokens_BxC)
+                bar.update(min(start + chunk, max_new_tokens))
+            if on_chunk is None and stop_token is None:
+                continue
+            # host_array: every process sees every row, and takes the same decision.
+            host_BxC = shard_lib.host_array(tokens_BxC)[:, : max_new_tokens - start]
+            if on_chunk is not None:
+                on_chunk(host_BxC)
+            if stop_token is not None:
+                stopped_B = stopped_B | (host_BxC == stop_token).any(axis=1)
+                if stopped_B.all():
+                    break
+    finally:
+        bar.close()
     return jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
 
 
@@ -475,6 +479,8 @@ class TextStream:
             for byte in self.tokenizer.utf8([id_])[::-1]:
                 seen += 1
                 if byte < 0x80:  # ASCII: a whole character
+                    return 0
+                if byte >= 0xF5 or byte in (0xC0, 0xC1):  # never in UTF-8: U+FFFD now
                     return 0
                 if byte >= 0xC0:  # a first byte: 110xxxxx, 1110xxxx, 11110xxx
                     need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4

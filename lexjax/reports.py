@@ -121,9 +121,11 @@ def _writing(path: str, what: str | None = None):
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         yield
-    except OSError as e:
+    except BaseException as e:  # a Ctrl-C too leaves no path.tmp
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
+        if not isinstance(e, OSError):
+            raise
         raise CheckpointError(
             f"cannot write {what or path} ({e.strerror or e}); make its directory writable or free "
             "space, then run again"

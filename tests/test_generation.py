@@ -299,6 +299,9 @@ def test_a_text_stream_joins_to_the_decoded_text_however_the_ids_are_split():
     for _ in range(20):
         _, joined, _ = _stream_in_pieces(data_lib.BYTES, ids, rng)
         assert joined == data_lib.BYTES.decode(ids) == "hi\ufffd\ufffd\ufffdh東\ufffd"
+    # A byte that never starts a character is U+FFFD at once; a cut one waits.
+    assert generation.TextStream(data_lib.BYTES).add([104, 0xFF]) == "h\ufffd"
+    assert generation.TextStream(data_lib.BYTES).add([104, 0xE6, 0x9D]) == "h"
     # Long runs of such bytes (as an untrained model writes) stream too, in both
     # tokenizers (the subword one's byte-fallback pieces, among whole-text pieces).
     some = [0xC3, 0xE6, 0xF0, 0x80, 0x9D, 0xB1, 0xA9, 0xFF, 104]
@@ -324,3 +327,22 @@ def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
         text = generation.complete(config, params, "ab", on_text=pieces.append, **sampled)
         assert "".join(pieces) == text == generation.complete(config, params, "ab", **sampled)
         assert 1 < len(pieces) <= 40 // 8 + 1  # at most one per chunk, and the flush's
+
+
+@pytest.mark.parametrize("mode", ["bca", "full"])
+def test_each_chunk_writes_its_state_into_the_buffers_of_the_one_it_replaces(model_params, mode):
+    """Mode full's cache grows with the text: a chunk that kept the old state beside
+    the new one would hold it twice. XLA's account of the compiled chunk shows the
+    logits and the state aliased to their inputs (donated)."""
+    model, params = model_params
+    prompt = jnp.ones((2, 3), jnp.int32)
+    if mode == "bca":
+        logits, state = generation.prefill(model, params, prompt, block=W)
+    else:
+        logits, state = generation._dense_prefill(model, params, prompt, W, 64)
+    run = generation._compiled_generate(model, W, False, 0, False, mode)
+    sampling = jnp.float32(1.0), jnp.float32(1.0), jnp.zeros(CONFIG.vocab_size, jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 16)
+    compiled = run.lower(params, logits, state, keys, *sampling).compile()
+    carried = sum(x.nbytes for x in jax.tree.leaves((logits, state)))
+    assert compiled.memory_analysis().alias_size_in_bytes >= carried
