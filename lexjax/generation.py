@@ -444,7 +444,7 @@ class TextStream:
     :meth:`add` takes the next ids and returns the text they complete: all of it,
     except the last ids while they hold the first bytes of a character that later
     ids may finish (a UTF-8 sequence that byte-level ids or byte-fallback pieces
-    have only begun: at most 3 ids); nothing after EOS. :meth:`flush` returns what
+    have only begun: at most 3 ids that have bytes); nothing after EOS. :meth:`flush` returns what
     waits. Text is cut only where a character starts, so, joined, the pieces are
     ``tokenizer.decode`` of every id before the first EOS; each call decodes only
     its ids and the few waiting.
@@ -473,9 +473,12 @@ class TextStream:
     def _unfinished(self) -> int:
         """How many of the last waiting ids hold a character's first bytes, too few of
         them for it (0: the bytes end in a whole character, or in bytes that no later
-        byte can make one)."""
+        byte can make one). Ids without bytes (BOS, ids past the vocabulary) among
+        them wait too."""
         seen = 0  # bytes, from the end
-        for k, id_ in enumerate(self.waiting[::-1][:3], start=1):
+        for k, id_ in enumerate(self.waiting[::-1], start=1):
+            if seen == 4:  # a character has at most 4 bytes
+                return 0
             for byte in self.tokenizer.utf8([id_])[::-1]:
                 seen += 1
                 if byte < 0x80:  # ASCII: a whole character

@@ -259,7 +259,7 @@ def test_only_allowed_ids_are_sampled(model_params):
     assert sampleable[:256].all() and sampleable[data_lib.EOS] and sampleable.sum() == 257
 
 
-def _stream_in_pieces(tokenizer, ids, rng):
+def _stream_in_pieces(tokenizer, ids, rng, most=3):
     """Feeds ``ids`` to a TextStream in random pieces of 1-6 ids. Returns the text
     given after each piece, all of it joined with the flush's, and how many ids had
     been fed after each piece."""
@@ -268,7 +268,7 @@ def _stream_in_pieces(tokenizer, ids, rng):
     cuts = [*cuts[cuts < len(ids)], len(ids)]
     for start, stop in zip([0, *cuts], cuts):
         pieces.append(stream.add(ids[start:stop]))
-        assert len(stream.waiting) <= 3  # at most an unfinished character waits
+        assert len(stream.waiting) <= most  # at most an unfinished character waits
     return pieces, "".join(pieces) + stream.flush(), cuts
 
 
@@ -299,6 +299,12 @@ def test_a_text_stream_joins_to_the_decoded_text_however_the_ids_are_split():
     for _ in range(20):
         _, joined, _ = _stream_in_pieces(data_lib.BYTES, ids, rng)
         assert joined == data_lib.BYTES.decode(ids) == "hi\ufffd\ufffd\ufffdh東\ufffd"
+    # Ids without bytes (BOS, past the vocabulary) inside a character do not cut it.
+    for ids in ([0xF0, 0x9F, 0x99, 256, 0x82, 104], [0xE6, 300, 300, 300, 0x9D, 0xB1]):
+        ids = np.array(ids, np.int64)
+        for _ in range(10):
+            _, joined, _ = _stream_in_pieces(data_lib.BYTES, ids, rng, most=len(ids))
+            assert joined == data_lib.BYTES.decode(ids)
     # A byte that never starts a character is U+FFFD at once; a cut one waits.
     assert generation.TextStream(data_lib.BYTES).add([104, 0xFF]) == "h\ufffd"
     assert generation.TextStream(data_lib.BYTES).add([104, 0xE6, 0x9D]) == "h"
