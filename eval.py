@@ -61,6 +61,11 @@ import logging as py_logging
 import os
 import sys
 
+if __name__ == "__main__":
+    from lexjax import signals
+
+    signals.end_on_interrupt()  # while JAX loads; run() hands Ctrl-C back to Python
+
 from absl import app, flags, logging
 
 from lexjax import cli, distributed, evaluation, generation, passkey
@@ -213,4 +218,5 @@ def run(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, _HERE)
+    signals.restore_interrupt()
     sys.exit(run())

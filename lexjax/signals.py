@@ -1,6 +1,6 @@
 """SIGTERM / Ctrl-C that arrive while a program is still starting (importing JAX,
 parsing flags, joining its peers), before :func:`lexjax.training.train` installs
-its own handlers.
+its own handlers (and eval.py's Ctrl-C while it imports, :func:`end_on_interrupt`).
 
 ``train.py`` calls :func:`defer` first thing; a signal then is only recorded, and
 ``train()`` acts on it as on one received while it sets up: it stops before the
@@ -11,9 +11,11 @@ nothing heavy, so it is in place before JAX loads.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
-__all__ = ["defer", "take_deferred"]
+__all__ = ["defer", "take_deferred", "end_on_interrupt", "restore_interrupt"]
 
 _received: list[str] = []
 
@@ -37,3 +39,22 @@ def take_deferred() -> str | None:
     name = _received[0] if _received else None
     _received.clear()
     return name
+
+
+def end_on_interrupt() -> None:
+    """eval.py while it loads JAX, where nothing is written yet: a Ctrl-C prints
+    ``interrupted (Ctrl-C)`` and ends the process by SIGINT at once, as one later
+    does through :func:`lexjax.errors.report` (and not a KeyboardInterrupt inside
+    an import, which can crash it). :func:`restore_interrupt` ends this."""
+    signal.signal(signal.SIGINT, _end)
+
+
+def restore_interrupt() -> None:
+    """Python's own Ctrl-C (KeyboardInterrupt) again."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _end(signum, frame):
+    print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -182,6 +183,37 @@ def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tm
             proc.wait(timeout=120)
     err = (tmp_path / "stderr").read_text()
     assert proc.returncode == 141 and "Traceback" not in err and "Error" not in err, err[-2000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
+    """While eval.py imports JAX a KeyboardInterrupt could land inside an import (a
+    segfault, a traceback, or an interrupt lost in a gc callback, the run going on):
+    there a Ctrl-C ends it at once, as one does later. The signal is sent ``delay``
+    seconds after jaxlib's library appears in the process's memory map."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate"]
+    proc = subprocess.Popen(
+        [*command, "--max_new_tokens=100000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as maps:
+            if "jaxlib" in maps.read():
+                break
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGINT, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err, err
 
 
 def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
