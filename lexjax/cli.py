@@ -12,7 +12,7 @@ import sys
 import jax
 from absl import flags as absl_flags
 
-from lexjax import api, checkpoint, distributed, evaluation, generation, passkey
+from lexjax import api, checkpoint, distributed, evaluation, generation, passkey, signals
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
 from lexjax.errors import StdoutClosed, one_line, report
 
@@ -26,6 +26,7 @@ def main(program, *args, **kwargs) -> int:
     stderr and the exit status of its kind (see :mod:`lexjax.errors`).
     """
     checkpoint.quiet_background_errors()
+    signals.redeliver_swallowed_interrupts()
     return report(program, *args, **kwargs)
 
 

@@ -11,11 +11,19 @@ nothing heavy, so it is in place before JAX loads.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
+import threading
 
-__all__ = ["defer", "take_deferred", "end_on_interrupt", "restore_interrupt"]
+__all__ = [
+    "defer",
+    "take_deferred",
+    "end_on_interrupt",
+    "restore_interrupt",
+    "redeliver_swallowed_interrupts",
+]
 
 _received: list[str] = []
 
@@ -58,3 +66,31 @@ def _end(signum, frame):
     print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def redeliver_swallowed_interrupts(installed: list[bool] = []) -> None:  # noqa: B006 (once)
+    """Once per process: a Ctrl-C's KeyboardInterrupt that a callback swallowed
+    (Python only reports what a gc callback or ``__del__`` raises: JAX's gc callback
+    runs often) is raised again in the main thread a moment later, after the
+    callback, so a Ctrl-C always stops the program (seen lost in eval.py)."""
+    if installed:
+        return
+    previous = sys.unraisablehook
+
+    def unraisable(report):
+        if isinstance(report.exc_value, KeyboardInterrupt):
+            threading.Timer(0.01, _interrupt_main).start()
+        else:
+            previous(report)
+
+    sys.unraisablehook = unraisable
+    installed.append(True)
+
+
+def _interrupt_main() -> None:
+    """SIGINT to the main thread: a real signal also wakes it from a blocking call
+    (a sleep, a wait), which ``_thread.interrupt_main`` does not."""
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:
+        _thread.interrupt_main(signal.SIGINT)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -214,6 +215,40 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGINT, err[-2000:]
     assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err, err
+
+
+def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
+    """Python only reports what a gc callback or ``__del__`` raises, and JAX's gc
+    callback runs often: a Ctrl-C landing there was lost and eval.py went on (seen in
+    CI). The programs' boundary raises it again in the main thread."""
+    program = textwrap.dedent(
+        """
+        import sys, time
+        from lexjax import cli
+
+        class Swallowed:
+            def __del__(self):
+                raise KeyboardInterrupt  # as the Ctrl-C's, raised inside a callback
+
+        def program():
+            Swallowed()
+            time.sleep(60)
+
+        sys.exit(cli.main(program))
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
+    assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 50
 
 
 def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
