@@ -53,13 +53,17 @@ def end_on_interrupt() -> None:
     """eval.py while it loads JAX, where nothing is written yet: a Ctrl-C prints
     ``interrupted (Ctrl-C)`` and ends the process by SIGINT at once, as one later
     does through :func:`lexjax.errors.report` (and not a KeyboardInterrupt inside
-    an import, which can crash it). :func:`restore_interrupt` ends this."""
-    signal.signal(signal.SIGINT, _end)
+    an import, which can crash it). :func:`restore_interrupt` ends this. A SIGINT
+    that whoever started the program ignores (a shell's background job) stays so."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _end)
 
 
 def restore_interrupt() -> None:
-    """Python's own Ctrl-C (KeyboardInterrupt) again."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Python's own Ctrl-C (KeyboardInterrupt) again, where :func:`end_on_interrupt`
+    took it over."""
+    if signal.getsignal(signal.SIGINT) is _end:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _end(signum, frame):

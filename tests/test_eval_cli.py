@@ -32,6 +32,13 @@ TINY = [
 ]
 
 
+def _interruptible():
+    """``preexec_fn`` for a child a test sends SIGINT: Python's default Ctrl-C even
+    where the test runs as a background job, whose children inherit SIGINT ignored
+    (which eval.py, as Python, leaves so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(script, *args, **environ):
     env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
     env.pop("XLA_FLAGS", None)
@@ -145,6 +152,7 @@ def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tm
             stdout=subprocess.PIPE,
             stderr=stderr,
             bufsize=0,  # unbuffered: what read() does not return, communicate() does
+            preexec_fn=_interruptible,
         )
         got = b""
         try:
@@ -203,6 +211,7 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
@@ -219,8 +228,8 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
 
 def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     """Python only reports what a gc callback or ``__del__`` raises, and JAX's gc
-    callback runs often: a Ctrl-C landing there was lost and eval.py went on (seen in
-    CI). The programs' boundary raises it again in the main thread."""
+    callback runs often: a Ctrl-C landing there was lost and eval.py went on (seen while
+    it imported JAX). The programs' boundary raises it again in the main thread."""
     program = textwrap.dedent(
         """
         import sys, time
@@ -246,6 +255,7 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=_interruptible,
     )
     assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
     assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 50
