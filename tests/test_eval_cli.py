@@ -32,11 +32,13 @@ TINY = [
 ]
 
 
-def _interruptible():
-    """``preexec_fn`` for a child a test sends SIGINT: Python's default Ctrl-C even
-    where the test runs as a background job, whose children inherit SIGINT ignored
-    (which eval.py, as Python, leaves so)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _interruptible(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT's default action, for a child a test sends SIGINT: a
+    test run as a background job hands its children SIGINT ignored, and eval.py, as
+    Python, leaves it so. (A Python that resets it and execs ``argv``, same process:
+    a ``preexec_fn`` would run Python in a fork of multithreaded JAX.)"""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
 
 
 def _run(script, *args, **environ):
@@ -146,13 +148,12 @@ def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tm
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate", "--prompt=ab", many]
     with (tmp_path / "stderr").open("wb") as stderr:  # a file: progress never blocks it
         proc = subprocess.Popen(
-            [*command, "--temperature=0"],
+            _interruptible([*command, "--temperature=0"]),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=stderr,
             bufsize=0,  # unbuffered: what read() does not return, communicate() does
-            preexec_fn=_interruptible,
         )
         got = b""
         try:
@@ -205,13 +206,12 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
     env.pop("XLA_FLAGS", None)
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate"]
     proc = subprocess.Popen(
-        [*command, "--max_new_tokens=100000"],
+        _interruptible([*command, "--max_new_tokens=100000"]),
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_interruptible,
     )
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
@@ -249,13 +249,12 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", program],
+        _interruptible([sys.executable, "-c", program]),
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=_interruptible,
     )
     assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
     assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 50
