@@ -201,14 +201,25 @@ def result(value, unit: str, target: str, met: bool | None, **raw) -> dict:
     return {"value": value, "unit": unit, "target": target, "met": met, **raw}
 
 
-def cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The fields of /proc/cpuinfo's first processor ({} without /proc/cpuinfo)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
+    return fields
+
+
+def cpu_model(fields: dict[str, str] | None = None) -> str:
+    fields = _cpuinfo() if fields is None else fields
+    if "model name" in fields:
+        return fields["model name"]
     import platform
 
     return platform.processor() or platform.machine()
@@ -219,18 +230,11 @@ def cpu_model() -> str:
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
-def cpu_details() -> dict:
-    """Family, model, L2/L3 per /proc/cpuinfo's first processor, and which of
+def cpu_details(fields: dict[str, str] | None = None) -> dict:
+    """Family, model, cache size of /proc/cpuinfo's first processor, and which of
     :data:`_CPU_FLAGS` it has ({} without /proc/cpuinfo)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
+    fields = _cpuinfo() if fields is None else fields
+    if not fields:
         return {}
     flags = set(fields.get("flags", "").split())
     return {
@@ -244,9 +248,10 @@ def cpu_details() -> dict:
 def machine() -> dict:
     import jax
 
+    cpuinfo = _cpuinfo()
     return {
-        "cpu": cpu_model(),
-        "cpu_details": cpu_details(),
+        "cpu": cpu_model(cpuinfo),
+        "cpu_details": cpu_details(cpuinfo),
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
         "jax": jax.__version__,

@@ -444,10 +444,10 @@ class TextStream:
     :meth:`add` takes the next ids and returns the text they complete: all of it,
     except the last ids while they hold the first bytes of a character that later
     ids may finish (a UTF-8 sequence that byte-level ids or byte-fallback pieces
-    have only begun: at most 3 ids that have bytes); nothing after EOS. :meth:`flush` returns what
-    waits. Text is cut only where a character starts, so, joined, the pieces are
-    ``tokenizer.decode`` of every id before the first EOS; each call decodes only
-    its ids and the few waiting.
+    have only begun: at most 3 ids that have bytes); nothing after EOS.
+    :meth:`flush` returns what waits. Text is cut only where a character starts,
+    so, joined, the pieces are ``tokenizer.decode`` of every id before the first
+    EOS; each call decodes only its ids and the few waiting.
     """
 
     def __init__(self, tokenizer: data_lib.Tokenizer):

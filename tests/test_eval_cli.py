@@ -41,9 +41,15 @@ def _interruptible(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
 
 
-def _run(script, *args, **environ):
+def _env(**environ) -> dict:
+    """The environment of an eval.py child: one CPU device (no simulated ones)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _run(script, *args, **environ):
+    env = _env(**environ)
     return subprocess.run(
         [sys.executable, script, *args],
         cwd=ROOT,
@@ -142,8 +148,7 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
 def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tmp_path):
     """The text comes while the model writes it; Ctrl-C then stops eval.py with one
     line and status 130, the text so far kept (and ended by a newline)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = _env()
     many = f"--max_new_tokens={2**24}"  # chunks of 1,024 tokens: minutes of them
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate", "--prompt=ab", many]
     with (tmp_path / "stderr").open("wb") as stderr:  # a file: progress never blocks it
@@ -202,8 +207,7 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
     segfault, a traceback, or an interrupt lost in a gc callback, the run going on):
     there a Ctrl-C ends it at once, as one does later. The signal is sent ``delay``
     seconds after jaxlib's library appears in the process's memory map."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = _env()
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate"]
     proc = subprocess.Popen(
         _interruptible([*command, "--max_new_tokens=100000"]),
@@ -246,7 +250,7 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
         sys.exit(cli.main(program))
         """
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = _env()
     started = time.monotonic()
     done = subprocess.run(
         _interruptible([sys.executable, "-c", program]),
