@@ -53,7 +53,7 @@ PositionKind = Literal["xpos", "rope", "alibi", "xpos_norotate", "sinusoidal", "
 class Context:
     """What every layer's attention shares in one forward (a pytree; see :func:`context`).
 
-    ``q_rotary``/``k_rotary``: XPOS/RoPE ``(cos, sin)`` float32 ``[B, T|S, 1, Dh]``
+    ``q_rotary``/``k_rotary``: XPOS/RoPE ``(cos, sin)`` float32 ``[B, T|S, 1, Dh/2]``
     or None; ``bias``: ALiBi float32 ``[B|1, H, T, S]`` or None; ``mask``: bool
     broadcastable to ``[B, H, T, S]`` or None. ``q_segment_ids``/``kv_segment_ids``
     (int32 ``[B, T]``/``[B, S]``, or None) and ``block`` (static) describe the

@@ -144,8 +144,8 @@ def _materialize(table):
     """Returns ``table`` unchanged, computed once rather than inside its consumer.
 
     XLA's CPU fuser pulls the cos/sin tables (``[..., seq, 1, d/2]``) into the
-    rotation's loop, recomputing each transcendental for every head and both
-    halves of a pair: 8× the work, most of XPOS's cost on a CPU (``bench/``,
+    rotation's loop, recomputing each transcendental for every head and
+    element: 8× the work, most of XPOS's cost on a CPU (``bench/``,
     xpos_overhead). A dot is never fused into an elementwise loop, so a
     product with the identity (exact at HIGHEST precision) makes XLA compute
     the table by itself. Accelerators fuse well and keep the plain path.
@@ -252,10 +252,9 @@ def rotary_tables(
       scale: optional scalar multiplying every entry (YaRN's √(1/t)).
 
     Returns:
-      ``(cos, sin)``, float32 ``[..., seq, 1, d]`` (broadcast over heads), in
-      the interleaved layout: ``cos = (c_0, c_0, c_1, c_1, …)`` and ``sin =
-      (−s_0, s_0, −s_1, s_1, …)``. They depend only on the positions, so a
-      forward computes them once and every layer reuses them.
+      ``(cos, sin)``, float32 ``[..., seq, 1, d/2]`` (broadcast over heads):
+      ``c_i`` and ``s_i`` of pair i, times its scale. They depend only on the
+      positions, so a forward computes them once and every layer reuses them.
     """
     _check_head_dim(head_dim)
     positions = jnp.asarray(positions)
@@ -274,22 +273,23 @@ def rotary_tables(
         cos, sin = cos * scale_p, sin * scale_p
     if scale is not None:
         cos, sin = cos * scale, sin * scale
-    # Before the repeat: the interleaving is a cheap copy XLA may fuse anywhere.
-    cos, sin = _materialize(cos), _materialize(sin)
-    cos = jnp.repeat(cos, 2, axis=-1)
-    sin = jnp.stack([-sin, sin], axis=-1).reshape(cos.shape)
-    return cos, sin
+    return _materialize(cos), _materialize(sin)
 
 
 def apply_rotary(x, cos, sin):
-    """Rotates the interleaved pairs ``(x_2i, x_2i+1)`` of ``x`` by the tables of
-    :func:`rotary_tables`: ``x·cos + swap(x)·sin`` with ``swap(a, b) = (b, a)``,
-    i.e. ``(a·c − b·s, b·c + a·s)`` per pair. Computed in float32; returns
-    ``x``'s shape ``[..., seq, heads, d]`` and dtype.
+    """Rotates the interleaved pairs ``(a, b) = (x_2i, x_2i+1)`` of ``x`` by the
+    tables of :func:`rotary_tables`: ``(a·c_i − b·s_i, b·c_i + a·s_i)``.
+    Computed in float32; returns ``x``'s shape ``[..., seq, heads, d]`` and dtype.
+
+    The tables stay half width and each pair is split into its two halves,
+    rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``:
+    the swap was a shuffle of every query and key, forward and backward, that
+    XLA's CPU backend ran as separate copies (``bench/``, xpos_overhead).
     """
-    x32 = x.astype(jnp.float32)
-    swapped = jnp.flip(x32.reshape(*x.shape[:-1], -1, 2), axis=-1).reshape(x.shape)
-    return (x32 * cos + swapped * sin).astype(x.dtype)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
 
 
 def xpos_tables(
