@@ -253,6 +253,8 @@ def machine() -> dict:
         "cpu": cpu_model(cpuinfo),
         "cpu_details": cpu_details(cpuinfo),
         "cpu_count": os.cpu_count(),
+        # Fewer than cpu_count when pinned (taskset): the cores this run could use.
+        "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_1m": os.getloadavg()[0],
         "jax": jax.__version__,
         "backend": jax.default_backend(),
