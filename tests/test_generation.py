@@ -69,6 +69,26 @@ def test_sampling_filters():
     assert len(set(draw(temperature=1.0).ravel())) >= 3
 
 
+def test_a_prompt_samples_the_same_tokens_whatever_shares_its_batch(model_params):
+    """Sampling at temperature 1: a row's tokens depend on the seed, the row's index
+    and its prompt, not on how many rows follow it or what they hold. (JAX's
+    partitionable threefry draws each element's bits from its own index.)"""
+    model, params = model_params
+    prompts = jnp.asarray([[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8]], jnp.int32)
+    run = lambda p, seed=7: np.asarray(
+        generation.generate(
+            model, params, p, block=W, max_new_tokens=3 * W, rng=jax.random.key(seed)
+        )
+    )
+    alone, pair, three = run(prompts[:1]), run(prompts[:2]), run(prompts)
+    np.testing.assert_array_equal(alone[0], three[0])
+    np.testing.assert_array_equal(pair, three[:2])
+    other = run(prompts[::2])  # row 1 holds the third prompt
+    np.testing.assert_array_equal(other[0], three[0])
+    # Not greedy in disguise: another seed samples other tokens for the same prompt.
+    assert (run(prompts[:1], seed=8)[0] != alone[0]).any()
+
+
 @pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1e-38, 1e-39, 1e-44, 1e-46])
 def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
     """softmax(logits / T) tends to the argmax as T → 0: dividing by a T that float32
