@@ -144,8 +144,8 @@ def _materialize(table):
     """Returns ``table`` unchanged, computed once rather than inside its consumer.
 
     XLA's CPU fuser pulls the cos/sin tables (``[..., seq, 1, d/2]``) into the
-    rotation's loop, recomputing each transcendental for every head and
-    element: 8× the work, most of XPOS's cost on a CPU (``bench/``,
+    rotation's loop, recomputing each transcendental for every head and both
+    outputs of a pair: 8× the work, most of XPOS's cost on a CPU (``bench/``,
     xpos_overhead). A dot is never fused into an elementwise loop, so a
     product with the identity (exact at HIGHEST precision) makes XLA compute
     the table by itself. Accelerators fuse well and keep the plain path.
@@ -282,9 +282,9 @@ def apply_rotary(x, cos, sin):
     Computed in float32; returns ``x``'s shape ``[..., seq, heads, d]`` and dtype.
 
     The tables stay half width and each pair is split into its two halves,
-    rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``:
-    the swap was a shuffle of every query and key, forward and backward, that
-    XLA's CPU backend ran as separate copies (``bench/``, xpos_overhead).
+    rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``,
+    which needed a swapped copy of ``x``. On a CPU the two forms measured the
+    same XPOS overhead, within the noise (docs/benchmarks.md §16).
     """
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     a, b = pairs[..., 0], pairs[..., 1]
