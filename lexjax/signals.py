@@ -19,6 +19,7 @@ import threading
 
 __all__ = [
     "defer",
+    "ignored",
     "take_deferred",
     "end_on_interrupt",
     "restore_interrupt",
@@ -36,9 +37,19 @@ def _record(signum, frame):
 
 def defer() -> None:
     """Records SIGTERM and SIGINT from now on (main thread only) until ``train()``
-    takes them over (:func:`take_deferred`)."""
+    takes them over (:func:`take_deferred`). A SIGINT that whoever started the
+    program ignores (a shell's background job, ``nohup … &``) stays ignored, here
+    and in ``train()``: a Ctrl-C meant for the terminal's foreground program does
+    not stop the run."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _record)
+        if not ignored(sig):
+            signal.signal(sig, _record)
+
+
+def ignored(sig: signal.Signals) -> bool:
+    """Whether ``sig`` is SIGINT and ignored (inherited so; Python itself then keeps
+    it ignored instead of raising KeyboardInterrupt). Other signals: False."""
+    return sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN
 
 
 def take_deferred() -> str | None:
@@ -55,7 +66,7 @@ def end_on_interrupt() -> None:
     does through :func:`lexjax.errors.report` (and not a KeyboardInterrupt inside
     an import, which can crash it). :func:`restore_interrupt` ends this. A SIGINT
     that whoever started the program ignores (a shell's background job) stays so."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    if not ignored(signal.SIGINT):
         signal.signal(signal.SIGINT, _end)
 
 

@@ -66,6 +66,8 @@ class _StopFlag:
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
+            if signals.ignored(sig):  # a background job's Ctrl-C: not for this run
+                continue
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
         self.signal_name = signals.take_deferred()  # one while the program started

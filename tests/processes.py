@@ -84,9 +84,20 @@ def context(tmp_path_factory, name: str, devices: int):
     return base, files, str(base / "tfds"), environ
 
 
-def start(args, environ, program="train.py", **kwargs) -> subprocess.Popen:
+def interruptible(argv: list[str], action: str = "SIG_DFL") -> list[str]:
+    """``argv`` run with SIGINT's ``action`` (default: the default action, as a
+    terminal's foreground program has it). A test run as a background job hands its
+    children SIGINT ignored, which train.py and eval.py, as Python, keep. (A Python
+    that sets it and execs ``argv``, same process: a ``preexec_fn`` would run Python
+    in a fork of multithreaded JAX.)"""
+    reset = f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{action}); "
+    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
+def start(args, environ, program="train.py", sigint="SIG_DFL", **kwargs) -> subprocess.Popen:
+    """Starts ``program`` with SIGINT's action ``sigint`` (:func:`interruptible`)."""
     return subprocess.Popen(
-        [sys.executable, str(ROOT / program), *args],
+        interruptible([sys.executable, str(ROOT / program), *args], sigint),
         cwd=ROOT,
         env=environ,
         stdout=subprocess.PIPE,

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lexjax import checkpoint
-from tests.processes import make_read_only, tmpfs
+from tests.processes import interruptible, kill, make_read_only, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -30,15 +30,6 @@ TINY = [
     "--config.num_train_steps=2",
     "--config.eval_batches=1",
 ]
-
-
-def _interruptible(argv: list[str]) -> list[str]:
-    """``argv`` run with SIGINT's default action, for a child a test sends SIGINT: a
-    test run as a background job hands its children SIGINT ignored, and eval.py, as
-    Python, leaves it so. (A Python that resets it and execs ``argv``, same process:
-    a ``preexec_fn`` would run Python in a fork of multithreaded JAX.)"""
-    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
 
 
 def _env(**environ) -> dict:
@@ -153,7 +144,7 @@ def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tm
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate", "--prompt=ab", many]
     with (tmp_path / "stderr").open("wb") as stderr:  # a file: progress never blocks it
         proc = subprocess.Popen(
-            _interruptible([*command, "--temperature=0"]),
+            interruptible([*command, "--temperature=0"]),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -210,7 +201,7 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
     env = _env()
     command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate"]
     proc = subprocess.Popen(
-        _interruptible([*command, "--max_new_tokens=100000"]),
+        interruptible([*command, "--max_new_tokens=100000"]),
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -228,6 +219,39 @@ def test_a_ctrl_c_while_eval_py_loads_jax_ends_it_in_one_line(workdir, delay):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGINT, err[-2000:]
     assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_eval_py_started_with_ctrl_c_ignored_keeps_it_ignored(workdir):
+    """A background job's eval.py (SIGINT ignored, ``nohup … &``) is not stopped by a
+    Ctrl-C meant for the terminal's foreground program: not while it loads JAX, not
+    while it generates."""
+    many = f"--max_new_tokens={2**24}"  # greedy from "ab": minutes of text, as above
+    command = [sys.executable, "eval.py", f"--workdir={workdir}", "--generate", "--prompt=ab"]
+    proc = subprocess.Popen(
+        interruptible([*command, many, "--temperature=0"], "SIG_IGN"),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as maps:
+                if "jaxlib" in maps.read():  # exec'd into eval.py, SIGINT still ignored
+                    break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.read(1), "eval.py ended before it generated"
+        for _ in range(2):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        assert proc.stdout.read(20) and proc.poll() is None  # still generating
+    finally:
+        code, _, err = kill(proc, signal.SIGTERM)
+    assert code == -signal.SIGTERM and "interrupted" not in err, err[-2000:]
 
 
 def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
@@ -253,7 +277,7 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     env = _env()
     started = time.monotonic()
     done = subprocess.run(
-        _interruptible([sys.executable, "-c", program]),
+        interruptible([sys.executable, "-c", program]),
         cwd=ROOT,
         env=env,
         capture_output=True,

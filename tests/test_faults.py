@@ -204,6 +204,56 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes(ctx, refe
     assert_same_params(params, ref_params)
 
 
+def test_a_background_runs_ignored_ctrl_c_leaves_it_training(ctx):
+    """Started with SIGINT ignored (a shell's background job, ``nohup … &``), the run
+    keeps it so, as Python does: Ctrl-Cs meant for the terminal's foreground program,
+    also one while JAX loads, leave it training. SIGTERM still stops and saves it."""
+    workdir = ctx[0] / "background"
+    long_run = args(ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000)
+    proc = P.start(long_run, ctx[3], sigint="SIG_IGN")
+
+    def exec_d() -> bool:  # from the wrapper that set SIGINT ignored: `python …/train.py …`
+        argv = pathlib.Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        return len(argv) > 1 and argv[1].endswith(b"train.py")  # empty until the fork execs
+
+    P.wait_until(exec_d, proc, 60, 0.001)
+    proc.send_signal(signal.SIGINT)  # while it imports (SIG_IGN holds across exec)
+    P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
+    for _ in range(2):  # a second Ctrl-C would otherwise stop it at once
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    stepped = P.last_step(workdir)
+    P.wait_until(lambda: P.last_step(workdir) >= stepped + 3, proc)  # still training
+    code, out, err = P.kill(proc, signal.SIGTERM)
+    assert code == 0, err[-3000:]
+    assert "SIGINT" not in out + err, (out + err)[-3000:]
+    found = re.search(r"stopped by SIGTERM at step (\d+)", out)
+    assert found, out[-2000:]
+    assert P.complete_steps(workdir) == [int(found.group(1))]
+
+
+def test_ctrl_c_is_handled_while_train_runs_and_left_alone_where_ignored():
+    """In-process: train()'s handlers take SIGINT over from Python's and give it back;
+    an ignored SIGINT (a background job's) is neither taken over nor recorded."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with training._StopFlag() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert stop.signal_name is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with training._StopFlag() as stop:
+            assert signal.getsignal(signal.SIGINT) == stop._handle
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert stop.signal_name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
     """SIGTERM / Ctrl-C while the run sets up (taking the lease, reading the corpus,
     initialising or restoring) ends it at once: exit 0, one line, no traceback, no
@@ -306,14 +356,20 @@ def test_ctrl_c_in_a_notebook_before_the_first_step(ctx, tmp_path):
         if line.startswith("model: "):
             os.kill(os.getpid(), signal.SIGINT)
 
+    # A kernel's SIGINT handler (a test run as a background job has SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     workdir = tmp_path / "run"
-    summary = training.train(
-        small_config(**overrides), str(workdir), log=interrupt_at_model_line, progress=False
-    )
+    try:
+        summary = training.train(
+            small_config(**overrides), str(workdir), log=interrupt_at_model_line, progress=False
+        )
+        handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert summary["stopped_by"] == "SIGINT"
     assert lines[-1] == "stopped by SIGINT before the first step; there was nothing new to save"
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert handlers == before
     assert not workdir.exists()  # created by the call, nothing written: removed
 
 
