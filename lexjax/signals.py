@@ -7,6 +7,10 @@ its own handlers (and eval.py's Ctrl-C while it imports, :func:`end_on_interrupt
 first step and exits 0 with nothing to save, instead of the default handler's
 status 143 (SIGTERM) or a KeyboardInterrupt traceback. This module imports
 nothing heavy, so it is in place before JAX loads.
+
+A signal handler's exception that lands in a callback (a gc callback, a
+``__del__``) is only reported by Python; :func:`on_swallowed` is the one
+``sys.unraisablehook`` that has such a signal delivered again instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 __all__ = [
     "defer",
@@ -23,7 +28,9 @@ __all__ = [
     "take_deferred",
     "end_on_interrupt",
     "restore_interrupt",
+    "on_swallowed",
     "redeliver_swallowed_interrupts",
+    "interrupt_main_later",
 ]
 
 _received: list[str] = []
@@ -83,29 +90,46 @@ def _end(signum, frame):
     os.kill(os.getpid(), signum)
 
 
-def redeliver_swallowed_interrupts(installed: list[bool] = []) -> None:  # noqa: B006 (once)
-    """Once per process: a Ctrl-C's KeyboardInterrupt that a callback swallowed
-    (Python only reports what a gc callback or ``__del__`` raises: JAX's gc callback
-    runs often) is raised again in the main thread a moment later, after the
-    callback, so a Ctrl-C always stops the program (seen lost in eval.py)."""
-    if installed:
-        return
-    previous = sys.unraisablehook
-
-    def unraisable(report):
-        if isinstance(report.exc_value, KeyboardInterrupt):
-            threading.Timer(0.01, _interrupt_main).start()
-        else:
-            previous(report)
-
-    sys.unraisablehook = unraisable
-    installed.append(True)
+_again: dict[type[BaseException], Callable[[], bool]] = {}
 
 
-def _interrupt_main() -> None:
-    """SIGINT to the main thread: a real signal also wakes it from a blocking call
+def on_swallowed(kind: type[BaseException], again: Callable[[], bool]) -> None:
+    """``again()`` runs when a callback swallowed a ``kind`` exception (Python only
+    reports what a gc callback or ``__del__`` raises, and JAX's gc callback runs
+    often, so a signal handler's exception can land there); it returns whether it
+    had the signal delivered anew. Every other report goes to the hook found. One
+    ``sys.unraisablehook`` per process, installed by the first call."""
+    if not _again:
+        previous = sys.unraisablehook
+
+        def unraisable(report):
+            act = next((f for k, f in _again.items() if isinstance(report.exc_value, k)), None)
+            if act is None or not act():
+                previous(report)
+
+        sys.unraisablehook = unraisable
+    _again[kind] = again
+
+
+def redeliver_swallowed_interrupts() -> None:
+    """A Ctrl-C's KeyboardInterrupt that a callback swallowed is raised again in the
+    main thread a moment later, after the callback, so a Ctrl-C always stops the
+    program (seen lost in eval.py)."""
+    on_swallowed(KeyboardInterrupt, lambda: interrupt_main_later(signal.SIGINT))
+
+
+def interrupt_main_later(signum: int) -> bool:
+    """``signum`` to the main thread 10 ms from now, from another thread: once the
+    callback that swallowed the last one (and the hook reporting it, where a
+    handler's exception would be swallowed too) is done. True."""
+    threading.Timer(0.01, _interrupt_main, (signum,)).start()
+    return True
+
+
+def _interrupt_main(signum: int) -> None:
+    """``signum`` to the main thread: a real signal also wakes it from a blocking call
     (a sleep, a wait), which ``_thread.interrupt_main`` does not."""
     if hasattr(signal, "pthread_kill"):
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        signal.pthread_kill(threading.main_thread().ident, signum)
     else:
-        _thread.interrupt_main(signal.SIGINT)
+        _thread.interrupt_main(signum)

@@ -10,13 +10,11 @@ state. The step itself is :mod:`lexjax.steps`; what is measured and written is
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,7 +52,7 @@ class _StopFlag:
 
     A handler runs wherever the main thread is, also inside a callback whose
     exceptions Python only reports ("Exception ignored in ...": a gc callback of
-    JAX's, a ``__del__``). There :func:`_unraisable` swallows the report and has
+    JAX's, a ``__del__``). There :func:`_deliver_again` swallows the report and has
     the signal delivered again, so that it raises where it ends the call.
     """
 
@@ -71,7 +69,7 @@ class _StopFlag:
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
         self.signal_name = signals.take_deferred()  # one while the program started
-        _install_unraisable_hook()
+        signals.on_swallowed(_Stopped, _deliver_again)
         _active.append(self)
         return self
 
@@ -84,14 +82,13 @@ class _StopFlag:
         if self._raising:
             raise _Stopped(self.signal_name)
 
-    def deliver_again(self) -> None:
-        """The :class:`_Stopped` raised was swallowed by a callback: raise it anew,
-        from another thread a moment later, once the callback (and the hook that
-        reports it, where a handler's exception would be swallowed too) is done."""
-        if self._raising and self.signal_name is not None:
-            self._again = True
-            signum = signal.Signals[self.signal_name]
-            threading.Timer(0.01, _thread.interrupt_main, (signum,)).start()
+    def deliver_again(self) -> bool:
+        """The :class:`_Stopped` raised was swallowed by a callback: raise it anew
+        (:func:`lexjax.signals.interrupt_main_later`); whether it will be."""
+        if not (self._raising and self.signal_name is not None):
+            return False
+        self._again = True
+        return signals.interrupt_main_later(signal.Signals[self.signal_name])
 
     @contextlib.contextmanager
     def raising(self):
@@ -116,22 +113,9 @@ class _StopFlag:
 _active: list[_StopFlag] = []  # the train() calls running, innermost last
 
 
-def _install_unraisable_hook(installed: list[bool] = []) -> None:  # noqa: B006 (once)
-    """Once per process: a :class:`_Stopped` swallowed by a callback is delivered
-    again (:meth:`_StopFlag.deliver_again`); every other report goes to the hook
-    found."""
-    if installed:
-        return
-    previous = sys.unraisablehook
-
-    def unraisable(report):
-        if isinstance(report.exc_value, _Stopped) and _active:
-            _active[-1].deliver_again()
-        else:
-            previous(report)
-
-    sys.unraisablehook = unraisable
-    installed.append(True)
+def _deliver_again() -> bool:
+    """A :class:`_Stopped` swallowed by a callback: the innermost call raises it anew."""
+    return bool(_active) and _active[-1].deliver_again()
 
 
 def _source(config: Config, split: str) -> data_lib.TextSource:
