@@ -29,12 +29,13 @@ def _temp_bytes(setup, batch) -> int:
 
 def run(args) -> dict:
     rounds, steps = (2, 1) if args.quick else (9, 2)
-    config = common.tiny_config(scan_layers=True)
+    model = common.QUICK_MODEL if args.quick else {}
+    config = common.tiny_config(scan_layers=True, **model)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     timers, memory = {}, {}
     for policy in POLICIES:
         setup, timers[policy] = common.train_timer(
-            common.tiny_config(scan_layers=True, remat_policy=policy), batches, steps
+            common.tiny_config(scan_layers=True, remat_policy=policy, **model), batches, steps
         )
         with jax.set_mesh(setup.mesh):
             memory[policy] = _temp_bytes(setup, batches[0])
@@ -57,6 +58,7 @@ def run(args) -> dict:
         slowdown_vs_none=slowdown,
         rounds=rounds,
         steps_per_round=steps,
+        model_overrides=model,
     )
 
 

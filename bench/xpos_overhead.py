@@ -17,11 +17,11 @@ from bench import common
 KINDS = ("xpos", "none", "rope", "alibi")
 
 
-def _eval_timer(kind: str, tokens_BxL, params_seed: int = 0):
+def _eval_timer(kind: str, tokens_BxL, model_overrides: dict, params_seed: int = 0):
     from lexjax import evaluation
     from lexjax.model import Decoder
 
-    config = common.tiny_config(position=kind)
+    config = common.tiny_config(position=kind, **model_overrides)
     model = Decoder(config.model)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(params_seed), tokens_BxL[:, :8]))
     params = params["params"]
@@ -38,17 +38,21 @@ def run(args) -> dict:
     # Round-to-round noise on a shared 2-core VM is ±10% or more, against a 3% target:
     # many short rounds, judged by the median and its interquartile range.
     rounds, steps = (2, 1) if args.quick else (21, 2)
-    config = common.tiny_config()
+    model = common.QUICK_MODEL if args.quick else {}
+    config = common.tiny_config(**model)
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     eval_len = (2 if args.quick else 8) * config.train_len
     eval_batch = 4
     tokens = common.text_tokens(eval_batch * (eval_len + 1), seed=2).reshape(eval_batch, -1)
     train = common.alternate(
-        {k: common.train_timer(common.tiny_config(position=k), batches, steps)[1] for k in KINDS},
+        {
+            k: common.train_timer(common.tiny_config(position=k, **model), batches, steps)[1]
+            for k in KINDS
+        },
         rounds,
         warm=True,
     )
-    evals = common.alternate({k: _eval_timer(k, tokens) for k in KINDS}, rounds, warm=True)
+    evals = common.alternate({k: _eval_timer(k, tokens, model) for k in KINDS}, rounds, warm=True)
     out = {}
     for name, seconds, count in (
         ("train_step", train, steps * config.batch_size * config.train_len),
@@ -76,6 +80,7 @@ def run(args) -> dict:
         steps_per_round=steps,
         eval_tokens=eval_len,
         eval_batch=eval_batch,
+        model_overrides=model,
         **out,
     )
 
