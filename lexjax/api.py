@@ -234,7 +234,8 @@ class Run:
         More than ``generation.CHUNK`` (1024) tokens show progress on stderr
         (``progress=False``: not). ``on_text`` (e.g. ``functools.partial(print,
         end="")``) is given the text as it comes, in pieces that join to the result
-        (on every process of a multi-process run).
+        (on every process of a multi-process run); where it returns true, on any
+        process, the writing ends there (every process stops after that chunk).
         """
         with jax.set_mesh(self.mesh):
             return generation.complete(

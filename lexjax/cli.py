@@ -180,13 +180,17 @@ def run_eval(
         if generate:  # the text as it comes; on a terminal it shows the progress itself
             # The prompt waits for the first text: by then the processes have connected,
             # and the C++ lines that gloo prints then on stdout come before it.
-            waiting = [prompt]
+            waiting, closed = [prompt], []
 
-            def show(text):
+            def show(text) -> bool:
+                """Whether stdout's reader went away (`eval.py --generate | head`): then
+                every process stops after this chunk, and this one exits quietly."""
                 try:
-                    print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
-                except BrokenPipeError:  # e.g. `eval.py --generate | head`
-                    raise StdoutClosed from None
+                    if not closed:
+                        print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
+                except BrokenPipeError:
+                    closed.append(True)
+                return bool(closed)
 
             try:
                 sampling.update(on_text=show, progress=not sys.stdout.isatty())
@@ -195,6 +199,8 @@ def run_eval(
             finally:
                 if not waiting:
                     show("\n")  # the text's end, also after a Ctrl-C
+            if closed:
+                raise StdoutClosed
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lexjax import data as data_lib
+from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
 from lexjax.config import Config, check_int, check_seed
@@ -313,7 +314,9 @@ def generate(
     sampling ends after the first chunk by which every row has sampled it, so the
     result may be shorter (the tokens it has are the same). ``on_chunk``, if
     given, is called with each chunk's tokens as they come, a numpy ``[B, ≤ CHUNK]``
-    (on every process, which must all call this alike).
+    (on every process, which must all call this alike); where it returns true, on
+    any process, sampling ends after that chunk on every process (they agree on it
+    in one collective per chunk), e.g. once the reader of the text went away.
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     max_new_tokens = int(max_new_tokens)  # numpy's too
@@ -351,8 +354,8 @@ def generate(
                 continue
             # host_array: every process sees every row, and takes the same decision.
             host_BxC = shard_lib.host_array(tokens_BxC)[:, : max_new_tokens - start]
-            if on_chunk is not None:
-                on_chunk(host_BxC)
+            if on_chunk is not None and distributed.any_process(bool(on_chunk(host_BxC))):
+                break
             if stop_token is not None:
                 stopped_B = stopped_B | (host_BxC == stop_token).any(axis=1)
                 if stopped_B.all():
@@ -403,15 +406,16 @@ def complete(
 
     ``on_text``, if given, is called with the text as it is written, in pieces
     (one per chunk of :func:`generate`, a character split between chunks held
-    back until it is whole): joined, they are the returned text. ``progress``:
-    the progress display on stderr of more than one chunk.
+    back until it is whole): joined, they are the returned text. Where it returns
+    true (on any process), the writing ends there and the text so far is returned.
+    ``progress``: the progress display on stderr of more than one chunk.
     """
     check_sampling(prompt=prompt)
     stream = TextStream(tokenizer)
 
-    def show(tokens_BxC):
-        if piece := stream.add(tokens_BxC[0]):
-            on_text(piece)
+    def show(tokens_BxC) -> bool:
+        piece = stream.add(tokens_BxC[0])
+        return bool(piece and on_text(piece))
 
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(

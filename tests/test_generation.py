@@ -354,6 +354,17 @@ def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
         assert "".join(pieces) == text == generation.complete(config, params, "ab", **sampled)
         assert 1 < len(pieces) <= 40 // 8 + 1  # at most one per chunk, and the flush's
 
+    # A true return (a reader that went away) ends the writing after that chunk.
+    calls = []
+
+    def went_away(piece: str) -> bool:
+        calls.append(piece)
+        return True
+
+    cut = generation.complete(config, params, "ab", on_text=went_away, **sampled)
+    assert cut == "".join(calls) and text.startswith(cut), (cut, text)
+    assert len(cut.encode()) <= 2 * 8 < len(text.encode()), (cut, text)  # a piece, a flush
+
 
 @pytest.mark.parametrize("mode", ["bca", "full"])
 def test_each_chunk_writes_its_state_into_the_buffers_of_the_one_it_replaces(model_params, mode):

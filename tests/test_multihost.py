@@ -112,8 +112,16 @@ def test_only_process_0_prints_and_logs(two_process_run):
 
 def _eval_pair(ctx, workdir, *args):
     """eval.py as two processes joined on 127.0.0.1 (4 devices each): their outputs."""
+    procs = _start_eval_pair(ctx, workdir, *args)
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return outputs
+
+
+def _start_eval_pair(ctx, workdir, *args, **kwargs) -> list:
     port = P.free_port()
-    procs = [
+    return [
         P.start(
             [
                 f"--workdir={workdir}",
@@ -125,13 +133,10 @@ def _eval_pair(ctx, workdir, *args):
             ],
             ctx[3],
             program="eval.py",
+            **kwargs,
         )
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=240) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    return outputs
 
 
 def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
@@ -188,6 +193,25 @@ def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
     assert lines(text) == lines(done.stdout), (text, done.stdout)
     assert lines(text)[0].startswith("alpha beta"), text
     assert [line for line in silent.splitlines() if not _gloo(line)] == []
+
+
+def test_when_process_0s_reader_goes_away_both_generating_processes_stop(ctx, two_process_run):
+    """`eval.py --generate … | head` over two processes: process 0 finds its stdout
+    closed and says so at the next chunk, when both stop; process 0 exits 141
+    quietly, the other 0, within seconds (not at the heartbeat timeout, 100 s)."""
+    workdir = ctx[0] / "eval-head"
+    shutil.copytree(two_process_run[0], workdir)
+    many = ["--generate", "--prompt=ab", "--temperature=0", f"--max_new_tokens={2**24}"]
+    procs = _start_eval_pair(ctx, workdir, *many)
+    try:
+        assert procs[0].stdout.read(3), "process 0 ended before it generated"
+    finally:
+        procs[0].stdout.close()  # as `head` does
+    started = time.monotonic()
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert time.monotonic() - started < 60, errs[1][-2000:]
+    assert procs[0].returncode == 141 and "Traceback" not in errs[0], errs[0][-2000:]
+    assert procs[1].returncode == 0, errs[1][-2000:]
 
 
 def _reference(config, steps):
