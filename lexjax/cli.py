@@ -84,9 +84,7 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
         return BCA_MODES[bca]
     if bca != "both":
         raise ConfigError(f"--modes and --bca={bca} both choose modes; give --modes alone")
-    if not values or set(values) - set(evaluation.MODES):
-        raise ConfigError(f"--modes={','.join(values)}: use some of {', '.join(evaluation.MODES)}")
-    return tuple(dict.fromkeys(values))
+    return evaluation.check_modes(values, flag="--")
 
 
 def parse_lengths(values) -> list[int] | None:
@@ -164,6 +162,8 @@ def run_eval(
         text = passkey_filler == "text"
         verb = "--passkey" + ("" if text else " with --passkey_filler=repeat")
         uses = {"lengths", "seed", *_KEYED, *(("eval_files", "max_docs") if text else ())}
+    if not (generate or passkey_run):
+        evaluation.check_modes(modes, sinks=sinks, flag="--")
     if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")

@@ -97,6 +97,7 @@ __all__ = [
     "sinks_logprobs",
     "check_sinks",
     "RESOLUTION_MODES",
+    "check_modes",
     "full_logprobs",
     "check_full_length",
     "segments",
@@ -112,6 +113,7 @@ __all__ = [
     "cell_problem",
     "usable_cells",
     "resolution_protocol",
+    "resolution_documents",
     "evaluate_run",
     "load_on_mesh",
 ]
@@ -765,6 +767,22 @@ def default_lengths(train_len: int) -> list[int]:
     return [m * train_len for m in (1, 2, 4, 8, 16)]
 
 
+def check_modes(modes, *, sinks: int = DEFAULT_SINKS, flag: str = "") -> tuple[str, ...]:
+    """``modes`` in their order without repeats, some of :data:`MODES` (else a
+    :class:`ConfigError`: none, or one unknown); a sink count other than the
+    default (``sinks``) only with mode ``"sinks"``, the one that uses it.
+    ``flag``: ``"--"`` names eval.py's flags in the message."""
+    modes = tuple(dict.fromkeys([modes] if isinstance(modes, str) else modes))
+    if not modes or set(modes) - set(MODES):
+        raise ConfigError(f"{flag}modes={','.join(modes)}: use some of {', '.join(MODES)}")
+    if sinks != DEFAULT_SINKS and "sinks" not in modes:
+        raise ConfigError(
+            f"{flag}sinks={sinks} is the sink count of mode sinks, which {flag}modes="
+            f"{','.join(modes)} leaves out; add sinks to {flag}modes or leave {flag}sinks out"
+        )
+    return modes
+
+
 def check_settings(
     lengths: Sequence[int] | None = None,
     max_length: int | None = None,
@@ -817,6 +835,18 @@ def settings_name(kind: str, settings: dict) -> str:
     return f"{kind}-step{settings['step']}-{modes}-budget{settings['max_length']}{rope}-{digest}"
 
 
+def resolution_documents(documents, train_len: int, *, max_docs: int, where: str) -> list:
+    """The documents attention resolution measures: the first ``max_docs`` of at
+    least 2× ``train_len`` tokens; :class:`DataError` where there is none."""
+    chosen = [d for d in documents if len(d) >= 2 * train_len][:max_docs]
+    if not chosen:
+        raise DataError(
+            f"resolution needs documents of {2 * train_len} tokens; {where} has none "
+            f"(longest {max((len(d) for d in documents), default=0)})"
+        )
+    return chosen
+
+
 def resolution_protocol(
     model: Decoder,
     params,
@@ -834,12 +864,7 @@ def resolution_protocol(
     ``modes`` (some of :data:`RESOLUTION_MODES`). A length a mode cannot evaluate
     is skipped with a note (raises when it is the only mode)."""
     longest = 2 * train_len
-    chosen = [d for d in documents if len(d) >= longest][:max_docs]
-    if not chosen:
-        raise DataError(
-            f"resolution needs documents of {longest} tokens; {where} has none "
-            f"(longest {max((len(d) for d in documents), default=0)})"
-        )
+    chosen = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
     results = []
     for mode in modes:
         for length in (train_len, longest):
@@ -893,6 +918,7 @@ def evaluate_run(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
     check_rope_scaling(rope_scaling, rope_factor, config.model.position)
+    modes = check_modes(modes, sinks=sinks)
     if rope_scaling != "none":
         scaled = dataclasses.replace(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
@@ -916,6 +942,8 @@ def evaluate_run(
         config, eval_files, say, tokenizer=tokenizer, corpus=corpus
     )
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
+    if resolution:  # refused before the perplexity run, not after it
+        measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
     missing = [
         {"mode": m, "length": n, "reason": problem}
         for m in modes
@@ -990,7 +1018,7 @@ def evaluate_run(
         measured = resolution_protocol(
             model,
             params,
-            documents,
+            measured_docs,
             train_len=train_len,
             block=config.block,
             modes=resolution_modes,
@@ -1000,7 +1028,9 @@ def evaluate_run(
         )
         print("\nattention resolution (paper eq. 3 with eq. 11)\n")
         print(reports.resolution_table(measured, label))
+        # What it measured: its own documents and modes (a name per measurement).
         settings = dict(settings, max_length=2 * train_len, kind="resolution")
+        settings.update(documents=len(measured_docs), modes=resolution_modes)
         for stem in ("resolution", settings_name("resolution", settings)):
             written.append(os.path.join(out_dir, f"{stem}.json"))
             reports.write_json(written[-1], reports.resolution_json(measured, **info))

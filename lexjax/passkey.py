@@ -523,6 +523,7 @@ def evaluate_passkey(
         trials=trials, filler=filler, seed=seed, depths=DEPTHS if depths is None else depths
     )
     train_len, position = config.train_len, config.model.position
+    modes = evaluation.check_modes(modes)
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)

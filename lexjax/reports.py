@@ -171,9 +171,13 @@ def _figure(*grid, **kwargs):
 
 
 def _save(fig, path: str, dpi: int = 120) -> None:
+    """``fig`` at ``path``, replaced atomically as :func:`write_json` does: a write
+    cut off (a full disk, a Ctrl-C) leaves the figure before it whole."""
     if _writes():
         with _writing(path):
-            fig.savefig(path, dpi=dpi)
+            tmp = path + ".tmp"
+            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
+            os.replace(tmp, path)
 
 
 def plot_perplexity(

@@ -147,6 +147,10 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         (run.evaluate, ([64.5],), {}, "lengths=64.5 must be a positive integer"),
         (run.evaluate, ([16],), {"max_length": 0}, "max_length=0"),
         (run.evaluate, ([16],), {"sinks": -1}, "sinks=-1"),
+        (run.evaluate, ([16],), {"sinks": 2}, "sinks=2 is the sink count of mode sinks"),
+        (run.evaluate, ([16],), {"modes": []}, "modes=: use some of bca, full, sinks"),
+        (run.evaluate, ([16],), {"modes": ["bca", "dense"]}, "modes=bca,dense: use some of"),
+        (run.passkey, ([80],), {"modes": ()}, "modes=: use some of bca, full, sinks"),
         (run.passkey, ([80.5],), {}, "lengths=80.5"),
         (run.generate, (123,), {}, "prompt must be text"),
         (run.generate, ("x",), {"max_new_tokens": 2.7}, "max_new_tokens=2.7"),
@@ -159,10 +163,11 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
             verb(*args, **kwargs)
     assert not os.path.exists(os.path.join(workdir, "eval"))
     numpy = dict(max_length=np.int64(64), max_docs=np.int32(2))  # numpy integers are integers
-    results = run.evaluate(np.array([16, 32]), eval_files=str(docs / "*.txt"), **numpy)
-    assert {(r.mode, r.length) for r in results} == {
+    twice = ("bca", "full", "bca")  # a mode given twice is evaluated once
+    results = run.evaluate(np.array([16, 32]), eval_files=str(docs / "*.txt"), modes=twice, **numpy)
+    assert sorted((r.mode, r.length) for r in results) == [
         (m, n) for m in ("bca", "full") for n in (16, 32)
-    }
+    ]
     encoded = [
         np.concatenate([[run.tokenizer.bos], run.tokenizer.encode(p.read_text())])
         for p in sorted(docs.glob("*.txt"))

@@ -316,6 +316,32 @@ def _one_line_error(done, code, *fragments):
         assert fragment in lines[0]
 
 
+def test_resolution_files_are_named_by_what_they_measured(workdir, tmp_path):
+    """Two resolution runs over different documents (--max_docs 1, then 2, with one
+    document long enough for perplexity's budget) keep both settings-named files:
+    the name counts resolution's own documents, not perplexity's."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "long.txt").write_text("lexjax " * 90)  # 631 tokens: perplexity (513) too
+    (texts / "mid.txt").write_text("lexjax " * 15)  # 106 tokens: resolution's 64 only
+    names = []
+    for docs in (1, 2):
+        done = _run(
+            "eval.py",
+            f"--workdir={workdir}",
+            f"--eval_files={texts}/*.txt",
+            "--lengths=32",
+            "--bca=on",
+            "--resolution",
+            f"--max_docs={docs}",
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        names.append(re.search(r"resolution-step[^ ,]+\.json", done.stdout).group(0))
+        with open(os.path.join(workdir, "eval", names[-1])) as f:
+            assert {r["documents"] for r in json.load(f)["results"]} == {docs}
+    assert names[0] != names[1]
+
+
 def test_eval_refuses_a_corpus_changed_since_training(tmp_path):
     """Three files are split within each file; with forty they are split by file, and
     a file whose first 90% was training text becomes test text. eval.py must not
@@ -410,6 +436,25 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         "longest 52 tokens",
         "--max_length=51",
     )
+    # Resolution needs 2 × train_len tokens: refused before the perplexity run, not after.
+    eval_dir = os.path.join(workdir, "eval")
+    listing = lambda: {
+        f: os.stat(os.path.join(eval_dir, f)).st_mtime_ns for f in os.listdir(eval_dir)
+    }
+    before = listing() if os.path.isdir(eval_dir) else None
+    _one_line_error(
+        _run(
+            "eval.py",
+            f"--workdir={workdir}",
+            f"--eval_files={short}",
+            "--lengths=16",
+            "--max_length=32",
+            "--resolution",
+        ),
+        3,
+        "resolution needs documents of 64 tokens",
+    )
+    assert (listing() if os.path.isdir(eval_dir) else None) == before
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
     )
@@ -666,3 +711,32 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         with pytest.raises(CheckpointError, match="No space left on device") as error:
             reports.write_json(str(path), {"results": ["x" * 100_000]})
         assert "\n" not in str(error.value) and not os.path.exists(f"{path}.tmp")
+
+
+def test_a_figure_cut_off_while_written_leaves_the_one_before_whole(tmp_path, monkeypatch):
+    """Figures are replaced atomically, as the JSON is: a write cut off (a file-size
+    limit, a full disk, a Ctrl-C) keeps the earlier figure and leaves no .tmp."""
+    from matplotlib.figure import Figure
+
+    from lexjax import reports
+    from lexjax.errors import CheckpointError
+
+    path = str(tmp_path / "eval" / "perplexity.png")
+    curves = [("xpos", "bca", [(32, 10.0), (64, 9.0)])]
+    reports.plot_perplexity(curves, path, train_len=32, title="t")
+    with open(path, "rb") as f:
+        before = f.read()
+    savefig = Figure.savefig
+
+    def cut_off(self, fname, **kwargs):
+        savefig(self, fname, **kwargs)
+        with open(fname, "r+b") as f:
+            f.truncate(100)
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(Figure, "savefig", cut_off)
+    with pytest.raises(CheckpointError, match="File too large"):
+        reports.plot_perplexity(curves, path, train_len=32, title="t")
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert not os.path.exists(path + ".tmp")

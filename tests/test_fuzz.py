@@ -150,7 +150,10 @@ EVAL_FLAGS = {
         [["--modes=sinks"], ["--modes=bca,full,sinks"], ["--modes=full", "--bca=both"]],
         ["", "dense", "bca,x", "sinks --bca=on"],
     ),
-    "sinks": ([["--sinks=0"], ["--sinks=8", "--modes=sinks"]], ["-1", "8 --passkey"]),
+    "sinks": (
+        [["--sinks=0", "--modes=sinks"], ["--sinks=8", "--modes=bca,sinks"]],
+        ["-1", "8 --passkey", "2", "2 --modes=bca,full"],  # 2: without mode sinks, unused
+    ),
     "eval_files": (
         [
             ["--eval_files=/tmp/*.txt"],
