@@ -170,9 +170,10 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
     """The settings the training stream, and so the position saved with each
     checkpoint, depend on (lexjax.checkpoint refuses a position saved under
     other ones). The document shuffle permutes the source's documents (the
-    corpus's build, named by its fingerprint, their count and the passkey/copy
-    mix) with ``seed``, which also seeds the packing and the row shuffle;
-    ``batch_size`` is the packing's bins, ``train_len`` its row length,
+    corpus's build, named by its fingerprint, their count, the feature read as
+    their text and the passkey/copy mix) with ``seed``, which also seeds the
+    packing and the row shuffle; ``batch_size`` is the packing's bins,
+    ``train_len`` its row length,
     ``data.shuffle_rows`` the window (0 and 1 are both off) and
     ``data.worker_count`` where packing runs. The process and device counts are
     not among them (elastic resume)."""
@@ -180,6 +181,7 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
     return {
         "train corpus": getattr(documents, "build", None),
         "train documents": len(documents),
+        "data.text_feature": d.text_feature,
         "data.passkey_fraction": d.passkey_fraction,
         "data.copy_fraction": d.copy_fraction,
         "seed": config.seed,
@@ -276,6 +278,16 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+def _check_corpus_outside(config: Config, workdir: str) -> None:
+    """Refuses corpus globs that match the run's own files (its workdir's, or the
+    data dir's built corpus): they would be trained on, and every resume would see
+    another corpus."""
+    d = config.data
+    places = {"--workdir": workdir, "data.data_dir": data_lib.resolve_data_dir(d.data_dir)}
+    for what in ("files", "validation_files", "test_files"):
+        data_lib.check_outside(getattr(d, what), f"data.{what}", places)
+
+
 def _say_nothing_trained(say, signal_name: str, checkpoint_dir: str, resuming: bool) -> None:
     when = f"before resuming from {checkpoint_dir}" if resuming else "before the first step"
     say(f"stopped by {signal_name} {when}; there was nothing new to save")
@@ -300,6 +312,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
                 _tokenizer(config)
                 _source(config, "train")
             distributed.any_process(False)
+        _check_corpus_outside(config, workdir)
         tokenizer = _tokenizer(config)
         setup = TrainSetup(config)
         train_source = _train_source(config, tokenizer)

@@ -220,6 +220,24 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     assert capfd.readouterr() == ("", "")  # built once
 
 
+def test_a_file_name_that_is_not_utf8_builds_under_an_escaped_name(tmp_path):
+    """A Latin-1 name (``caf\\xe9.txt``, as in old archives) is read and stored as
+    ``caf\\xe9.txt`` instead of stopping the build with a traceback."""
+    root = tmp_path / "corpus"
+    names = _write_corpus(str(root), 12)
+    with open(os.path.join(os.fsencode(root), b"caf\xe9.txt"), "wb") as f:
+        f.write(b"latin-1 named text\n" * 20)
+    builder = data.prepare("textfiles", tmp_path / "tfds", str(root / "**" / "*.txt"))
+    stored = {}
+    for split in data.SPLITS:
+        records = builder.as_data_source(split)
+        for i in range(len(records)):
+            stored[records[i]["path"].decode()] = records[i]["text"]
+    assert sorted(stored) == sorted([*names, "caf\\xe9.txt"])
+    assert stored["caf\\xe9.txt"] == b"latin-1 named text\n" * 20
+    assert builders.split_of("caf\udce9.txt") == builders.split_of("caf\\xe9.txt")
+
+
 class _ForeignCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Stands in for a TFDS catalog dataset (e.g. pg19) prepared as ArrayRecord elsewhere."""
 
@@ -661,6 +679,21 @@ def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path
     )
 
 
+def test_held_out_globs_that_take_every_file_say_so(tmp_path):
+    """Nothing left to train on because data.validation_files took every file: the
+    error names that flag (it blamed empty or binary files, of which there were none)."""
+    for name in ("held1", "held2"):
+        _book(tmp_path / f"{name}.txt", 50)
+    with pytest.raises(DataError) as e:
+        data.plan_corpus(
+            "textfiles", str(tmp_path / "*.txt"), validation_files=str(tmp_path / "held*.txt")
+        )
+    assert str(e.value) == (
+        "no training text: data.validation_files selects every file data.files does (2); "
+        "make it select fewer"
+    )
+
+
 def test_symlinks_are_the_file_they_point_to(tmp_path):
     """A symlink to a file, a symlinked directory and a symlink loop under ** put no
     file's bytes in two splits and count each file once (each path used to be a file
@@ -772,6 +805,19 @@ def test_sentencepiece_round_trips_any_text_and_counts_its_bytes(sentencepiece_c
     assert tok.num_bytes(document) == len(text.encode("utf-8"))
 
 
+def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
+    """A line longer than the trainer takes (4096 characters) is sampled whole, in
+    consecutive pieces, up to the document's share of the budget; short lines are
+    sampled as they are. (It kept a line's first 4096 characters: a corpus of
+    one-line files gave the trainer 4 KiB each.)"""
+    long, short = "ab" * 5000, "short line"  # 10,000 characters
+    pieces = list(tokenizer_lib.sample_lines([long, f"{short}\n\n{short}"], budget=40_000))
+    assert [len(p) for p in pieces] == [4096, 4096, 1808, len(short), len(short)]
+    assert "".join(pieces[:3]) == long
+    # A budget of 5,000 a document: the piece that reaches it is the last one taken.
+    assert [len(p) for p in tokenizer_lib.sample_lines([long, short], 10_000)] == [4096, 4096, 10]
+
+
 def test_byte_tokenizer_counts_bytes_and_round_trips_through_json():
     tok = data.BYTES
     # Hand count: BOS + "é!" (2 + 1 bytes) + EOS cover 3 bytes.
@@ -795,6 +841,10 @@ def test_sentencepiece_is_stored_with_the_build_and_reused(sentencepiece_corpus,
     )
     assert capfd.readouterr().out == ""  # neither built nor trained again
     assert again.fingerprint == tok.fingerprint
+    # A model learned from another feature's text is another model, not this one.
+    other = dict(text_feature="path", train=False)
+    args = ("sentencepiece", 300, "textfiles", sentencepiece_corpus["data_dir"])
+    assert data.load_tokenizer(*args, sentencepiece_corpus["pattern"], **other) is None
     restored = tokenizer_lib.from_json(json.loads(json.dumps(tok.to_json())))
     assert restored.fingerprint == tok.fingerprint
     import pickle

@@ -640,13 +640,15 @@ def test_checkpoints_of_another_model_shape(ctx, reference):
     [
         ({"data.shuffle_rows": 16}, "data.shuffle_rows is 1024 there, 16 here"),
         ({"data.worker_count": 1}, "data.worker_count is 0 there, 1 here"),
+        ({"data.text_feature": "path"}, "data.text_feature is text there, path here"),
     ],
-    ids=["shuffle_rows", "worker_count"],
+    ids=["shuffle_rows", "worker_count", "text_feature"],
 )
 def test_resume_with_other_data_stream_settings_is_refused(ctx, reference, change, detail):
     """The saved data position belongs to the stream of its settings: applied to
-    another one it re-trained rows already seen (shuffle_rows) or failed inside grain
-    (worker_count, a KeyError traceback). One line, exit 4, nothing written."""
+    another one it re-trained rows already seen (shuffle_rows), failed inside grain
+    (worker_count, a KeyError traceback) or went on reading another feature as the
+    text (text_feature). One line, exit 4, nothing written."""
     workdir = ctx[0] / f"other-stream-{next(iter(change)).split('.')[-1]}"
     shutil.copytree(reference[0], workdir)
     before = tree_digest(workdir)
@@ -657,6 +659,22 @@ def test_resume_with_other_data_stream_settings_is_refused(ctx, reference, chang
     assert f"data stream ({detail})" in line, line
     assert "resume with the checkpoint's values or use a new --workdir" in line, line
     assert tree_digest(workdir) == before
+
+
+def test_a_corpus_glob_over_the_runs_own_workdir_is_refused(ctx):
+    """files='proj/**' with --workdir=proj/runs/a: the run's lease, metrics and
+    checkpoints would be trained on, and each resume refused as another corpus. Refused
+    at the start instead: one line naming the setting, exit 3, nothing trained."""
+    project = ctx[0] / "proj"
+    P.write_corpus(project / "texts", 12)
+    workdir = project / "runs" / "a"
+    base, _, data_dir, environ = ctx
+    result = P.run(P.train_args(workdir, str(project / "**"), data_dir, num_train_steps=2), environ)
+    line = one_error_line(result)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"data.files={str(project / '**')!r} matches 1 file inside --workdir=" in line, line
+    assert "(first runs/a/lease.json)" in line and "move --workdir out of the corpus" in line
+    assert not (workdir / "checkpoints").exists()
 
 
 def test_resume_on_another_corpus_of_as_many_documents_is_refused(ctx, reference):

@@ -14,10 +14,12 @@ from lexjax.data.builders import (
     PythonStdlib,
     TextFiles,
     TextSource,
+    check_outside,
     load_source,
     load_tokenizer,
     plan_corpus,
     prepare,
+    resolve_data_dir,
     split_of,
 )
 from lexjax.data.pipeline import as_document, eval_documents, make_train_iterator
@@ -50,6 +52,7 @@ __all__ = [
     "TextSource",
     "Tokenizer",
     "as_document",
+    "check_outside",
     "decode",
     "encode",
     "encode_document",
@@ -59,5 +62,6 @@ __all__ = [
     "make_train_iterator",
     "plan_corpus",
     "prepare",
+    "resolve_data_dir",
     "split_of",
 ]

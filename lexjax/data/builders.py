@@ -95,9 +95,16 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
     return os.path.abspath(os.path.expanduser(os.fspath(data_dir or DEFAULT_DATA_DIR)))
 
 
+def path_text(relpath: str) -> str:
+    """A file name as text: itself, where it is UTF-8 (nearly always); else its
+    undecodable bytes (``os.fsdecode``'s surrogates) as ``\\xNN`` escapes, so a
+    Latin-1 name in an old archive can be hashed, stored and printed."""
+    return relpath.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def split_of(relpath: str) -> str:
     """Returns 'train' (90%), 'validation' (5%) or 'test' (5%) for a relative path."""
-    digest = hashlib.sha256(relpath.encode("utf-8")).digest()
+    digest = hashlib.sha256(path_text(relpath).encode("utf-8")).digest()
     bucket = int.from_bytes(digest[:8], "big") % 100
     if bucket < 90:
         return "train"
@@ -130,13 +137,7 @@ def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
     `what` names the setting in the error for a glob that matches nothing.
     """
     pattern = os.path.abspath(os.path.expanduser(pattern))
-    parts = PurePath(pattern).parts
-    fixed = []
-    for part in parts:
-        if _GLOB_CHARS & set(part):
-            break
-        fixed.append(part)
-    root = os.path.join(*fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
+    root = _glob_root(pattern)
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
         hint = (
@@ -146,6 +147,44 @@ def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
         )
         raise DataError(f"{what}={pattern!r} matches no files; {hint}")
     return root, sorted(_relative(p, root) for p in matches)
+
+
+def check_outside(pattern: str | None, what: str, places: dict[str, str]) -> None:
+    """Raises DataError when the glob ``pattern`` (setting ``what``) matches files
+    inside one of ``places`` (setting → directory: a run's workdir, the data dir):
+    the run's own files would become corpus text, and another corpus every run.
+    Globs only where such a directory lies under the glob's fixed root."""
+    if not pattern:
+        return
+    pattern = os.path.abspath(os.path.expanduser(pattern))
+    for setting, place in places.items():
+        place = os.path.realpath(os.path.expanduser(place))
+        if not _within(place, os.path.realpath(_glob_root(pattern))):
+            continue  # the glob's root is not above the directory: nothing to match
+        root, relpaths = glob_files(pattern, what)
+        inside = [r for r in relpaths if _within(os.path.join(root, r), place)]
+        if inside:
+            raise DataError(
+                f"{what}={pattern!r} matches {len(inside)} file{'s' if len(inside) > 1 else ''} "
+                f"inside {setting}={place} (first {inside[0]}), which would become corpus text "
+                f"and change it every run; move {setting} out of the corpus or narrow the glob"
+            )
+
+
+def _within(path: str, directory: str) -> bool:
+    path = os.path.realpath(path)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def _glob_root(pattern: str) -> str:
+    """An absolute glob's leading directories that hold no wildcard."""
+    parts = PurePath(pattern).parts
+    fixed = []
+    for part in parts:
+        if _GLOB_CHARS & set(part):
+            break
+        fixed.append(part)
+    return os.path.join(*fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
 
 
 def _relative(path: str, root: str) -> str:
@@ -281,7 +320,7 @@ def plan_splits(
     def text_files(role: str, root: str, relpaths: list[str]) -> list[str]:
         for relpath in relpaths:
             path = os.path.join(root, relpath)
-            digest.update(f"{role}\0{relpath}\0{_file_digest(path)}\n".encode())
+            digest.update(f"{role}\0{path_text(relpath)}\0{_file_digest(path)}\n".encode())
         return _keep_text(root, relpaths, skipped)
 
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
@@ -298,7 +337,15 @@ def plan_splits(
                 Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
             )
     root, relpaths = pool
-    pool_files = text_files("pool", root, _distinct(root, relpaths, taken)[0])
+    left = _distinct(root, relpaths, taken)[0]
+    if relpaths and not left:
+        flags = " and ".join(f"data.{split}_files" for split in sorted(explicit, reverse=True))
+        one = len(explicit) == 1
+        raise DataError(
+            f"no training text: {flags} {'selects' if one else 'select'} every file data.files "
+            f"does ({len(relpaths)}); make {'it' if one else 'them'} select fewer"
+        )
+    pool_files = text_files("pool", root, left)
     num_files = len(pool_files) + sum(len(p) for p in pieces.values())
     if not pool_files:
         raise DataError(_no_text("training", skipped))
@@ -477,8 +524,9 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                     self.replaced.add(piece.path)
                 # The key of a whole small file is its path, as in version 1.0.0, so
                 # TFDS's key-hash order of the documents (hence evaluation's) stays.
-                key = piece.relpath if start == 0 else f"{piece.relpath}@{start}"
-                yield key, {"text": text, "path": piece.relpath}
+                name = path_text(piece.relpath)
+                key = name if start == 0 else f"{name}@{start}"
+                yield key, {"text": text, "path": name}
 
 
 class PythonStdlib(_FileCorpus):
@@ -761,7 +809,8 @@ def load_tokenizer(
 
     A SentencePiece model is trained once per build (on a bounded sample,
     `tokenizer.SAMPLE_BYTES`, with one progress line) and stored in the build's
-    directory as `sentencepiece-<vocab_size>.model`, written to a temporary
+    directory as `sentencepiece-<vocab_size>.model` (`…-<text_feature>.model` for a
+    feature other than `text`), written to a temporary
     name and renamed, so a failed training leaves nothing that looks complete.
     """
     if kind == "bytes":
@@ -769,7 +818,9 @@ def load_tokenizer(
     if kind != "sentencepiece":
         raise DataError(f"unknown tokenizer {kind!r}; use one of {', '.join(tokenizer_lib.KINDS)}")
     _, build_dir = _open(name, data_dir, files, validation_files, test_files, max_files)
-    path = os.path.join(build_dir, f"sentencepiece-{vocab_size}.model")
+    # Learned from one feature's text: another feature's model has its own name.
+    feature = "" if text_feature == "text" else f"-{text_feature}"
+    path = os.path.join(build_dir, f"sentencepiece-{vocab_size}{feature}.model")
     if os.path.exists(path):
         with open(path, "rb") as f:
             model = f.read()

@@ -236,7 +236,9 @@ _MAX_LINE_CHARS = 4096
 
 def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
     """Lines for the trainer: the leading lines of every document, an equal byte
-    budget each, so one long file does not crowd out the rest. Deterministic."""
+    budget each, so one long file does not crowd out the rest; a line longer than
+    the trainer takes goes in consecutive pieces of that length (a corpus of
+    one-line files is sampled as much as any). Deterministic."""
     per_document = max(budget // max(len(documents), 1), 1)
     for index in range(len(documents)):
         document = documents[index]
@@ -244,11 +246,15 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
             document = bytes(document).decode("utf-8", errors="replace")
         taken = 0
         for line in document.split("\n"):
+            cut = range(0, len(line), _MAX_LINE_CHARS)
+            for piece in [line[i : i + _MAX_LINE_CHARS] for i in cut] or [""]:
+                if taken >= per_document:
+                    break
+                taken += len(piece) + 1
+                if piece:
+                    yield piece
             if taken >= per_document:
                 break
-            taken += len(line) + 1
-            if line:
-                yield line[:_MAX_LINE_CHARS]
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
