@@ -82,13 +82,12 @@ class _StopFlag:
         if self._raising:
             raise _Stopped(self.signal_name)
 
-    def deliver_again(self) -> bool:
+    def deliver_again(self) -> None:
         """The :class:`_Stopped` raised was swallowed by a callback: raise it anew
-        (:func:`lexjax.signals.interrupt_main_later`); whether it will be."""
-        if not (self._raising and self.signal_name is not None):
-            return False
-        self._again = True
-        return signals.interrupt_main_later(signal.Signals[self.signal_name])
+        (:func:`lexjax.signals.interrupt_main_later`) where it still can."""
+        if self._raising and self.signal_name is not None:
+            self._again = True
+            signals.interrupt_main_later(signal.Signals[self.signal_name])
 
     @contextlib.contextmanager
     def raising(self):
@@ -114,8 +113,11 @@ _active: list[_StopFlag] = []  # the train() calls running, innermost last
 
 
 def _deliver_again() -> bool:
-    """A :class:`_Stopped` swallowed by a callback: the innermost call raises it anew."""
-    return bool(_active) and _active[-1].deliver_again()
+    """A :class:`_Stopped` swallowed by a callback: the innermost call raises it anew.
+    Never reported while a call runs (a stop it no longer raises is recorded)."""
+    if _active:
+        _active[-1].deliver_again()
+    return bool(_active)
 
 
 def _source(config: Config, split: str) -> data_lib.TextSource:
