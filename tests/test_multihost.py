@@ -198,8 +198,8 @@ def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
 def test_when_process_0s_reader_goes_away_both_generating_processes_stop(ctx, two_process_run):
     """`eval.py --generate … | head` over two processes, the reader gone before the first
     text: process 0 finds its stdout closed at its first chunk and says so, and both stop
-    there: process 0 exits 141 quietly, the other 0. (Process 0 used to exit alone and
-    the other to die in a coordination-service abort at its next chunk.)"""
+    there: process 0 exits 141 quietly, the other 0. (Process 0 used to leave alone,
+    and the processes ended in a coordination-service abort, status -6.)"""
     workdir = ctx[0] / "eval-head"
     shutil.copytree(two_process_run[0], workdir)
     two_chunks = f"--max_new_tokens={2 * 1024}"  # generation.CHUNK: a stop after the first
