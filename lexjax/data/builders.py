@@ -157,11 +157,12 @@ def check_outside(pattern: str | None, what: str, places: dict[str, str]) -> Non
     if not pattern:
         return
     pattern = os.path.abspath(os.path.expanduser(pattern))
+    top, matched = os.path.realpath(_glob_root(pattern)), None
     for setting, place in places.items():
         place = os.path.realpath(os.path.expanduser(place))
-        if not _within(place, os.path.realpath(_glob_root(pattern))):
+        if not _within(place, top):
             continue  # the glob's root is not above the directory: nothing to match
-        root, relpaths = glob_files(pattern, what)
+        root, relpaths = matched = matched or glob_files(pattern, what)  # one glob at most
         inside = [r for r in relpaths if _within(os.path.join(root, r), place)]
         if inside:
             raise DataError(

@@ -245,16 +245,17 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
         if isinstance(document, (bytes, bytearray)):
             document = bytes(document).decode("utf-8", errors="replace")
         taken = 0
-        for line in document.split("\n"):
-            cut = range(0, len(line), _MAX_LINE_CHARS)
-            for piece in [line[i : i + _MAX_LINE_CHARS] for i in cut] or [""]:
-                if taken >= per_document:
-                    break
-                taken += len(piece) + 1
-                if piece:
-                    yield piece
+        pieces = (  # an empty line is one empty piece: it counts its newline
+            line[i : i + _MAX_LINE_CHARS]
+            for line in document.split("\n")
+            for i in range(0, max(len(line), 1), _MAX_LINE_CHARS)
+        )
+        for piece in pieces:
             if taken >= per_document:
                 break
+            taken += len(piece) + 1
+            if piece:
+                yield piece
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
