@@ -28,7 +28,7 @@ from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, field_at, from_configdict, model_differences, to_dict
-from lexjax.errors import CheckpointError, ConfigError, TrainingError
+from lexjax.errors import CheckpointError, ConfigError, TrainingError, one_line
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -325,22 +325,30 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
         # Read now, not at the first evaluation: a corpus without a validation split
         # must fail before training, not after eval_every steps of it. The same fixed
         # batches are used at every evaluation.
-        val_iter = _iterator(config, _source(config, "validation"), tokenizer, setup, seed=0)
-        val_batches = [next(val_iter) for _ in range(config.eval_batches)]
-        checkpointer = ckpt_lib.Checkpointer(
-            os.path.join(os.path.abspath(workdir), "checkpoints"),
-            keep=config.keep_checkpoints,
-            on_corrupt=config.on_corrupt_checkpoint,
-        )
+        try:
+            val_iter = _iterator(config, _source(config, "validation"), tokenizer, setup, seed=0)
+            with contextlib.closing(val_iter):
+                val_batches = [next(val_iter) for _ in range(config.eval_batches)]
+            checkpointer = ckpt_lib.Checkpointer(
+                os.path.join(os.path.abspath(workdir), "checkpoints"),
+                keep=config.keep_checkpoints,
+                on_corrupt=config.on_corrupt_checkpoint,
+            )
+        except BaseException:
+            data_iter.close()
+            raise
     if peak_flops is None:
         peak_flops = getattr(config, "peak_flops", None)
-    try:
-        with stop.raising():  # (a signal that came in between raises on entry)
-            state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
-        loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
-        return loop.run(state, step, val_batches, show_progress, stop_after, stop)
-    finally:
-        checkpointer.close()
+    # Closing the iterator ends its grain worker processes and frees the batches
+    # they had put in shared memory (left to exit, they were reported as leaked).
+    with contextlib.closing(data_iter):
+        try:
+            with stop.raising():  # (a signal that came in between raises on entry)
+                state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
+            loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
+            return loop.run(state, step, val_batches, show_progress, stop_after, stop)
+        finally:
+            checkpointer.close()
 
 
 def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say):
@@ -444,9 +452,10 @@ class _Loop:
         with jax.set_mesh(setup.mesh):
             try:
                 while step < total and not self._stop_requested(stop, step):
-                    state, step_metrics = setup.train_step(
-                        state, setup.global_batch(next(self.data_iter))
-                    )
+                    batch = self._next_batch(stop, step)
+                    if batch is None:
+                        break
+                    state, step_metrics = setup.train_step(state, setup.global_batch(batch))
                     step += 1
                     if step == self.summary["start_step"] + 1:  # compiled and ran: not timed
                         jax.block_until_ready(step_metrics)
@@ -506,6 +515,33 @@ class _Loop:
             stop.signal_name = stop.signal_name or "a signal to another process"
             return True
         return False
+
+    def _next_batch(self, stop: _StopFlag, step: int) -> dict | None:
+        """The next batch; None when a stop was asked for and the data ended with it.
+
+        A signal to the whole process group (a terminal's Ctrl-C, SIGTERM to a
+        job's processes) reaches grain's worker processes too, and SIGTERM ends
+        them, so the batch after the request may never come (grain raises on the
+        dead worker): the run then stops at the step it finished, as it would
+        have a step later. With several processes the others may already be in
+        the next step's collectives, so there is no step to agree on: one line,
+        nothing saved after the last checkpoint.
+        """
+        try:
+            return next(self.data_iter)
+        except Exception as error:
+            if stop.signal_name is None:
+                raise
+            if jax.process_count() == 1:
+                return None
+            latest = self.checkpointer.latest_step()
+            saved = "no checkpoint yet" if latest is None else f"last checkpoint: step {latest}"
+            raise TrainingError(
+                f"stopped by {stop.signal_name} after step {step}, but the data workers of "
+                f"process {jax.process_index()} ended with it before the processes agreed "
+                f"on a step to save ({one_line(error)}); {saved} in "
+                f"{self.checkpointer.directory}"
+            ) from error
 
     def _flush(self) -> None:
         """Reads back the metrics of the steps dispatched since the last flush

@@ -735,6 +735,57 @@ def test_grain_worker_processes_train(ctx, tmp_path):
     assert "trained 2 steps" in result.stdout
 
 
+def _grain_workers(pid: int) -> list[int]:
+    """The grain worker processes of `pid` (multiprocessing's spawn children; its
+    resource tracker is a child too)."""
+    tasks = pathlib.Path(f"/proc/{pid}/task").iterdir()
+    children = " ".join(t.joinpath("children").read_text() for t in tasks).split()
+    return [
+        int(c) for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+
+
+def test_a_signal_to_the_process_group_stops_a_run_with_grain_workers(ctx, tmp_path):
+    """A terminal's Ctrl-C or a job's SIGTERM goes to the whole process group, the
+    grain workers of ``data.worker_count`` too. Ctrl-C: the workers ignore it and the
+    run stops and saves as without them (each worker printed a KeyboardInterrupt
+    traceback). SIGTERM ends a worker, so the batch after the stop request may never
+    come: the run stops and saves at the step it finished (it was a grain traceback,
+    exit 1, and every step since the last checkpoint lost)."""
+    workdir = tmp_path / "run"
+    long_run = args(
+        ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000, **{"data.worker_count": 1}
+    )
+
+    # SIGTERM while the run waits for its next batch: the worker is held stopped
+    # until the run has drained what it had prefetched, then gets the signal with it.
+    proc = P.start(long_run, ctx[3], start_new_session=True)
+    P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
+    [worker] = _grain_workers(proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # the run's steps take milliseconds; it now waits inside next()
+    stepped = P.last_step(workdir)
+    os.kill(worker, signal.SIGTERM)  # delivered when it continues
+    proc.send_signal(signal.SIGTERM)
+    os.kill(worker, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"stopped by SIGTERM at step {stepped}" in out, (out + err)[-3000:]
+    assert P.complete_steps(workdir) == [stepped]
+
+    # The saved data position resumes; Ctrl-C to the group stops it again, quietly.
+    proc = P.start(long_run, ctx[3], start_new_session=True)
+    P.wait_until(lambda: P.last_step(workdir) >= stepped + 2, proc, poll=0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt"):
+        assert noise not in err, err[-3000:]
+    found = re.search(r"stopped by SIGINT at step (\d+)", out)
+    assert found, out[-2000:]
+    assert P.complete_steps(workdir) == [stepped, int(found.group(1))]
+
+
 def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):
     """A shared read-only data_dir holding the corpus's build but no SentencePiece
     model of this vocab_size: one line, exit 3, nothing written (was an OSError

@@ -44,6 +44,7 @@ checkpoint whose iterator state belongs to an older stream restarts the
 stream from its beginning with a one-line note (`lexjax.checkpoint`).
 """
 
+import signal
 from collections.abc import Iterator, Sequence
 
 import grain
@@ -204,8 +205,21 @@ def make_train_iterator(
         # program without absl.app.run has not parsed them, so use defaults.
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+        ds = ds.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=worker_count),
+            worker_init_fn=_worker_ignores_ctrl_c,
+        )
     return iter(ds)
+
+
+def _worker_ignores_ctrl_c(worker_index: int, worker_count: int) -> None:
+    """Runs first in each grain worker process. A terminal's Ctrl-C reaches the
+    whole foreground process group, the workers too; the program that reads
+    the batches decides what it means (training stops after its step and then
+    closes the iterator, which ends the workers), so a worker leaves it alone
+    instead of dying with a KeyboardInterrupt traceback."""
+    del worker_index, worker_count
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def eval_documents(
