@@ -119,11 +119,13 @@ def _eval_pair(ctx, workdir, *args):
     return outputs
 
 
-def _start_eval_pair(ctx, workdir, *args, **kwargs) -> list:
+def _start_eval_pair(ctx, workdir, *args, program="eval.py", lead=(), **kwargs) -> list:
+    """eval.py (or ``program``, given the arguments ``lead`` first) as processes 0 and 1."""
     port = P.free_port()
     return [
         P.start(
             [
+                *lead,
                 f"--workdir={workdir}",
                 *args,
                 f"--coordinator_address=127.0.0.1:{port}",
@@ -132,7 +134,7 @@ def _start_eval_pair(ctx, workdir, *args, **kwargs) -> list:
                 "--initialization_timeout_s=60",
             ],
             ctx[3],
-            program="eval.py",
+            program=program,
             **kwargs,
         )
         for i in range(2)
@@ -202,9 +204,11 @@ def test_when_process_0s_reader_goes_away_both_generating_processes_stop(ctx, tw
     and the processes ended in a coordination-service abort, status -6.)"""
     workdir = ctx[0] / "eval-head"
     shutil.copytree(two_process_run[0], workdir)
-    two_chunks = f"--max_new_tokens={2 * 1024}"  # generation.CHUNK: a stop after the first
     greedy = ["--generate", "--prompt=ab", "--temperature=0"]  # "abbb…": no end of text
-    procs = _start_eval_pair(ctx, workdir, *greedy, two_chunks)
+    # Two chunks of 32 tokens (generation.CHUNK is 1024): a stop after the first.
+    procs = _start_eval_pair(
+        ctx, workdir, *greedy, "--max_new_tokens=64", program="tests/chunked_eval.py", lead=["32"]
+    )
     procs[0].stdout.close()  # as `head` does, here before the first text
     errs = [p.communicate(timeout=400)[1] for p in procs]
     assert procs[0].returncode == 141 and "Traceback" not in errs[0], errs[0][-2000:]
