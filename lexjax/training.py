@@ -28,7 +28,7 @@ from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, field_at, from_configdict, model_differences, to_dict
-from lexjax.errors import CheckpointError, ConfigError, TrainingError, one_line
+from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -318,10 +318,16 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
         tokenizer = _tokenizer(config)
         setup = TrainSetup(config)
         train_source = _train_source(config, tokenizer)
-        data_iter = _iterator(
-            config, train_source, tokenizer, setup, config.seed, config.data.worker_count
-        )
-        data_iter.stream_settings = _stream_settings(config, train_source)  # lexjax.checkpoint
+
+        def data_stream():
+            """A new iterator at the start of the training stream, with its workers."""
+            it = _iterator(
+                config, train_source, tokenizer, setup, config.seed, config.data.worker_count
+            )
+            it.stream_settings = _stream_settings(config, train_source)  # lexjax.checkpoint
+            return it
+
+        data_iter = data_stream()
         # Read now, not at the first evaluation: a corpus without a validation split
         # must fail before training, not after eval_every steps of it. The same fixed
         # batches are used at every evaluation.
@@ -346,6 +352,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
             with stop.raising():  # (a signal that came in between raises on entry)
                 state, step = _restore_or_init(setup, checkpointer, data_iter, tokenizer, say)
             loop = _Loop(setup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease)
+            loop.data_stream = data_stream  # for a replacement (_Loop._next_batch)
             return loop.run(state, step, val_batches, show_progress, stop_after, stop)
         finally:
             checkpointer.close()
@@ -427,6 +434,8 @@ class _Loop:
         self, setup: TrainSetup, checkpointer, data_iter, tokenizer, workdir, say, peak_flops, lease
     ):
         self.setup, self.checkpointer, self.data_iter = setup, checkpointer, data_iter
+        self.data_stream: Callable[[], Any] | None = None  # makes a new data_iter
+        self.replaced_data_iter = False  # then data_iter is ours to close, not the caller's
         self.tokenizer, self.workdir, self.lease = tokenizer, workdir, lease
         self.say = say
         self.writer = metrics.MetricsWriter(workdir, jax.process_index() == 0)
@@ -452,9 +461,7 @@ class _Loop:
         with jax.set_mesh(setup.mesh):
             try:
                 while step < total and not self._stop_requested(stop, step):
-                    batch = self._next_batch(stop, step)
-                    if batch is None:
-                        break
+                    batch = self._next_batch(stop)
                     state, step_metrics = setup.train_step(state, setup.global_batch(batch))
                     step += 1
                     if step == self.summary["start_step"] + 1:  # compiled and ran: not timed
@@ -482,6 +489,8 @@ class _Loop:
             finally:
                 self.bar.close()
                 self.writer.close()
+                if self.replaced_data_iter:
+                    self.data_iter.close()
         self.summary.update(
             step=step,
             checkpoint_dir=checkpointer.directory,
@@ -516,32 +525,27 @@ class _Loop:
             return True
         return False
 
-    def _next_batch(self, stop: _StopFlag, step: int) -> dict | None:
-        """The next batch; None when a stop was asked for and the data ended with it.
+    def _next_batch(self, stop: _StopFlag) -> dict:
+        """The next batch.
 
-        A signal to the whole process group (a terminal's Ctrl-C, SIGTERM to a
-        job's processes) reaches grain's worker processes too, and SIGTERM ends
-        them, so the batch after the request may never come (grain raises on the
-        dead worker): the run then stops at the step it finished, as it would
-        have a step later. With several processes the others may already be in
-        the next step's collectives, so there is no step to agree on: one line,
-        nothing saved after the last checkpoint.
+        A signal to the whole process group (a terminal's Ctrl-C, a scheduler's or
+        a shutdown's SIGTERM to every process) reaches grain's worker processes
+        too, and SIGTERM ends them, so after a stop request the next batch may
+        fail (grain raises on the dead worker). The run still has to reach the
+        step where it stops (with several processes, the one they agree on): the
+        iterator is replaced, once, by a new one at the position reached, with
+        new workers, and the run stops and saves where it would have.
         """
         try:
             return next(self.data_iter)
-        except Exception as error:
-            if stop.signal_name is None:
+        except Exception:
+            if stop.signal_name is None or self.replaced_data_iter:
                 raise
-            if jax.process_count() == 1:
-                return None
-            latest = self.checkpointer.latest_step()
-            saved = "no checkpoint yet" if latest is None else f"last checkpoint: step {latest}"
-            raise TrainingError(
-                f"stopped by {stop.signal_name} after step {step}, but the data workers of "
-                f"process {jax.process_index()} ended with it before the processes agreed "
-                f"on a step to save ({one_line(error)}); {saved} in "
-                f"{self.checkpointer.directory}"
-            ) from error
+        position = self.data_iter.get_state()
+        self.data_iter.close()
+        self.data_iter, self.replaced_data_iter = self.data_stream(), True
+        self.data_iter.set_state(position)
+        return next(self.data_iter)
 
     def _flush(self) -> None:
         """Reads back the metrics of the steps dispatched since the last flush

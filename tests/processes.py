@@ -164,6 +164,16 @@ def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180, poll: fl
     raise AssertionError("timed out waiting for the training process")
 
 
+def grain_workers(pid: int) -> list[int]:
+    """The grain worker processes of `pid` (multiprocessing's spawn children; its
+    resource tracker is a child too)."""
+    tasks = pathlib.Path(f"/proc/{pid}/task").iterdir()
+    children = " ".join(t.joinpath("children").read_text() for t in tasks).split()
+    return [
+        int(c) for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+
+
 def kill(proc: subprocess.Popen, sig=signal.SIGKILL, timeout: float = 120):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)

@@ -4,9 +4,10 @@
 
 Every process appends one JSON line per training step to ``PREFIX.p<process>.jsonl``:
 the rows of the batch it fed that step (``inputs``, ``targets``, ``segment_ids``,
-``positions``). The library has no such setting; this script wraps the data iterator
-the training loop reads from (after the checkpoint restored its position), so what is
-recorded is exactly what the steps were given.
+``positions``). The library has no such setting; this script wraps the training
+loop's ``_next_batch`` (which reads the data iterator after the checkpoint restored its
+position, and replaces it if its workers ended), so what is recorded is exactly what
+the steps were given.
 """
 
 from __future__ import annotations
@@ -21,38 +22,17 @@ import jax
 from lexjax import training
 
 
-class _Recorder:
-    """Forwards an iterator (and its checkpoint state), writing each batch to ``path``."""
+def record(prefix: str) -> None:
+    """Makes every later training loop record its batches under ``prefix``."""
+    real_next_batch = training._Loop._next_batch
 
-    def __init__(self, iterator, path: str):
-        self._iterator, self._path = iterator, path
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._iterator)
-        with open(self._path, "a") as f:
+    def next_batch(self, *args, **kwargs):
+        batch = real_next_batch(self, *args, **kwargs)
+        with open(f"{prefix}.p{jax.process_index()}.jsonl", "a") as f:
             f.write(json.dumps({k: v.tolist() for k, v in batch.items()}) + "\n")
         return batch
 
-    def get_state(self):
-        return self._iterator.get_state()
-
-    def set_state(self, state):
-        self._iterator.set_state(state)
-
-
-def record(prefix: str) -> None:
-    """Makes every later training loop record its batches under ``prefix``."""
-    real_init = training._Loop.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        path = f"{prefix}.p{jax.process_index()}.jsonl"
-        self.data_iter = _Recorder(self.data_iter, path)
-
-    training._Loop.__init__ = init
+    training._Loop._next_batch = next_batch
 
 
 if __name__ == "__main__":

@@ -735,47 +735,53 @@ def test_grain_worker_processes_train(ctx, tmp_path):
     assert "trained 2 steps" in result.stdout
 
 
-def _grain_workers(pid: int) -> list[int]:
-    """The grain worker processes of `pid` (multiprocessing's spawn children; its
-    resource tracker is a child too)."""
-    tasks = pathlib.Path(f"/proc/{pid}/task").iterdir()
-    children = " ".join(t.joinpath("children").read_text() for t in tasks).split()
-    return [
-        int(c) for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()
-    ]
-
-
-def test_a_signal_to_the_process_group_stops_a_run_with_grain_workers(ctx, tmp_path):
-    """A terminal's Ctrl-C or a job's SIGTERM goes to the whole process group, the
-    grain workers of ``data.worker_count`` too. Ctrl-C: the workers ignore it and the
-    run stops and saves as without them (each worker printed a KeyboardInterrupt
-    traceback). SIGTERM ends a worker, so the batch after the stop request may never
-    come: the run stops and saves at the step it finished (it was a grain traceback,
-    exit 1, and every step since the last checkpoint lost)."""
-    workdir = tmp_path / "run"
-    long_run = args(
-        ctx, workdir, num_train_steps=100_000, checkpoint_every=100_000, **{"data.worker_count": 1}
-    )
-
-    # SIGTERM while the run waits for its next batch: the worker is held stopped
-    # until the run has drained what it had prefetched, then gets the signal with it.
-    proc = P.start(long_run, ctx[3], start_new_session=True)
+def test_a_sigterm_that_ends_the_grain_worker_too_still_stops_where_it_would(ctx, reference):
+    """A scheduler's or a shutdown's SIGTERM reaches every process, the grain worker of
+    ``data.worker_count=1`` too, so the batch after the stop request may never come:
+    the run replaces its iterator at the position reached and stops and saves after
+    the step, as without workers (it was a grain traceback, exit 1, every step since
+    the last checkpoint lost). The resumed run equals the uninterrupted one (which
+    ran without workers: one worker runs the same pipeline, the same batches)."""
+    workdir = ctx[0] / "worker-sigterm"
+    run = args(ctx, workdir, **{"data.worker_count": 1})
+    proc = P.start(run, ctx[3])
     P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
-    [worker] = _grain_workers(proc.pid)
+    [worker] = P.grain_workers(proc.pid)
     os.kill(worker, signal.SIGSTOP)
-    time.sleep(3)  # the run's steps take milliseconds; it now waits inside next()
+    # Held stopped, it prefetches nothing more: the run's steps take milliseconds, so
+    # it drains what it had and waits inside next() for the next batch.
+    time.sleep(3)
     stepped = P.last_step(workdir)
-    os.kill(worker, signal.SIGTERM)  # delivered when it continues
+    assert stepped < N, "the run finished before its worker was held"
+    os.kill(worker, signal.SIGTERM)  # delivered with the SIGCONT: the worker ends
     proc.send_signal(signal.SIGTERM)
     os.kill(worker, signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert f"stopped by SIGTERM at step {stepped}" in out, (out + err)[-3000:]
-    assert P.complete_steps(workdir) == [stepped]
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert f"stopped by SIGTERM at step {stepped + 1}" in out, (out + err)[-3000:]
+    assert stepped + 1 in P.complete_steps(workdir)
 
-    # The saved data position resumes; Ctrl-C to the group stops it again, quietly.
-    proc = P.start(long_run, ctx[3], start_new_session=True)
-    P.wait_until(lambda: P.last_step(workdir) >= stepped + 2, proc, poll=0.005)
+    result = P.run(run, ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {stepped + 1}" in result.stdout, result.stdout[-2000:]
+    _, ref_losses, ref_params = reference
+    step, params = final_params(workdir)
+    assert step == N
+    assert_same_params(params, ref_params)
+    assert_losses_match(workdir, ref_losses)
+
+
+def test_a_terminals_ctrl_c_to_a_run_with_grain_workers_stops_it_quietly(ctx, tmp_path):
+    """A terminal's Ctrl-C goes to the whole foreground process group, the grain
+    workers of ``data.worker_count`` too: they ignore it, the run stops and saves as
+    without workers (each worker printed a KeyboardInterrupt traceback)."""
+    workdir = tmp_path / "run"
+    long_run = {"num_train_steps": 100_000, "checkpoint_every": 100_000}
+    proc = P.start(
+        args(ctx, workdir, **long_run, **{"data.worker_count": 1}), ctx[3], start_new_session=True
+    )
+    P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
+    assert P.grain_workers(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -783,7 +789,7 @@ def test_a_signal_to_the_process_group_stops_a_run_with_grain_workers(ctx, tmp_p
         assert noise not in err, err[-3000:]
     found = re.search(r"stopped by SIGINT at step (\d+)", out)
     assert found, out[-2000:]
-    assert P.complete_steps(workdir) == [stepped, int(found.group(1))]
+    assert P.complete_steps(workdir) == [int(found.group(1))]
 
 
 def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -354,6 +355,40 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_0(ctx):
         position = json.loads((step_dir / "data_iter" / f"process_{i}-of-2.json").read_text())
         canonical = json.dumps(position, sort_keys=True).encode()
         assert hashlib.sha256(canonical).hexdigest() == digest
+
+
+def test_a_sigterm_that_ends_a_grain_worker_too_stops_both_where_they_agree(ctx):
+    """``data.worker_count=1``: process 0's grain worker ends with the SIGTERM to
+    process 0 (a scheduler's or a shutdown's signal reaches every process) while
+    process 0 waits for its next batch and process 1 for process 0. Process 0
+    replaces its iterator at the position reached; both stop at the next step, save
+    it together and exit 0, and the steps consumed the uninterrupted stream's tokens
+    (process 0 raised grain's error and the pair lost every step since the last
+    checkpoint)."""
+    workdir, tokens = ctx[0] / "worker-sigterm", ctx[0] / "tokens-worker-sigterm"
+    long_run = {"num_train_steps": 100_000, "checkpoint_every": 100_000}
+    procs = start_pair(ctx, workdir, record=tokens, **long_run, **{"data.worker_count": 1})
+    P.wait_until(lambda: P.last_step(workdir) >= 2, procs[0], poll=0.005)
+    [worker] = P.grain_workers(procs[0].pid)
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # process 0 drains what its held worker had prefetched, then waits
+    stepped = P.last_step(workdir)
+    os.kill(worker, signal.SIGTERM)  # delivered with the SIGCONT: the worker ends
+    procs[0].send_signal(signal.SIGTERM)
+    os.kill(worker, signal.SIGCONT)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert f"stopped by SIGTERM at step {stepped + 1}" in outputs[0][0], outputs[0][0][-2000:]
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [stepped + 1]
+    ckpt.close()
+    consumed = _recorded(tokens, 2)
+    _, _, _, ref_batches = _reference(_stored_config(workdir), stepped + 1)
+    assert len(consumed) == len(ref_batches)
+    for got, want in zip(consumed, ref_batches):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
