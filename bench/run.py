@@ -11,10 +11,16 @@ measured in one run, alternating its sides, as a median with min–max over
 rounds. ``--quick`` runs fewer rounds and shorter lengths (a smoke test, not
 a measurement). The accelerator benchmark is ``bench/accelerator.sh``.
 
+``--json`` is written whole when the last benchmark ends; until then the
+results so far are in ``OUT.partial`` (rewritten after each benchmark), so a
+run cut short (a Ctrl-C: one line, status 130) leaves an earlier complete
+``OUT`` as it was.
+
 A flag it cannot use ends it with one line on stderr, ``error: …``, and status
-2 before anything runs. So does a ``--reference_python`` that cannot be run or
-lacks torch and torchscale, after the other benchmarks: the JSON records that
-benchmark's ``error``.
+2 before anything runs (also a ``--json`` whose directory is not writable).
+So does a ``--reference_python`` that cannot be run or lacks torch and
+torchscale, after the other benchmarks: the JSON records that benchmark's
+``error``.
 
 Before it starts, the run samples for a few seconds how many cores *other*
 processes keep busy (its own process and children do not count), and again
@@ -36,6 +42,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -90,7 +97,10 @@ def parse(argv=None) -> argparse.Namespace:
         try:
             if os.path.isdir(args.json):
                 raise IsADirectoryError(21, "Is a directory")
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            directory = os.path.dirname(os.path.abspath(args.json))
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here
+                pass
         except OSError as e:
             p.error(f"--json={args.json}: cannot write there ({e.strerror}); choose another path")
     args.names = names
@@ -143,6 +153,24 @@ def main(argv=None) -> int:
         ),
         "shared_cores": check["shared"],  # None: not measured (no /proc), not "idle"
     }
+    # A run cut short (a Ctrl-C, a crash) leaves its results in JSON.partial and the
+    # JSON of an earlier complete run as it was.
+    partial = f"{args.json}.partial" if args.json else None
+    if partial and os.path.exists(partial):
+        os.remove(partial)  # an earlier cut-off run's
+    try:
+        return _run(args, results, partial)
+    except KeyboardInterrupt:
+        kept = partial and os.path.exists(partial)
+        print(
+            "interrupted (Ctrl-C)" + (f"; the benchmarks that finished are in {partial}" * kept),
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
+
+
+def _run(args, results: dict, partial: str | None) -> int:
     errors = []
     for name in args.names:
         module = importlib.import_module(f"bench.{name}")
@@ -164,8 +192,10 @@ def main(argv=None) -> int:
         shared = common.shared_cores(busy)
         results[name].update(other_cores_busy=busy, shared_cores=shared)
         results["shared_cores"] = common.any_shared(results["shared_cores"], shared)
-        if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        if partial:  # the results so far, in case a later benchmark fails
+            _write(partial, results)
+    if partial:
+        os.replace(partial, args.json)
     print(table(results))
     if results["shared_cores"]:
         print("SHARED CORES: other processes ran during this run; its ratios are not speeds")
@@ -173,6 +203,12 @@ def main(argv=None) -> int:
         print(f"error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def _write(path: str, results: dict) -> None:
+    """Whole or not at all: a write cut off leaves the file before it."""
+    pathlib.Path(f"{path}.tmp").write_text(json.dumps(results, indent=1) + "\n")
+    os.replace(f"{path}.tmp", path)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Nothing here asserts a speed; figures come from `python bench/run.py` (docs/benc
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import pytest
 from configs import paper
 from lexjax import hugepages
 from lexjax.config import from_configdict
+from tests import processes as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -135,6 +137,47 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
         ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"], tmp_path
     )
     assert proc.returncode == 2 and "x.json: cannot write there (File exists)" in proc.stderr
+
+
+def test_a_json_in_a_read_only_directory_is_refused_before_any_benchmark(tmp_path):
+    """Was a traceback after the first benchmark, its results lost."""
+    with P.tmpfs(tmp_path / "ro", "1m") as mount:
+        P.make_read_only(mount, tmp_path / "ro")
+        args = ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/ro/x.json"]
+        proc = _run(args, tmp_path)
+    said = "x.json: cannot write there (Read-only file system); choose another path"
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_keeps_an_earlier_json_and_the_finished_benchmarks(tmp_path):
+    """A Ctrl-C: one line, status 130; the finished benchmarks are in OUT.partial and an
+    earlier complete OUT is left as it was (it was replaced by the partial results,
+    nothing marking them so, after a KeyboardInterrupt traceback)."""
+    out = tmp_path / "bench.json"
+    out.write_text('{"earlier": "complete"}\n')
+    # train_vs_reference fails at once without torch (recorded); then mfu starts.
+    args = ["--only", "train_vs_reference,mfu", "--reference_python", "/bin/false"]
+    proc = subprocess.Popen(
+        [sys.executable, "bench/run.py", *args, "--json", str(out)],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("running mfu"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert (
+        rest.strip() == f"interrupted (Ctrl-C); the benchmarks that finished are in {out}.partial"
+    )
+    assert out.read_text() == '{"earlier": "complete"}\n'
+    finished = json.loads(pathlib.Path(f"{out}.partial").read_text())
+    assert "error" in finished["train_vs_reference"] and "mfu" not in finished
 
 
 @pytest.mark.parametrize(
