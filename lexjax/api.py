@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from lexjax import evaluation, generation, passkey, training
+from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, from_configdict
 from lexjax.data import Tokenizer
@@ -157,7 +157,7 @@ class Run:
                 self.workdir,
                 lengths=_listed(lengths),
                 max_length=max_length,
-                modes=tuple(_listed(modes)),
+                modes=_listed(modes),
                 sinks=sinks,
                 eval_files=eval_files,
                 max_docs=max_docs,
@@ -199,7 +199,7 @@ class Run:
                 lengths=_listed(lengths),
                 depths=depths,
                 trials=trials,
-                modes=tuple(_listed(modes)),
+                modes=_listed(modes),
                 filler=filler,
                 eval_files=eval_files,
                 max_docs=max_docs,
@@ -261,7 +261,11 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     Raises :class:`lexjax.errors.CheckpointError` when there is none. Needs no
     lease: it reads while training runs, and only complete steps.
     """
-    workdir = check_path("workdir", workdir)
+    # Absolute: the run's files stay where they are after a notebook's %cd.
+    workdir = os.path.abspath(check_path("workdir", workdir))
+    # A damaged step's failed reads end in one warning, not in tracebacks of orbax's
+    # threads and coroutines (a kernel collects them later, while it runs).
+    checkpoint.quiet_background_errors()
     with _quiet_orbax_notices():
         loaded, mesh = evaluation.load_on_mesh(workdir)
     return Run(

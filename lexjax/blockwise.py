@@ -44,6 +44,7 @@ a :class:`KVCache`) and below :mod:`lexjax.evaluation` and
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -225,7 +226,11 @@ def sink_window(block: int, sinks: int) -> int:
     """W = train_len − sinks = 2w − sinks: the recent tokens each query sees
     (itself included). Raises ValueError unless ``0 ≤ sinks ≤ w`` (the sinks
     come from the first block)."""
-    if not isinstance(sinks, int) or isinstance(sinks, bool) or not 0 <= sinks <= block:
+    if (
+        not isinstance(sinks, numbers.Integral)
+        or isinstance(sinks, bool)
+        or not 0 <= sinks <= block
+    ):
         raise ValueError(f"sinks must be an integer in [0, {block}] (train_len/2), got {sinks!r}")
     return 2 * block - sinks
 

@@ -1017,8 +1017,12 @@ def _from_checkpoint_io(exc: BaseException | None, obj=None) -> bool:
     return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
 
 
+_quiet = False
+
+
 def quiet_background_errors() -> None:
-    """Keeps orbax's background failures from printing tracebacks on stderr.
+    """Keeps orbax's background failures from printing tracebacks on stderr (once
+    per process: later calls change nothing).
 
     A failed read or write surfaces three ways: as the exception the
     Checkpointer turns into one line, and as stray reports from the threads and
@@ -1026,6 +1030,10 @@ def quiet_background_errors() -> None:
     <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
     first is shown; every other error still reaches the default hooks.
     """
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
     # absl's handler joins the root logger only inside app.run, after this runs.
     for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
         handler.addFilter(_NoOrbaxErrors())

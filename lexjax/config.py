@@ -31,6 +31,8 @@ import sys
 import typing
 from collections.abc import Mapping
 
+import numpy as np
+
 from lexjax.errors import ConfigError, one_line
 
 __all__ = [
@@ -422,7 +424,7 @@ def _checked(path: str, value, hint):
         return _sharding_rules(value)
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # also NumPy's
     ok = {
-        bool: isinstance(value, bool),
+        bool: isinstance(value, (bool, np.bool_)),
         int: number and isinstance(value, numbers.Integral),
         float: number,
         str: isinstance(value, str),
@@ -432,7 +434,7 @@ def _checked(path: str, value, hint):
         raise ConfigError(f"{path}={value!r}: expected {expected[kind]}")
     if kind is float and not math.isfinite(value):  # NaN passes every range check
         raise ConfigError(f"{path}={value!r}: expected a finite number")
-    return kind(value) if number else value
+    return kind(value) if number or kind is bool else value
 
 
 def _sharding_rules(value) -> tuple:
@@ -469,9 +471,9 @@ def check_rope_scaling(
     factor's setting) unless the RoPE extension ``scaling`` with ``factor`` applies to
     a model whose position encoding is ``position`` (None: not known yet)."""
     scaling_name, factor_name = names
-    if scaling not in ROPE_SCALINGS:
+    if not isinstance(scaling, str) or scaling not in ROPE_SCALINGS:
         raise ConfigError(f"{scaling_name}={scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}")
-    if not (factor == 0 or (factor >= 1 and factor != float("inf"))):
+    if not is_real(factor) or not (factor == 0 or (factor >= 1 and factor != float("inf"))):
         raise ConfigError(
             f"{factor_name}={factor} must be ≥ 1, or 0 for each evaluated length / train_len"
         )
@@ -500,6 +502,11 @@ def check_int(name: str, value, low: int = 1, high: int | None = None, bound: st
         bound = bound or ("a positive integer" if (low, high) == (1, None) else default)
         raise ConfigError(f"{name}={value!r} must be {bound}")
     return int(value)
+
+
+def is_real(value) -> bool:
+    """Whether ``value`` is a real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_path(name: str, value) -> str:

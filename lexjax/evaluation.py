@@ -676,6 +676,20 @@ def measure_resolution(
 # --------------------------------------------------------------------------- the protocols
 
 
+def _plan_args(data) -> dict:
+    """The arguments of :func:`lexjax.data.build_name` naming ``data``'s corpus."""
+    return {k: getattr(data, k) for k in ("files", "validation_files", "test_files")}
+
+
+def _check_same_corpus(name: str, trained: str, now: str | None, split: str) -> None:
+    if now != trained:
+        raise DataError(
+            f"the {name} corpus changed since this run trained on it (build {trained} "
+            f"then, {now} now): its {split} split may hold text the run trained "
+            "on; restore the files, or evaluate on other text with --eval_files"
+        )
+
+
 def held_out_documents(
     config: Config,
     eval_files: str | None = None,
@@ -710,6 +724,9 @@ def held_out_documents(
                 )
             return f"{len(relpaths)} files of {eval_files}", docs
         d = config.data
+        # Found from the files first, so a changed corpus is refused before it is built.
+        if corpus is not None and (planned := data_lib.build_name(d.name, **_plan_args(d))):
+            _check_same_corpus(d.name, corpus, planned, splits[0])
         for split, fallback in zip(splits, [*splits[1:], None]):
             try:
                 source = data_lib.load_source(d.name, split, **d.corpus())
@@ -719,12 +736,8 @@ def held_out_documents(
                 say(f"note: {e}; using the {fallback} split")
                 continue
             break
-        if corpus is not None and source.build != corpus:
-            raise DataError(
-                f"the {d.name} corpus changed since this run trained on it (build {corpus} "
-                f"then, {source.build} now): its {split} split may hold text the run trained "
-                "on; restore the files, or evaluate on other text with --eval_files"
-            )
+        if corpus is not None:
+            _check_same_corpus(d.name, corpus, source.build, split)
         built = data_lib.load_tokenizer(
             d.tokenizer, d.vocab_size, d.name, **d.corpus(), train=False
         )
@@ -772,7 +785,11 @@ def check_modes(modes, *, sinks: int = DEFAULT_SINKS, flag: str = "") -> tuple[s
     :class:`ConfigError`: none, or one unknown); a sink count other than the
     default (``sinks``) only with mode ``"sinks"``, the one that uses it.
     ``flag``: ``"--"`` names eval.py's flags in the message."""
+    if not isinstance(modes, (str, Iterable)):
+        raise ConfigError(f"{flag}modes={modes!r}: use some of {', '.join(MODES)}")
     modes = tuple(dict.fromkeys([modes] if isinstance(modes, str) else modes))
+    if not all(isinstance(m, str) for m in modes):
+        raise ConfigError(f"{flag}modes={modes!r}: use some of {', '.join(MODES)}")
     if not modes or set(modes) - set(MODES):
         raise ConfigError(f"{flag}modes={','.join(modes)}: use some of {', '.join(MODES)}")
     if sinks != DEFAULT_SINKS and "sinks" not in modes:
@@ -796,7 +813,12 @@ def check_settings(
     ``flag`` ``"--"`` gives) accepts them: sorted distinct ``lengths`` (None: the
     default), else a one-line :class:`ConfigError`. Integers may be numpy's."""
     if lengths is not None:
-        if isinstance(lengths, str) or not len(lengths):
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+            raise ConfigError(
+                f"{flag}lengths={lengths!r} must be a sequence of lengths such as 256,1024"
+            )
+        lengths = list(lengths)  # (a generator is read once)
+        if not lengths:
             raise ConfigError(
                 f"{flag}lengths is empty; give lengths such as 256,1024 or leave it out"
             )
@@ -805,7 +827,9 @@ def check_settings(
         check_int(f"{flag}max_length", max_length)
     check_int(f"{flag}sinks", sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
     check_int(f"{flag}max_docs", max_docs)
-    if eval_files is not None and not eval_files.strip():
+    if eval_files is not None and not isinstance(eval_files, (str, os.PathLike)):
+        raise ConfigError(f"{flag}eval_files={eval_files!r} must be a glob (a str or a path)")
+    if eval_files is not None and not os.fspath(eval_files).strip():
         raise ConfigError(f"{flag}eval_files is empty; give a glob of text files or leave it out")
     return lengths
 
@@ -917,6 +941,8 @@ def evaluate_run(
     lengths = check_settings(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
+    sinks, max_docs = int(sinks), int(max_docs)  # numpy's too: they go into the JSON
+    eval_files = None if eval_files is None else os.fspath(eval_files)
     check_rope_scaling(rope_scaling, rope_factor, config.model.position)
     modes = check_modes(modes, sinks=sinks)
     if rope_scaling != "none":

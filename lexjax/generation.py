@@ -27,7 +27,6 @@ appended; memory grows with the sequence.
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import jax
@@ -38,7 +37,7 @@ from lexjax import data as data_lib
 from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
-from lexjax.config import Config, check_int, check_seed
+from lexjax.config import Config, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.evaluation import check_full_length
 from lexjax.model import Decoder
@@ -198,10 +197,15 @@ def _sample(
         ordered = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(before < top_p, ordered, jnp.inf)
+        # The most likely id always stays, also where top_p is below float32's range.
+        keep = (before < top_p) | (jnp.arange(ordered.shape[-1]) == 0)
+        kept = jnp.where(keep, ordered, jnp.inf)
         threshold = jnp.min(kept, axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_sampling(
@@ -224,10 +228,15 @@ def check_sampling(
             f"the prompt is not valid text: {prompt[e.start : e.end]!r} at character {e.start} "
             "cannot be written in UTF-8; pass UTF-8 text"
         ) from None
-    if not _real(temperature) or not 0 <= temperature < float("inf"):  # NaN too
-        raise ConfigError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature!r}")
+    # Sampling divides float32 logits by it: a larger one is infinite there (and the
+    # ruled-out ids' −inf / inf NaNs that win the draw).
+    if not is_real(temperature) or not 0 <= temperature <= _FLOAT32_MAX:  # NaN too
+        raise ConfigError(
+            f"temperature must be ≥ 0 (0 = greedy) and at most {_FLOAT32_MAX:.3g} (float32), "
+            f"got {temperature!r}"
+        )
     check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
-    if not _real(top_p) or not 0 < top_p <= 1:
+    if not is_real(top_p) or not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
     check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS + 1)
     check_seed(seed)
@@ -235,10 +244,6 @@ def check_sampling(
 
 MAX_NEW_TOKENS = 1 << 24
 """The most tokens one call generates (each needs its random key in memory up front)."""
-
-
-def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # Tokens sampled per compiled call of generate(): the steps of its progress display.
@@ -411,6 +416,8 @@ def complete(
     ``progress``: the progress display on stderr of more than one chunk.
     """
     check_sampling(prompt=prompt)
+    if on_text is not None and not callable(on_text):
+        raise ConfigError(f"on_text must be a function of the text or None, got {on_text!r}")
     stream = TextStream(tokenizer)
 
     def show(tokens_BxC) -> bool:

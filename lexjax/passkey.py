@@ -38,11 +38,12 @@ almost no rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -51,7 +52,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed
+from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import DataError, EvaluationError
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -338,18 +339,36 @@ def parse_depths(values) -> list[float] | None:
 
 
 def check_settings(
-    *, trials: int, filler: str, seed: int = 0, depths: Sequence[float] = DEPTHS
-) -> list[float]:
+    *,
+    trials: int,
+    filler: str,
+    seed: int = 0,
+    depths: Sequence[float] = DEPTHS,
+    eval_files: str | None = None,
+) -> tuple[int, int, list[float]]:
     """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
-    of range; returns the depths sorted, without repeats."""
-    check_seed(seed)
-    check_int("--passkey_trials", trials)
+    of range, or held-out files given to the repeated filler (which would ignore
+    them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
+    the JSON needs) and the depths sorted, without repeats."""
+    seed = check_seed(seed)
+    trials = check_int("--passkey_trials", trials)
     if filler not in FILLERS:
         raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
-    return _sorted_depths(depths)
+    if filler != "text" and eval_files is not None:
+        raise ConfigError(
+            f"passkey with --passkey_filler={filler} does not use --eval_files; give "
+            "--passkey_filler=text to fill the samples with those files, or leave it out"
+        )
+    return trials, seed, _sorted_depths(depths)
 
 
 def _sorted_depths(depths: Sequence[float]) -> list[float]:
+    one = is_real(depths) or isinstance(depths, str)
+    if one or not isinstance(depths, Iterable):
+        raise ConfigError(f"depths must be a sequence of numbers in [0, 1], got {depths!r}")
+    depths = list(depths)
+    if not all(is_real(d) for d in depths):
+        raise ConfigError(f"depths must be numbers in [0, 1], got {depths!r}")
     depths = sorted(set(float(d) for d in depths))
     if not depths or not all(0 <= d <= 1 for d in depths):  # NaN fails every comparison
         raise ConfigError(f"depths must be in [0, 1], got {depths}")
@@ -514,19 +533,27 @@ def evaluate_passkey(
     ``max_docs`` held-out documents (``eval_files``, else the run's test split).
     Prints a table per mode and writes ``WORKDIR/eval/passkey.json``
     (``{"train_len", ..., "skipped", "results": [{"mode", "length", "depth",
-    "accuracy", "trials"}]}``) and a length × depth heat map per mode,
-    ``passkey-MODE.png``. Returns the results and the paths written. ``mesh``:
+    "accuracy", "trials"}]}``), the same under a name of its settings
+    (:func:`lexjax.evaluation.settings_name`), and a length × depth heat map per
+    mode, ``passkey-MODE.png`` (an earlier run's map of a mode not measured now
+    is removed). Returns the results and the paths written. ``mesh``:
     the evaluation mesh (``params`` sharded on it, called under
     ``jax.set_mesh``); the samples of a batch are split over its batch axes.
     """
-    depths = check_settings(
-        trials=trials, filler=filler, seed=seed, depths=DEPTHS if depths is None else depths
+    trials, seed, depths = check_settings(
+        trials=trials,
+        filler=filler,
+        seed=seed,
+        depths=DEPTHS if depths is None else depths,
+        eval_files=eval_files,
     )
     train_len, position = config.train_len, config.model.position
     modes = evaluation.check_modes(modes)
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)
+    max_docs = int(max_docs)
+    eval_files = None if eval_files is None else os.fspath(eval_files)
     for n in lengths:  # a sample is built whole on the host: 8 bytes a token, and more
         check_int("passkey length", n, 1, MAX_LENGTH + 1, f"at most {MAX_LENGTH:,} tokens")
     source, stream = "the repeated filler sentence", FILLER
@@ -565,20 +592,32 @@ def evaluate_passkey(
         f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
     )
     print(reports.passkey_table(results, position, skipped=skipped))
-    written = [os.path.join(out_dir, "passkey.json")]
-    reports.write_json(
-        written[0],
-        reports.passkey_json(
-            results,
-            train_len=train_len,
-            position=position,
-            step=step,
-            filler=source,
-            seed=seed,
-            skipped=skipped,
-        ),
+    summary = reports.passkey_json(
+        results,
+        train_len=train_len,
+        position=position,
+        step=step,
+        filler=source,
+        seed=seed,
+        skipped=skipped,
     )
-    for mode in dict.fromkeys(r.mode for r in results):
+    # passkey.json is the latest run's; a copy named by its settings stays, as
+    # perplexity's does, so runs with other settings never write over each other.
+    settings = dict(
+        kind="passkey", step=step, modes=list(modes), lengths=lengths, max_length=max(lengths)
+    )
+    settings.update(depths=depths, trials=trials, filler=source, seed=seed)
+    written = [
+        os.path.join(out_dir, f"{stem}.json")
+        for stem in ("passkey", evaluation.settings_name("passkey", settings))
+    ]
+    for path in written:
+        reports.write_json(path, summary)
+    drawn = dict.fromkeys(r.mode for r in results)
+    for mode in set(evaluation.MODES) - set(drawn):  # a heat map of an earlier run's mode
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, f"passkey-{mode}.png"))
+    for mode in drawn:
         written.append(os.path.join(out_dir, f"passkey-{mode}.png"))
         reports.plot_passkey(
             [r for r in results if r.mode == mode],

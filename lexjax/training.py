@@ -27,7 +27,16 @@ from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, check_path, field_at, from_configdict, model_differences, to_dict
+from lexjax.config import (
+    Config,
+    check_int,
+    check_path,
+    field_at,
+    from_configdict,
+    is_real,
+    model_differences,
+    to_dict,
+)
 from lexjax.errors import CheckpointError, ConfigError, TrainingError
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
@@ -247,6 +256,12 @@ def train(
     # A Config built by hand or with dataclasses.replace is checked like any other.
     config = from_configdict(to_dict(config) if isinstance(config, Config) else config)
     workdir = check_path("workdir", workdir)
+    if stop_after is not None:
+        stop_after = check_int("stop_after", stop_after, bound="a positive integer or None")
+    if peak_flops is not None and not (is_real(peak_flops) and 0 < peak_flops < float("inf")):
+        raise ConfigError(
+            f"peak_flops={peak_flops!r} must be a positive number (FLOP/s per device)"
+        )
     with _StopFlag() as stop:  # from here on a signal ends the call cleanly
         created = not os.path.isdir(workdir)
         _check_workdir(workdir)

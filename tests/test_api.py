@@ -4,6 +4,7 @@ checked against forward passes computed here, and `import lexjax` stays light.""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 
 import lexjax
 from lexjax import checkpoint, cli
-from lexjax.errors import CheckpointError, ConfigError
+from lexjax.errors import CheckpointError, ConfigError, DataError
 from tests.processes import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +156,7 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         (run.generate, (123,), {}, "prompt must be text"),
         (run.generate, ("x",), {"max_new_tokens": 2.7}, "max_new_tokens=2.7"),
         (run.generate, ("x",), {"top_k": 1.5}, "top_k=1.5"),
-        (run.generate, ("x",), {"temperature": "1"}, "temperature must be finite and ≥ 0"),
+        (run.generate, ("x",), {"temperature": "1"}, "temperature must be ≥ 0"),
         (run.evaluate, ("32",), {}, "lengths='32' must be a positive integer"),
         (lexjax.load, (None,), {}, "workdir must be a path"),
     ]:
@@ -229,3 +230,80 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         max_docs=1,
     )
     assert code == 0 and "filler: 1 documents of" in capfd.readouterr().out
+
+
+def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkeypatch):
+    """Arguments as a notebook passes them: numpy numbers, paths, a relative workdir
+    and a %cd after load, a corpus changed since training, extreme sampling values.
+    Each works as documented or is one ConfigError/DataError before any work (each
+    was a crash after the work, a raw Python error, or a silently wrong result)."""
+    monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # process-wide
+    corpus = tmp_path / "corpus"
+    files = write_corpus(corpus)
+    data = {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")}
+    for bad, message in [
+        ({"stop_after": 0}, "stop_after=0 must be a positive integer or None"),
+        ({"stop_after": 1.5}, "stop_after=1.5 must be a positive integer or None"),
+        ({"peak_flops": "x"}, "peak_flops='x' must be a positive number"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            lexjax.train({**TINY, "data": data}, str(tmp_path / "refused"), **bad)
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.chdir(tmp_path)
+    lexjax.train({**TINY, "data": data, "model": {**TINY["model"], "remat": np.bool_(True)}}, "run")
+    run = lexjax.load("run")
+    monkeypatch.chdir(corpus)  # a notebook's %cd: the run's files stay where they are
+    assert run.workdir == str(tmp_path / "run") and len(run.metrics()) > 6
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(2):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
+    for verb, args, kwargs, message in [
+        (run.evaluate, (True,), {}, "lengths=True must be a sequence of lengths"),
+        (run.evaluate, ([16],), {"modes": None}, "modes=None: use some of"),
+        (run.evaluate, ([16],), {"rope_scaling": "pi", "rope_factor": "2"}, "rope_factor=2 must"),
+        (run.passkey, ([80],), {"depths": 0.5}, "depths must be a sequence of numbers"),
+        (run.passkey, ([80],), {"depths": ["x"]}, "depths must be numbers in [0, 1]"),
+        (run.passkey, ([80],), {"eval_files": str(docs)}, "passkey with --passkey_filler=repeat"),
+        (run.generate, ("x",), {"temperature": 1e39}, "temperature must be ≥ 0 (0 = greedy)"),
+        (run.generate, ("x",), {"on_text": 5}, "on_text must be a function"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            verb(*args, **kwargs)
+    assert not (tmp_path / "run" / "eval").exists()
+
+    glob = docs / "*.txt"  # a pathlib.Path, numpy integers, lengths from a generator
+    results = run.evaluate(
+        (n for n in (16, 32)),
+        modes=["sinks"],
+        sinks=np.int64(2),
+        eval_files=glob,
+        max_docs=2,
+        max_length=64,
+    )
+    assert sorted(r.length for r in results) == [16, 32]
+    written = json.loads((tmp_path / "run" / "eval" / "perplexity.json").read_text())
+    assert written["sinks"] == 2
+    run.passkey([80], depths=[0.5], trials=np.int64(2), seed=np.int64(1), modes=["bca", "full"])
+    eval_dir = tmp_path / "run" / "eval"
+    assert json.loads((eval_dir / "passkey.json").read_text())["seed"] == 1
+    assert (eval_dir / "passkey-full.png").exists()
+    run.passkey([80], depths=[0.5], trials=1, modes="bca")
+    assert not (eval_dir / "passkey-full.png").exists()  # not of the latest run's modes
+    named = sorted(p.name for p in eval_dir.glob("passkey-step*.json"))
+    assert [n[: n.rindex("-")] for n in named] == [
+        "passkey-step6-bca+full-budget80",
+        "passkey-step6-bca-budget80",
+    ]
+
+    # top_p below float32's range keeps the most likely id (it kept none: id 0 each time).
+    greedy = run.generate("def ", max_new_tokens=20, temperature=0, progress=False)
+    assert run.generate("def ", max_new_tokens=20, top_p=1e-46, progress=False) == greedy
+
+    # A corpus changed since training is refused from its files, before it is built.
+    (corpus / "extra.txt").write_text("alpha beta gamma " * 40)
+    builds = sorted((tmp_path / "tfds" / "textfiles").iterdir())
+    with pytest.raises(DataError, match="^the textfiles corpus changed since this run trained"):
+        run.evaluate([16])
+    assert sorted((tmp_path / "tfds" / "textfiles").iterdir()) == builds

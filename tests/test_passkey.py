@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -390,11 +391,12 @@ def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params
     )
     out = capsys.readouterr().out
     eval_dir = os.path.join(workdir, "eval")
-    assert sorted(os.path.basename(p) for p in written) == [
-        "passkey-bca.png",
-        "passkey-full.png",
-        "passkey.json",
-    ]
+    names = sorted(os.path.basename(p) for p in written)
+    # passkey.json, and the same under a name of its settings (step, modes, longest length).
+    assert re.fullmatch(r"passkey-step5-bca\+full-budget96-[0-9a-f]{8}\.json", names[2]), names
+    assert names[:2] + names[3:] == ["passkey-bca.png", "passkey-full.png", "passkey.json"]
+    with open(os.path.join(eval_dir, names[2])) as a, open(os.path.join(eval_dir, names[3])) as b:
+        assert json.load(a) == json.load(b)
     for name in ("passkey-bca.png", "passkey-full.png"):
         assert os.path.getsize(os.path.join(eval_dir, name)) > 1000
     with open(os.path.join(eval_dir, "passkey.json")) as f:

@@ -576,6 +576,25 @@ def plan_corpus(
     )
 
 
+def build_name(
+    name: str,
+    files: str | None = None,
+    *,
+    validation_files: str | None = None,
+    test_files: str | None = None,
+    max_files: int | None = None,
+) -> str | None:
+    """The ``name/config/version`` (:attr:`TextSource.build`) of the build these
+    files make, found without building (the files are read to fingerprint
+    them); None for a dataset lexjax does not build."""
+    if name not in BUILDER_NAMES:
+        return None
+    plan = plan_corpus(
+        name, files, validation_files=validation_files, test_files=test_files, max_files=max_files
+    )
+    return f"{name}/{plan.fingerprint[:16]}/{_BUILDERS[name].VERSION}"
+
+
 def prepare(
     name: str,
     data_dir: str | os.PathLike | None = None,
