@@ -186,7 +186,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag,expected",
+    "flags,expected",
     [
         ("--config.runs=rope/b=3", "runs: 'rope/b=3': /b= applies to xpos only"),
         ("--config.nosuch=1", "unknown config field nosuch; known: "),
@@ -194,13 +194,23 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
             "--config=configs/extrapolation.py:smok",
             "unknown preset 'smok' of configs/extrapolation.py; use small, text",
         ),
+        # Empty lists were empty tables (exit 0) after every training.
+        ("--config.modes=", "modes is empty; list some of bca, full, sinks"),
+        ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
+        # No length reaches train_len for the extensions: an error after every training.
+        (
+            "--config.multipliers=0.5 --config.scalings=pi",
+            "scalings pi (evaluated on rope_s0, xpos_b8_s0) are measured at lengths of at "
+            "least train_len 16, and multipliers 0.5 give none; add a multiplier of at least 1",
+        ),
     ],
 )
-def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flag, expected):
+def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flags, expected):
+    """Before any training: nothing is written."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [*COMMAND, f"--out={tmp_path / 'out'}", flag],
+        [*COMMAND, f"--out={tmp_path / 'out'}", *flags.split()],
         cwd=ROOT,
         env=env,
         capture_output=True,

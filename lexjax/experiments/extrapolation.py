@@ -254,7 +254,7 @@ def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
     is evaluated in each of ``modes``; the first ``scaling_seeds`` seeds of a rotary
     position (RoPE, XPOS) also with each RoPE extension of ``scalings``, without BCA
     (with BCA no position reaches train_len, so an extension has nothing to extend)."""
-    modes = _names(exp.get("modes", "bca,full"), "modes", MODES)
+    modes = _names(exp.get("modes", "bca,full"), "modes", MODES, required=True)
     keys = [(mode, mode, "none") for mode in modes]
     scalings = _names(exp.get("scalings", ""), "scalings", ROPE_SCALINGS)
     first = spec.seed - int(exp["train"]["seed"]) < int(exp.get("scaling_seeds", 1))
@@ -263,12 +263,33 @@ def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
     return keys
 
 
-def _names(text: str, field: str, allowed) -> list[str]:
+def _names(text: str, field: str, allowed, *, required: bool = False, why: str = "") -> list[str]:
+    """The comma-separated names of ``text``, each one of ``allowed``; with ``required``
+    at least one (``why``: what requires it)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in allowed]
     if unknown:
         raise ExperimentError(f"{field}: {unknown[0]!r} is not one of {', '.join(allowed)}")
+    if required and not names:
+        raise ExperimentError(f"{field} is empty{why}; list some of {', '.join(allowed)}")
     return list(dict.fromkeys(names))
+
+
+def _check_scalings(exp, specs: list[RunSpec], lengths: list[int], train_len: int) -> None:
+    """A RoPE extension is evaluated at the lengths from train_len on (below it its
+    factor is 1): refuses scalings that apply to some run when no length reaches it."""
+    runs = {}
+    for spec in specs:
+        for _, _, scaling in evaluations(exp, spec):
+            if scaling != "none":
+                runs.setdefault(scaling, []).append(spec.name)
+    if runs and lengths[-1] < train_len:
+        names = sorted({name for names in runs.values() for name in names})
+        raise ExperimentError(
+            f"scalings {', '.join(runs)} (evaluated on {', '.join(names)}) are measured at "
+            f"lengths of at least train_len {train_len}, and multipliers {exp['multipliers']} "
+            "give none; add a multiplier of at least 1, or set scalings= (none)"
+        )
 
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
@@ -409,7 +430,13 @@ def _passkey_plan(exp, train_len: int) -> dict | None:
         raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: not numbers") from None
     if not depths or not all(0 <= d <= 1 for d in depths):
         raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: use numbers in [0, 1]")
-    modes = _names(exp.get("passkey_modes", "bca,full"), "passkey_modes", generation.MODES)
+    modes = _names(
+        exp.get("passkey_modes", "bca,full"),
+        "passkey_modes",
+        generation.MODES,
+        required=True,
+        why=f" (passkey_trials={trials}; 0 measures no passkey)",
+    )
     return {
         "lengths": lengths,
         "depths": depths,
@@ -425,9 +452,14 @@ def _perplexity_path(workdir: str, key: str) -> str:
     return os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json")
 
 
-def _plan(exp, shared_config: Config) -> dict:
-    """Lengths and held-out documents shared by every run."""
+def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
+    """Lengths and held-out documents shared by every run; the evaluation settings are
+    checked first, before the documents are read (and long before any training)."""
     lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
+    for spec in specs:  # a misspelt mode or scaling fails before any training
+        evaluations(exp, spec)
+    _check_scalings(exp, specs, lengths, shared_config.train_len)
+    passkey_plan = _passkey_plan(exp, shared_config.train_len)
     # Both modes score the same documents and budget: every cell of a table the same tokens.
     docs = {"perplexity": int(exp["eval_docs"]), "resolution": int(exp["resolution_docs"])}
     if min(docs.values()) < 1:
@@ -461,7 +493,7 @@ def _plan(exp, shared_config: Config) -> dict:
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "sinks": int(exp.get("sinks", evaluation.DEFAULT_SINKS)),
         "evaluations": lambda spec: evaluations(exp, spec),
-        "passkey": _passkey_plan(exp, shared_config.train_len),
+        "passkey": passkey_plan,
         "longest": longest,
         "max_length": max_length,
     }
@@ -507,9 +539,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         exp["runs"], scale_base=shared_config.model.scale_base, seed=shared_config.seed
     )
     configs = [_run_config(shared, spec) for spec in specs]
-    plan = _plan(exp, shared_config)
-    for spec in specs:  # a misspelt mode or scaling fails before any training
-        plan["evaluations"](spec)
+    plan = _plan(exp, shared_config, specs)
     log(
         f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
