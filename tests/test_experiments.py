@@ -299,3 +299,46 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
         assert done.returncode == code, done.stderr[-3000:]
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def _smoke_config(**overrides):
+    from configs import extrapolation as presets
+    from lexjax.config import from_configdict
+
+    train = presets.get_config("smoke").train
+    train.update(overrides)
+    return from_configdict(train)
+
+
+def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
+    """The documents resolution reads depend on the longest evaluated length (the
+    plan keeps those that have it): with more multipliers perplexity was measured
+    again, resolution kept, from other documents than the new numbers."""
+    from lexjax import checkpoint, evaluation
+    from lexjax.experiments.extrapolation import RunSpec, _eval_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    monkeypatch.setattr(checkpoint, "load_params", lambda workdir: (config, None, 2))
+    measured = []
+
+    def resolution(model, params, documents, **kwargs):
+        measured.append([list(d) for d in documents])
+        return []
+
+    monkeypatch.setattr(evaluation, "resolution_protocol", resolution)
+    plan = {
+        "docs": {"perplexity": 1, "resolution": 2},
+        "eval_split": "test",
+        "evaluations": lambda spec: [],
+    }
+    workdir, log = str(tmp_path), lambda _: None
+    first = [list(range(40)), list(range(1, 41)), list(range(2, 42))]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first}, log)
+    _eval_stage(spec, config, workdir, {**plan, "documents": first}, log)
+    assert measured == [first[:2]]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first[1:]}, log)
+    assert measured[1:] == [first[1:]]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first[2:]}, log)
+    assert measured[2:] == [first[2:]]
+    with open(tmp_path / "resolution.json") as f:
+        assert json.load(f)["measured"]["documents"] == 1

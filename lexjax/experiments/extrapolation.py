@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from lexjax import checkpoint, evaluation, generation, passkey, reports
 from lexjax import data as data_lib
@@ -304,7 +306,20 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         "documents": len(docs),
         **({"sinks": plan["sinks"]} if mode == "sinks" else {}),
     }
-    measured_resolution = {**shared, "resolution_docs": plan["docs"]["resolution"]}
+    # Which documents resolution measures depends on the longest evaluated length (the
+    # plan's documents have all of it): the tokens it reads are recorded.
+    chosen = evaluation.resolution_documents(
+        plan["documents"],
+        config.train_len,
+        max_docs=plan["docs"]["resolution"],
+        where=f"the {plan['eval_split']} split",
+    )
+    measured_resolution = {
+        **shared,
+        "resolution_docs": plan["docs"]["resolution"],
+        "documents": len(chosen),
+        "tokens": _digest(chosen, 2 * config.train_len),
+    }
 
     def done(path, measured):
         return _stage_done(path, config, protocol=PROTOCOL, measured=measured) is not None
@@ -363,7 +378,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         results = evaluation.resolution_protocol(
             model,
             params,
-            plan["documents"],
+            chosen,
             train_len=config.train_len,
             block=config.block,
             max_docs=plan["docs"]["resolution"],
@@ -372,6 +387,15 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         for r in results:
             say(f"  resolution {r.mode} {r.length}: {r.mean:.3g}")
         write(resolution_path, start, results, measured=measured_resolution)
+
+
+def _digest(documents, length: int) -> str:
+    """A digest of the first ``length`` tokens of each of ``documents``, in order."""
+    h = hashlib.sha256()
+    for d in documents:
+        h.update(np.asarray(d[:length], dtype=np.int64).tobytes())
+        h.update(b"\0")
+    return f"sha256:{h.hexdigest()[:16]}"
 
 
 def _passkey_stage(spec, config, workdir, plan, log) -> None:
