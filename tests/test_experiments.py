@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -308,6 +309,64 @@ def _smoke_config(**overrides):
     train = presets.get_config("smoke").train
     train.update(overrides)
     return from_configdict(train)
+
+
+def _fake_training(monkeypatch, stop_first: int, save: bool = True):
+    """lexjax.training.train as the study calls it: stopped by a signal in its first
+    ``stop_first`` calls, each 0.3 s, saving a step when ``save``."""
+    from lexjax import training
+
+    calls = []
+
+    def train(config, workdir, log):
+        calls.append(config)
+        if save:
+            os.makedirs(os.path.join(workdir, "checkpoints", str(len(calls))), exist_ok=True)
+        time.sleep(0.3)
+        stopped = len(calls) <= stop_first
+        return {"step": len(calls), "stopped_by": "SIGTERM" if stopped else None}
+
+    monkeypatch.setattr(training, "train", train)
+    return calls
+
+
+def test_a_started_training_refuses_another_config(tmp_path, monkeypatch):
+    """A training interrupted, then resumed under another learning rate, continued
+    under it and recorded the new config as if every step had used it."""
+    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    calls = _fake_training(monkeypatch, stop_first=1)
+    workdir = str(tmp_path / "runs" / spec.name)
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    other = _smoke_config(learning_rate=0.05)
+    with pytest.raises(ExperimentError) as error:
+        _train_stage(spec, other, workdir, log=lambda _: None)
+    assert error.value.exit_code == 2
+    assert "train_started.json was written for another training config (differs in " in str(
+        error.value
+    )
+    assert "learning_rate); use a new --out or the same config" in str(error.value)
+    assert len(calls) == 1
+    # With no step saved there is nothing to mix: another config starts afresh.
+    calls = _fake_training(monkeypatch, stop_first=1, save=False)
+    fresh = str(tmp_path / "runs" / "fresh")
+    assert _train_stage(spec, config, fresh, log=lambda _: None) is None
+    assert _train_stage(spec, other, fresh, log=lambda _: None)["config"]["learning_rate"] == 0.05
+
+
+def test_training_seconds_add_up_over_invocations(tmp_path, monkeypatch):
+    """train.json's seconds (summary.md's "train s") were the last invocation's alone."""
+    from lexjax.experiments.extrapolation import RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    _fake_training(monkeypatch, stop_first=2)
+    workdir = str(tmp_path / spec.name)
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    record = _train_stage(spec, config, workdir, log=lambda _: None)
+    assert record["summary"]["step"] == 3
+    assert 0.9 <= record["seconds"] < 30, record["seconds"]
 
 
 def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):

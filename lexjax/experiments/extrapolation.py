@@ -12,6 +12,8 @@ resolution is measured at 1× and 2× train_len (paper Table 3).
 Layout of ``OUT``::
 
     runs/<run>/                     train.py workdir: checkpoints/, metrics.jsonl
+    runs/<run>/train_started.json   its training config and the seconds trained so far,
+                                    written when its training starts
     runs/<run>/train.json           written when its training has finished
     runs/<run>/perplexity_bca.json, perplexity_full.json, resolution.json
     table2.md table3.md table5.md seeds.md results.json summary.md
@@ -21,9 +23,10 @@ Every stage writes its file when it completes, and a stage whose file exists
 is skipped, so running the command again continues where it stopped (an
 interrupted training resumes from its checkpoint). A stage's file records the
 training config it belongs to; a different config in the same ``OUT`` is
-refused rather than mixed. An evaluation stage's file also records what it was
-measured with (documents, lengths, sinks, passkey settings): with other
-evaluation settings it is measured again, its training kept.
+refused rather than mixed, also for a training that has started but not finished.
+An evaluation stage's file also records what it was measured with (documents,
+lengths, sinks, passkey settings): with other evaluation settings it is measured
+again, its training kept.
 """
 
 from __future__ import annotations
@@ -220,7 +223,12 @@ def machine() -> dict:
 
 
 def _train_stage(spec, config, workdir, log) -> dict | None:
-    """Trains (or resumes) one run; None when a signal stopped it before the last step."""
+    """Trains (or resumes) one run; None when a signal stopped it before the last step.
+
+    ``train_started.json`` holds the config the training started with, so a resumed
+    training under another config is refused as a finished one is (once it has
+    saved a step), and the seconds of its earlier invocations, which ``train.json``
+    adds to its own."""
     from lexjax import training  # the trainer's imports stay off evaluation-only runs
 
     path = os.path.join(workdir, "train.json")
@@ -228,16 +236,33 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     if done is not None:
         log(f"[{spec.name}] trained already ({done['summary']['step']} steps)")
         return done
+    started_path = os.path.join(workdir, STARTED)
+    earlier = _earlier_training(started_path, config, workdir)
     log(
         f"[{spec.name}] training {config.num_train_steps} steps of "
         f"{config.batch_size}×{config.train_len} tokens"
     )
-    start = time.perf_counter()
+
+    def started(seconds: float) -> None:
+        record = {"config": to_dict(config), "run": spec.name, "seconds": seconds}
+        reports.write_json(started_path, record)
+
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"run {spec.name}: cannot make {workdir} ({e.strerror})") from None
+    started(earlier)
+    start, finished = time.perf_counter(), False
     try:
         summary = training.train(config, workdir, log=log)
+        finished = not summary.get("stopped_by")
     except (TrainingError, CheckpointError) as e:
         raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
-    if summary.get("stopped_by"):
+    finally:
+        seconds = earlier + time.perf_counter() - start
+        if not finished:  # this invocation's seconds, for the one that finishes
+            started(seconds)
+    if not finished:
         return None
     summary.pop("checkpoint_dir", None)
     record = {
@@ -245,10 +270,29 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
         "run": spec.name,
         "summary": summary,
         "tokens": summary["step"] * config.batch_size * config.train_len,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
     reports.write_json(path, record)
     return _read_json(path)
+
+
+# Written when a run's training starts (see _train_stage).
+STARTED = "train_started.json"
+
+
+def _earlier_training(path: str, config: Config, workdir: str) -> float:
+    """The seconds trained by earlier invocations of a run whose training has not
+    finished; refuses another config once the run has saved a step. Without a saved
+    step nothing of the earlier config is kept: its record is replaced, and its
+    seconds, which made nothing that is kept, are not counted."""
+    if not os.path.exists(path):
+        return 0.0
+    checkpoints = os.path.join(workdir, "checkpoints")
+    saved = os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))
+    if not saved:
+        return 0.0
+    stored = _stage_done(path, config)  # raises ExperimentError for another config
+    return float(stored.get("seconds", 0.0))
 
 
 def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
