@@ -401,3 +401,24 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     assert measured[2:] == [first[2:]]
     with open(tmp_path / "resolution.json") as f:
         assert json.load(f)["measured"]["documents"] == 1
+
+
+def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
+    """It was exit 2 (configuration) and advised --workdir, which the study has not."""
+    from lexjax import lease
+    from lexjax.errors import CheckpointError
+    from lexjax.experiments.extrapolation import RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    workdir = str(tmp_path / "runs" / spec.name)
+    os.makedirs(workdir)
+    held = lease.hold(workdir, timeout_s=120, log=lambda _: None)
+    with held, pytest.raises(CheckpointError) as error:
+        _train_stage(spec, config, workdir, log=lambda _: None)
+    assert error.value.exit_code == 4
+    message = str(error.value)
+    assert message.startswith(f"run rope_s0: workdir {workdir} is in use by a training job on ")
+    assert message.endswith(
+        "another study (or train.py) is writing this --out; wait for it to finish or use "
+        "another --out"
+    )

@@ -257,7 +257,7 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
         summary = training.train(config, workdir, log=log)
         finished = not summary.get("stopped_by")
     except (TrainingError, CheckpointError) as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+        raise _run_error(spec, e) from None
     finally:
         seconds = earlier + time.perf_counter() - start
         if not finished:  # this invocation's seconds, for the one that finishes
@@ -293,6 +293,21 @@ def _earlier_training(path: str, config: Config, workdir: str) -> float:
         return 0.0
     stored = _stage_done(path, config)  # raises ExperimentError for another config
     return float(stored.get("seconds", 0.0))
+
+
+def _run_error(spec: RunSpec, error: Exception) -> Exception:
+    """A run's CheckpointError or TrainingError, its kind (exit status) kept, in the
+    study's terms: its workdir is OUT/runs/<run>, which the study has no flag for."""
+    text = one_line(error, limit=4000)
+    if isinstance(error, CheckpointError) and " is in use by " in text:
+        text = (
+            f"{text.split('; ')[0]}: another study (or train.py) is writing this --out; "
+            "wait for it to finish or use another --out"
+        )
+    else:
+        for what in ("another", "a new", "a writable"):
+            text = text.replace(f"{what} --workdir", f"{what} --out")
+    return type(error)(f"run {spec.name}: {text}")
 
 
 def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
@@ -381,7 +396,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
     except CheckpointError as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+        raise _run_error(spec, e) from None
     model = Decoder(stored_config.model)
     say = lambda message: log(f"[{spec.name}] {message}")
 
@@ -453,7 +468,7 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
     except CheckpointError as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+        raise _run_error(spec, e) from None
     say = lambda message: log(f"[{spec.name}] {message}")
     say(
         f"passkey: lengths {settings['lengths']}, depths {settings['depths']}, "
