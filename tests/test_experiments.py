@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -422,3 +423,55 @@ def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
         "another study (or train.py) is writing this --out; wait for it to finish or use "
         "another --out"
     )
+
+
+# A study whose run is trained and whose evaluation gets a signal in a callback (where
+# Python only reports what a handler raises, as in JAX's gc callback): argv[1] names it.
+_SIGNALLED = """
+import os, signal, sys, time
+from lexjax.experiments import extrapolation as study
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(1)  # the handler runs, and raises, here
+
+def evaluate(spec, config, workdir, plan, log):
+    Callback()
+    time.sleep(10)
+    raise SystemExit("the signal was lost")
+
+study._train_stage = lambda spec, config, workdir, log: {}
+study._eval_stage = evaluate
+argv = ["study", "--config=configs/extrapolation.py:smoke", "--config.passkey_trials=0"]
+sys.exit(study.run([*argv, "--out=" + sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_outside_training_stops_the_study(tmp_path, name):
+    """SIGTERM during evaluation ended the study by the default handler (143, nothing
+    said, the invocation not in timing.json); a Ctrl-C that landed in a callback was
+    lost (1 in 6: the study ran to its end)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED, name, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if name == "SIGTERM":
+        assert done.returncode == 0, done.stderr[-3000:]
+        last = done.stdout.strip().splitlines()[-1]
+        assert last == f"stopped by SIGTERM; run the same command again to continue ({out})"
+    else:
+        assert done.returncode == -signal.SIGINT, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C)", done.stderr
+    with open(out / "timing.json") as f:
+        (invocation,) = json.load(f)["invocations"]
+    assert invocation["outcome"] == {"SIGTERM": "stopped", "SIGINT": "interrupted"}[name]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -27,6 +27,11 @@ refused rather than mixed, also for a training that has started but not finished
 An evaluation stage's file also records what it was measured with (documents,
 lengths, sinks, passkey settings): with other evaluation settings it is measured
 again, its training kept.
+
+SIGTERM or Ctrl-C during a training finishes its step, saves and stops the
+study, exit status 0; a SIGTERM elsewhere stops it at once, also with 0; a
+Ctrl-C elsewhere ends it with ``interrupted (Ctrl-C)`` (status 130). Each is
+recorded in ``timing.json``, and the same command resumes.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +50,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from lexjax import checkpoint, evaluation, generation, passkey, reports
+from lexjax import checkpoint, evaluation, generation, passkey, reports, signals
 from lexjax import data as data_lib
 from lexjax.config import (
     REMOVED_FIELDS,
@@ -601,11 +607,83 @@ def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
     return timing
 
 
+class _Terminated(BaseException):
+    """A SIGTERM outside a training: ends the invocation. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` swallows it."""
+
+
+class _TerminateOutsideTraining:
+    """SIGTERM raises :class:`_Terminated` in the main thread while the study runs.
+
+    ``lexjax.training.train`` installs its own handlers for the time it runs (it
+    finishes the step, saves and returns stopped) and puts this one back. Inside
+    :meth:`held` a SIGTERM is only noted, and raised when it ends. One that a
+    callback swallowed (a gc callback of JAX's) is delivered again. Off the main
+    thread signals are left alone."""
+
+    def __init__(self):
+        self.armed, self.pending, self._previous = False, False, {}
+
+    def __enter__(self):
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        signals.on_swallowed(_Terminated, self._again)
+        self.armed = True
+        return self
+
+    def _handle(self, signum, frame):
+        if not self.armed:
+            self.pending = True
+            return
+        raise _Terminated
+
+    def _again(self) -> bool:
+        if self.armed:
+            return signals.interrupt_main_later(signal.SIGTERM)
+        self.pending = True
+        return True
+
+    @contextlib.contextmanager
+    def held(self):
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = armed
+        if armed and self.pending:
+            self.pending = False
+            raise _Terminated
+
+    def __exit__(self, *exc):
+        self.armed = False
+        for sig, handler in self._previous.items():
+            # None: a handler not set from Python, which cannot be put back
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
 def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict | None:
     """Trains and evaluates every run of ``exp`` (a ConfigDict or dict shaped like
     configs/extrapolation.py) in ``out``, skipping finished stages, then writes the
     tables, JSON and figures. Returns the collected results, or None when a signal
-    stopped a training (run again to continue)."""
+    stopped it (run again to continue): SIGTERM or Ctrl-C in a training, which saves
+    its step first, or a SIGTERM elsewhere (in the main thread)."""
+    global _stopped_by_sigterm
+    _stopped_by_sigterm = False
+    with _TerminateOutsideTraining() as stop:
+        try:
+            return _run_experiment(exp, out, log, stop)
+        except _Terminated:
+            _stopped_by_sigterm = True
+            where = f" ({os.path.abspath(out)})" if out.strip() else ""
+            log(f"stopped by SIGTERM; run the same command again to continue{where}")
+            return None
+
+
+# Whether run_experiment was last stopped by a SIGTERM outside a training (see main).
+_stopped_by_sigterm = False
+
+
+def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict | None:
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
@@ -644,8 +722,15 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
             _eval_stage(spec, config, workdir, plan, log)
             _passkey_stage(spec, config, workdir, plan, log)
         outcome = "stopped" if stopped else "completed"
+    except _Terminated:
+        outcome = "stopped"
+        raise
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
-        timing = _record_invocation(out, started, wall_start, load_start, outcome)
+        with stop.held():  # recorded also when a SIGTERM comes now
+            timing = _record_invocation(out, started, wall_start, load_start, outcome)
     if stopped:
         log(f"stopped; run the same command again to continue ({out})")
         return None
@@ -667,30 +752,52 @@ def main(argv) -> int:
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
     collected = run_experiment(flags.FLAGS.config, _OUT.value)
+    if _stopped_by_sigterm:
+        # XLA may still be compiling what the SIGTERM interrupted, in threads of its own;
+        # Python's finalization under them crashed (SIGSEGV, 1 in 3 stops in the
+        # smoke study's evaluation). Everything is written: the process ends here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if collected is not None:
         with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
             print(f.read())
     return 0
 
 
-if __name__ == "__main__":
-    from lexjax import hugepages
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OUT = None
 
-    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
-    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, _ROOT)  # configs/*.py import each other
 
+def run(argv: list[str] | None = None) -> int:
+    """The program on ``argv`` (default ``sys.argv``), as ``lexjax.cli.main`` runs
+    train.py's (this module does not import the CLI): orbax's background failures
+    kept off stderr, a Ctrl-C that a callback swallowed delivered again, and a user's
+    error one line with the exit status of its kind. Raises SystemExit like ``app.run``."""
+    global _OUT
     from absl import app, flags
 
     from lexjax.config import flags_parser
     from lexjax.errors import report
 
-    _OUT = flags.DEFINE_string(
-        "out",
-        os.path.join("runs", "extrapolation"),
-        "Output directory (resumable: finished stages are skipped).",
-    )
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)  # configs/*.py import each other
+    if _OUT is None:
+        _OUT = flags.DEFINE_string(
+            "out",
+            os.path.join("runs", "extrapolation"),
+            "Output directory (resumable: finished stages are skipped).",
+        )
     # --config=FILE[:PRESET] (small, paper, smoke, ...) and --config.FIELD overrides; a bad
     # one is one line and exit status 2, as for train.py.
     parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"))
-    sys.exit(report(app.run, main, flags_parser=parse))
+    checkpoint.quiet_background_errors()
+    signals.redeliver_swallowed_interrupts()
+    return report(app.run, main, argv=argv, flags_parser=parse)
+
+
+if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
+    sys.exit(run())
