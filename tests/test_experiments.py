@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -186,7 +188,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag,expected",
+    "flags,expected",
     [
         ("--config.runs=rope/b=3", "runs: 'rope/b=3': /b= applies to xpos only"),
         ("--config.nosuch=1", "unknown config field nosuch; known: "),
@@ -194,13 +196,23 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
             "--config=configs/extrapolation.py:smok",
             "unknown preset 'smok' of configs/extrapolation.py; use small, text",
         ),
+        # Empty lists were empty tables (exit 0) after every training.
+        ("--config.modes=", "modes is empty; list some of bca, full, sinks"),
+        ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
+        # No length reaches train_len for the extensions: an error after every training.
+        (
+            "--config.multipliers=0.5 --config.scalings=pi",
+            "scalings pi (evaluated on rope_s0, xpos_b8_s0) are measured at lengths of at "
+            "least train_len 16, and multipliers 0.5 give none; add a multiplier of at least 1",
+        ),
     ],
 )
-def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flag, expected):
+def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flags, expected):
+    """Before any training: nothing is written."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [*COMMAND, f"--out={tmp_path / 'out'}", flag],
+        [*COMMAND, f"--out={tmp_path / 'out'}", *flags.split()],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -289,3 +301,177 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
         assert done.returncode == code, done.stderr[-3000:]
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def _smoke_config(**overrides):
+    from configs import extrapolation as presets
+    from lexjax.config import from_configdict
+
+    train = presets.get_config("smoke").train
+    train.update(overrides)
+    return from_configdict(train)
+
+
+def _fake_training(monkeypatch, stop_first: int, save: bool = True):
+    """lexjax.training.train as the study calls it: stopped by a signal in its first
+    ``stop_first`` calls, each 0.3 s, saving a step when ``save``."""
+    from lexjax import training
+
+    calls = []
+
+    def train(config, workdir, log):
+        calls.append(config)
+        if save:
+            os.makedirs(os.path.join(workdir, "checkpoints", str(len(calls))), exist_ok=True)
+        time.sleep(0.3)
+        stopped = len(calls) <= stop_first
+        return {"step": len(calls), "stopped_by": "SIGTERM" if stopped else None}
+
+    monkeypatch.setattr(training, "train", train)
+    return calls
+
+
+def test_a_started_training_refuses_another_config(tmp_path, monkeypatch):
+    """A training interrupted, then resumed under another learning rate, continued
+    under it and recorded the new config as if every step had used it."""
+    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    calls = _fake_training(monkeypatch, stop_first=1)
+    workdir = str(tmp_path / "runs" / spec.name)
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    other = _smoke_config(learning_rate=0.05)
+    with pytest.raises(ExperimentError) as error:
+        _train_stage(spec, other, workdir, log=lambda _: None)
+    assert error.value.exit_code == 2
+    assert "train_started.json was written for another training config (differs in " in str(
+        error.value
+    )
+    assert "learning_rate); use a new --out or the same config" in str(error.value)
+    assert len(calls) == 1
+    # With no step saved there is nothing to mix: another config starts afresh.
+    calls = _fake_training(monkeypatch, stop_first=1, save=False)
+    fresh = str(tmp_path / "runs" / "fresh")
+    assert _train_stage(spec, config, fresh, log=lambda _: None) is None
+    assert _train_stage(spec, other, fresh, log=lambda _: None)["config"]["learning_rate"] == 0.05
+
+
+def test_training_seconds_add_up_over_invocations(tmp_path, monkeypatch):
+    """train.json's seconds (summary.md's "train s") were the last invocation's alone."""
+    from lexjax.experiments.extrapolation import RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    _fake_training(monkeypatch, stop_first=2)
+    workdir = str(tmp_path / spec.name)
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
+    record = _train_stage(spec, config, workdir, log=lambda _: None)
+    assert record["summary"]["step"] == 3
+    assert 0.9 <= record["seconds"] < 30, record["seconds"]
+
+
+def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
+    """The documents resolution reads depend on the longest evaluated length (the
+    plan keeps those that have it): with more multipliers perplexity was measured
+    again, resolution kept, from other documents than the new numbers."""
+    from lexjax import checkpoint, evaluation
+    from lexjax.experiments.extrapolation import RunSpec, _eval_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    monkeypatch.setattr(checkpoint, "load_params", lambda workdir: (config, None, 2))
+    measured = []
+
+    def resolution(model, params, documents, **kwargs):
+        measured.append([list(d) for d in documents])
+        return []
+
+    monkeypatch.setattr(evaluation, "resolution_protocol", resolution)
+    plan = {
+        "docs": {"perplexity": 1, "resolution": 2},
+        "eval_split": "test",
+        "evaluations": lambda spec: [],
+    }
+    workdir, log = str(tmp_path), lambda _: None
+    first = [list(range(40)), list(range(1, 41)), list(range(2, 42))]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first}, log)
+    _eval_stage(spec, config, workdir, {**plan, "documents": first}, log)
+    assert measured == [first[:2]]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first[1:]}, log)
+    assert measured[1:] == [first[1:]]
+    _eval_stage(spec, config, workdir, {**plan, "documents": first[2:]}, log)
+    assert measured[2:] == [first[2:]]
+    with open(tmp_path / "resolution.json") as f:
+        assert json.load(f)["measured"]["documents"] == 1
+
+
+def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
+    """It was exit 2 (configuration) and advised --workdir, which the study has not."""
+    from lexjax import lease
+    from lexjax.errors import CheckpointError
+    from lexjax.experiments.extrapolation import RunSpec, _train_stage
+
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
+    workdir = str(tmp_path / "runs" / spec.name)
+    os.makedirs(workdir)
+    held = lease.hold(workdir, timeout_s=120, log=lambda _: None)
+    with held, pytest.raises(CheckpointError) as error:
+        _train_stage(spec, config, workdir, log=lambda _: None)
+    assert error.value.exit_code == 4
+    message = str(error.value)
+    assert message.startswith(f"run rope_s0: workdir {workdir} is in use by a training job on ")
+    assert message.endswith(
+        "another study (or train.py) is writing this --out; wait for it to finish or use "
+        "another --out"
+    )
+
+
+# A study whose run is trained and whose evaluation gets a signal in a callback (where
+# Python only reports what a handler raises, as in JAX's gc callback): argv[1] names it.
+_SIGNALLED = """
+import os, signal, sys, time
+from lexjax.experiments import extrapolation as study
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(1)  # the handler runs, and raises, here
+
+def evaluate(spec, config, workdir, plan, log):
+    Callback()
+    time.sleep(10)
+    raise SystemExit("the signal was lost")
+
+study._train_stage = lambda spec, config, workdir, log: {}
+study._eval_stage = evaluate
+argv = ["study", "--config=configs/extrapolation.py:smoke", "--config.passkey_trials=0"]
+sys.exit(study.run([*argv, "--out=" + sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_outside_training_stops_the_study(tmp_path, name):
+    """SIGTERM during evaluation ended the study by the default handler (143, nothing
+    said, the invocation not in timing.json); a Ctrl-C that landed in a callback was
+    lost (1 in 6: the study ran to its end)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED, name, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if name == "SIGTERM":
+        assert done.returncode == 0, done.stderr[-3000:]
+        last = done.stdout.strip().splitlines()[-1]
+        assert last == f"stopped by SIGTERM; run the same command again to continue ({out})"
+    else:
+        assert done.returncode == -signal.SIGINT, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C)", done.stderr
+    with open(out / "timing.json") as f:
+        (invocation,) = json.load(f)["invocations"]
+    assert invocation["outcome"] == {"SIGTERM": "stopped", "SIGINT": "interrupted"}[name]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -12,6 +12,8 @@ resolution is measured at 1× and 2× train_len (paper Table 3).
 Layout of ``OUT``::
 
     runs/<run>/                     train.py workdir: checkpoints/, metrics.jsonl
+    runs/<run>/train_started.json   its training config and the seconds trained so far,
+                                    written when its training starts
     runs/<run>/train.json           written when its training has finished
     runs/<run>/perplexity_bca.json, perplexity_full.json, resolution.json
     table2.md table3.md table5.md seeds.md results.json summary.md
@@ -21,25 +23,34 @@ Every stage writes its file when it completes, and a stage whose file exists
 is skipped, so running the command again continues where it stopped (an
 interrupted training resumes from its checkpoint). A stage's file records the
 training config it belongs to; a different config in the same ``OUT`` is
-refused rather than mixed. An evaluation stage's file also records what it was
-measured with (documents, lengths, sinks, passkey settings): with other
-evaluation settings it is measured again, its training kept.
+refused rather than mixed, also for a training that has started but not finished.
+An evaluation stage's file also records what it was measured with (documents,
+lengths, sinks, passkey settings): with other evaluation settings it is measured
+again, its training kept.
+
+SIGTERM or Ctrl-C during a training finishes its step, saves and stops the
+study, exit status 0; a SIGTERM elsewhere stops it at once, also with 0; a
+Ctrl-C elsewhere ends it with ``interrupted (Ctrl-C)`` (status 130). Each is
+recorded in ``timing.json``, and the same command resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
-from lexjax import checkpoint, evaluation, generation, passkey, reports
+from lexjax import checkpoint, evaluation, generation, passkey, reports, signals
 from lexjax import data as data_lib
 from lexjax.config import (
     REMOVED_FIELDS,
@@ -218,7 +229,12 @@ def machine() -> dict:
 
 
 def _train_stage(spec, config, workdir, log) -> dict | None:
-    """Trains (or resumes) one run; None when a signal stopped it before the last step."""
+    """Trains (or resumes) one run; None when a signal stopped it before the last step.
+
+    ``train_started.json`` holds the config the training started with, so a resumed
+    training under another config is refused as a finished one is (once it has
+    saved a step), and the seconds of its earlier invocations, which ``train.json``
+    adds to its own."""
     from lexjax import training  # the trainer's imports stay off evaluation-only runs
 
     path = os.path.join(workdir, "train.json")
@@ -226,16 +242,33 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     if done is not None:
         log(f"[{spec.name}] trained already ({done['summary']['step']} steps)")
         return done
+    started_path = os.path.join(workdir, STARTED)
+    earlier = _earlier_training(started_path, config, workdir)
     log(
         f"[{spec.name}] training {config.num_train_steps} steps of "
         f"{config.batch_size}×{config.train_len} tokens"
     )
-    start = time.perf_counter()
+
+    def started(seconds: float) -> None:
+        record = {"config": to_dict(config), "run": spec.name, "seconds": seconds}
+        reports.write_json(started_path, record)
+
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"run {spec.name}: cannot make {workdir} ({e.strerror})") from None
+    started(earlier)
+    start, finished = time.perf_counter(), False
     try:
         summary = training.train(config, workdir, log=log)
+        finished = not summary.get("stopped_by")
     except (TrainingError, CheckpointError) as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
-    if summary.get("stopped_by"):
+        raise _run_error(spec, e) from None
+    finally:
+        seconds = earlier + time.perf_counter() - start
+        if not finished:  # this invocation's seconds, for the one that finishes
+            started(seconds)
+    if not finished:
         return None
     summary.pop("checkpoint_dir", None)
     record = {
@@ -243,10 +276,44 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
         "run": spec.name,
         "summary": summary,
         "tokens": summary["step"] * config.batch_size * config.train_len,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
     reports.write_json(path, record)
     return _read_json(path)
+
+
+# Written when a run's training starts (see _train_stage).
+STARTED = "train_started.json"
+
+
+def _earlier_training(path: str, config: Config, workdir: str) -> float:
+    """The seconds trained by earlier invocations of a run whose training has not
+    finished; refuses another config once the run has saved a step. Without a saved
+    step nothing of the earlier config is kept: its record is replaced, and its
+    seconds, which made nothing that is kept, are not counted."""
+    if not os.path.exists(path):
+        return 0.0
+    checkpoints = os.path.join(workdir, "checkpoints")
+    saved = os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))
+    if not saved:
+        return 0.0
+    stored = _stage_done(path, config)  # raises ExperimentError for another config
+    return float(stored.get("seconds", 0.0))
+
+
+def _run_error(spec: RunSpec, error: Exception) -> Exception:
+    """A run's CheckpointError or TrainingError, its kind (exit status) kept, in the
+    study's terms: its workdir is OUT/runs/<run>, which the study has no flag for."""
+    text = one_line(error, limit=4000)
+    if isinstance(error, CheckpointError) and " is in use by " in text:
+        text = (
+            f"{text.split('; ')[0]}: another study (or train.py) is writing this --out; "
+            "wait for it to finish or use another --out"
+        )
+    else:
+        for what in ("another", "a new", "a writable"):
+            text = text.replace(f"{what} --workdir", f"{what} --out")
+    return type(error)(f"run {spec.name}: {text}")
 
 
 def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
@@ -254,7 +321,7 @@ def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
     is evaluated in each of ``modes``; the first ``scaling_seeds`` seeds of a rotary
     position (RoPE, XPOS) also with each RoPE extension of ``scalings``, without BCA
     (with BCA no position reaches train_len, so an extension has nothing to extend)."""
-    modes = _names(exp.get("modes", "bca,full"), "modes", MODES)
+    modes = _names(exp.get("modes", "bca,full"), "modes", MODES, required=True)
     keys = [(mode, mode, "none") for mode in modes]
     scalings = _names(exp.get("scalings", ""), "scalings", ROPE_SCALINGS)
     first = spec.seed - int(exp["train"]["seed"]) < int(exp.get("scaling_seeds", 1))
@@ -263,12 +330,33 @@ def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
     return keys
 
 
-def _names(text: str, field: str, allowed) -> list[str]:
+def _names(text: str, field: str, allowed, *, required: bool = False, why: str = "") -> list[str]:
+    """The comma-separated names of ``text``, each one of ``allowed``; with ``required``
+    at least one (``why``: what requires it)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in allowed]
     if unknown:
         raise ExperimentError(f"{field}: {unknown[0]!r} is not one of {', '.join(allowed)}")
+    if required and not names:
+        raise ExperimentError(f"{field} is empty{why}; list some of {', '.join(allowed)}")
     return list(dict.fromkeys(names))
+
+
+def _check_scalings(exp, specs: list[RunSpec], lengths: list[int], train_len: int) -> None:
+    """A RoPE extension is evaluated at the lengths from train_len on (below it its
+    factor is 1): refuses scalings that apply to some run when no length reaches it."""
+    runs = {}
+    for spec in specs:
+        for _, _, scaling in evaluations(exp, spec):
+            if scaling != "none":
+                runs.setdefault(scaling, []).append(spec.name)
+    if runs and lengths[-1] < train_len:
+        names = sorted({name for names in runs.values() for name in names})
+        raise ExperimentError(
+            f"scalings {', '.join(runs)} (evaluated on {', '.join(names)}) are measured at "
+            f"lengths of at least train_len {train_len}, and multipliers {exp['multipliers']} "
+            "give none; add a multiplier of at least 1, or set scalings= (none)"
+        )
 
 
 def _eval_stage(spec, config, workdir, plan, log) -> None:
@@ -283,7 +371,20 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         "documents": len(docs),
         **({"sinks": plan["sinks"]} if mode == "sinks" else {}),
     }
-    measured_resolution = {**shared, "resolution_docs": plan["docs"]["resolution"]}
+    # Which documents resolution measures depends on the longest evaluated length (the
+    # plan's documents have all of it): the tokens it reads are recorded.
+    chosen = evaluation.resolution_documents(
+        plan["documents"],
+        config.train_len,
+        max_docs=plan["docs"]["resolution"],
+        where=f"the {plan['eval_split']} split",
+    )
+    measured_resolution = {
+        **shared,
+        "resolution_docs": plan["docs"]["resolution"],
+        "documents": len(chosen),
+        "tokens": _digest(chosen, 2 * config.train_len),
+    }
 
     def done(path, measured):
         return _stage_done(path, config, protocol=PROTOCOL, measured=measured) is not None
@@ -301,7 +402,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
     except CheckpointError as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+        raise _run_error(spec, e) from None
     model = Decoder(stored_config.model)
     say = lambda message: log(f"[{spec.name}] {message}")
 
@@ -342,7 +443,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         results = evaluation.resolution_protocol(
             model,
             params,
-            plan["documents"],
+            chosen,
             train_len=config.train_len,
             block=config.block,
             max_docs=plan["docs"]["resolution"],
@@ -351,6 +452,15 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         for r in results:
             say(f"  resolution {r.mode} {r.length}: {r.mean:.3g}")
         write(resolution_path, start, results, measured=measured_resolution)
+
+
+def _digest(documents, length: int) -> str:
+    """A digest of the first ``length`` tokens of each of ``documents``, in order."""
+    h = hashlib.sha256()
+    for d in documents:
+        h.update(np.asarray(d[:length], dtype=np.int64).tobytes())
+        h.update(b"\0")
+    return f"sha256:{h.hexdigest()[:16]}"
 
 
 def _passkey_stage(spec, config, workdir, plan, log) -> None:
@@ -364,7 +474,7 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
     try:
         stored_config, params, step = checkpoint.load_params(workdir)
     except CheckpointError as e:
-        raise ExperimentError(f"run {spec.name}: {one_line(e)}") from None
+        raise _run_error(spec, e) from None
     say = lambda message: log(f"[{spec.name}] {message}")
     say(
         f"passkey: lengths {settings['lengths']}, depths {settings['depths']}, "
@@ -409,7 +519,13 @@ def _passkey_plan(exp, train_len: int) -> dict | None:
         raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: not numbers") from None
     if not depths or not all(0 <= d <= 1 for d in depths):
         raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: use numbers in [0, 1]")
-    modes = _names(exp.get("passkey_modes", "bca,full"), "passkey_modes", generation.MODES)
+    modes = _names(
+        exp.get("passkey_modes", "bca,full"),
+        "passkey_modes",
+        generation.MODES,
+        required=True,
+        why=f" (passkey_trials={trials}; 0 measures no passkey)",
+    )
     return {
         "lengths": lengths,
         "depths": depths,
@@ -425,9 +541,14 @@ def _perplexity_path(workdir: str, key: str) -> str:
     return os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json")
 
 
-def _plan(exp, shared_config: Config) -> dict:
-    """Lengths and held-out documents shared by every run."""
+def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
+    """Lengths and held-out documents shared by every run; the evaluation settings are
+    checked first, before the documents are read (and long before any training)."""
     lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
+    for spec in specs:  # a misspelt mode or scaling fails before any training
+        evaluations(exp, spec)
+    _check_scalings(exp, specs, lengths, shared_config.train_len)
+    passkey_plan = _passkey_plan(exp, shared_config.train_len)
     # Both modes score the same documents and budget: every cell of a table the same tokens.
     docs = {"perplexity": int(exp["eval_docs"]), "resolution": int(exp["resolution_docs"])}
     if min(docs.values()) < 1:
@@ -461,7 +582,7 @@ def _plan(exp, shared_config: Config) -> dict:
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "sinks": int(exp.get("sinks", evaluation.DEFAULT_SINKS)),
         "evaluations": lambda spec: evaluations(exp, spec),
-        "passkey": _passkey_plan(exp, shared_config.train_len),
+        "passkey": passkey_plan,
         "longest": longest,
         "max_length": max_length,
     }
@@ -486,11 +607,83 @@ def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
     return timing
 
 
+class _Terminated(BaseException):
+    """A SIGTERM outside a training: ends the invocation. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` swallows it."""
+
+
+class _TerminateOutsideTraining:
+    """SIGTERM raises :class:`_Terminated` in the main thread while the study runs.
+
+    ``lexjax.training.train`` installs its own handlers for the time it runs (it
+    finishes the step, saves and returns stopped) and puts this one back. Inside
+    :meth:`held` a SIGTERM is only noted, and raised when it ends. One that a
+    callback swallowed (a gc callback of JAX's) is delivered again. Off the main
+    thread signals are left alone."""
+
+    def __init__(self):
+        self.armed, self.pending, self._previous = False, False, {}
+
+    def __enter__(self):
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        signals.on_swallowed(_Terminated, self._again)
+        self.armed = True
+        return self
+
+    def _handle(self, signum, frame):
+        if not self.armed:
+            self.pending = True
+            return
+        raise _Terminated
+
+    def _again(self) -> bool:
+        if self.armed:
+            return signals.interrupt_main_later(signal.SIGTERM)
+        self.pending = True
+        return True
+
+    @contextlib.contextmanager
+    def held(self):
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = armed
+        if armed and self.pending:
+            self.pending = False
+            raise _Terminated
+
+    def __exit__(self, *exc):
+        self.armed = False
+        for sig, handler in self._previous.items():
+            # None: a handler not set from Python, which cannot be put back
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
 def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict | None:
     """Trains and evaluates every run of ``exp`` (a ConfigDict or dict shaped like
     configs/extrapolation.py) in ``out``, skipping finished stages, then writes the
     tables, JSON and figures. Returns the collected results, or None when a signal
-    stopped a training (run again to continue)."""
+    stopped it (run again to continue): SIGTERM or Ctrl-C in a training, which saves
+    its step first, or a SIGTERM elsewhere (in the main thread)."""
+    global _stopped_by_sigterm
+    _stopped_by_sigterm = False
+    with _TerminateOutsideTraining() as stop:
+        try:
+            return _run_experiment(exp, out, log, stop)
+        except _Terminated:
+            _stopped_by_sigterm = True
+            where = f" ({os.path.abspath(out)})" if out.strip() else ""
+            log(f"stopped by SIGTERM; run the same command again to continue{where}")
+            return None
+
+
+# Whether run_experiment was last stopped by a SIGTERM outside a training (see main).
+_stopped_by_sigterm = False
+
+
+def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict | None:
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
@@ -507,9 +700,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         exp["runs"], scale_base=shared_config.model.scale_base, seed=shared_config.seed
     )
     configs = [_run_config(shared, spec) for spec in specs]
-    plan = _plan(exp, shared_config)
-    for spec in specs:  # a misspelt mode or scaling fails before any training
-        plan["evaluations"](spec)
+    plan = _plan(exp, shared_config, specs)
     log(
         f"{len(specs)} runs: {', '.join(s.name for s in specs)}; lengths "
         f"{', '.join(map(str, plan['lengths']))}; {len(plan['documents'])} held-out documents "
@@ -531,8 +722,15 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
             _eval_stage(spec, config, workdir, plan, log)
             _passkey_stage(spec, config, workdir, plan, log)
         outcome = "stopped" if stopped else "completed"
+    except _Terminated:
+        outcome = "stopped"
+        raise
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
-        timing = _record_invocation(out, started, wall_start, load_start, outcome)
+        with stop.held():  # recorded also when a SIGTERM comes now
+            timing = _record_invocation(out, started, wall_start, load_start, outcome)
     if stopped:
         log(f"stopped; run the same command again to continue ({out})")
         return None
@@ -554,30 +752,52 @@ def main(argv) -> int:
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
     collected = run_experiment(flags.FLAGS.config, _OUT.value)
+    if _stopped_by_sigterm:
+        # XLA may still be compiling what the SIGTERM interrupted, in threads of its own;
+        # Python's finalization under them crashed (SIGSEGV, 1 in 3 stops in the
+        # smoke study's evaluation). Everything is written: the process ends here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if collected is not None:
         with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
             print(f.read())
     return 0
 
 
-if __name__ == "__main__":
-    from lexjax import hugepages
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OUT = None
 
-    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
-    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, _ROOT)  # configs/*.py import each other
 
+def run(argv: list[str] | None = None) -> int:
+    """The program on ``argv`` (default ``sys.argv``), as ``lexjax.cli.main`` runs
+    train.py's (this module does not import the CLI): orbax's background failures
+    kept off stderr, a Ctrl-C that a callback swallowed delivered again, and a user's
+    error one line with the exit status of its kind. Raises SystemExit like ``app.run``."""
+    global _OUT
     from absl import app, flags
 
     from lexjax.config import flags_parser
     from lexjax.errors import report
 
-    _OUT = flags.DEFINE_string(
-        "out",
-        os.path.join("runs", "extrapolation"),
-        "Output directory (resumable: finished stages are skipped).",
-    )
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)  # configs/*.py import each other
+    if _OUT is None:
+        _OUT = flags.DEFINE_string(
+            "out",
+            os.path.join("runs", "extrapolation"),
+            "Output directory (resumable: finished stages are skipped).",
+        )
     # --config=FILE[:PRESET] (small, paper, smoke, ...) and --config.FIELD overrides; a bad
     # one is one line and exit status 2, as for train.py.
     parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"))
-    sys.exit(report(app.run, main, flags_parser=parse))
+    checkpoint.quiet_background_errors()
+    signals.redeliver_swallowed_interrupts()
+    return report(app.run, main, argv=argv, flags_parser=parse)
+
+
+if __name__ == "__main__":
+    from lexjax import hugepages
+
+    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
+    sys.exit(run())
