@@ -1,5 +1,6 @@
 """The extrapolation experiment's command at smoke size: tables, JSON, figures, resumption."""
 
+import functools
 import json
 import os
 import re
@@ -10,6 +11,8 @@ import time
 
 import numpy as np
 import pytest
+
+import lexjax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = [
@@ -312,78 +315,59 @@ def _smoke_config(**overrides):
     return from_configdict(train)
 
 
-def _fake_training(monkeypatch, stop_first: int, save: bool = True):
-    """lexjax.training.train as the study calls it: stopped by a signal in its first
-    ``stop_first`` calls, each 0.3 s, saving a step when ``save``."""
+def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypatch):
+    """The smoke run's real training, stopped after a step as a SIGTERM stops it
+    (``train``'s ``stop_after``), then resumed: under another learning rate it is
+    refused (it continued under it, and recorded the new config as if every step had
+    used it), and train.json's seconds add up every invocation (they were the last
+    one's alone)."""
     from lexjax import training
-
-    calls = []
-
-    def train(config, workdir, log):
-        calls.append(config)
-        if save:
-            os.makedirs(os.path.join(workdir, "checkpoints", str(len(calls))), exist_ok=True)
-        time.sleep(0.3)
-        stopped = len(calls) <= stop_first
-        return {"step": len(calls), "stopped_by": "SIGTERM" if stopped else None}
-
-    monkeypatch.setattr(training, "train", train)
-    return calls
-
-
-def test_a_started_training_refuses_another_config(tmp_path, monkeypatch):
-    """A training interrupted, then resumed under another learning rate, continued
-    under it and recorded the new config as if every step had used it."""
     from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _train_stage
 
-    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
-    calls = _fake_training(monkeypatch, stop_first=1)
-    workdir = str(tmp_path / "runs" / spec.name)
-    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
-    other = _smoke_config(learning_rate=0.05)
+    # Three steps, a checkpoint after each; 8 rows for the suite's 8 simulated devices.
+    steps = dict(num_train_steps=3, checkpoint_every=1, batch_size=8)
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config(**steps)
+    workdir, log, walls = str(tmp_path / "runs" / spec.name), lambda _: None, []
+
+    def invocation(config):
+        start = time.perf_counter()
+        try:
+            return _train_stage(spec, config, workdir, log=log)
+        finally:
+            walls.append(time.perf_counter() - start)
+
+    real_train = training.train
+    monkeypatch.setattr(training, "train", functools.partial(real_train, stop_after=1))
+    assert invocation(config) is None  # stopped after step 1, saved
     with pytest.raises(ExperimentError) as error:
-        _train_stage(spec, other, workdir, log=lambda _: None)
+        _train_stage(spec, _smoke_config(**steps, learning_rate=0.05), workdir, log=log)
     assert error.value.exit_code == 2
     assert "train_started.json was written for another training config (differs in " in str(
         error.value
     )
     assert "learning_rate); use a new --out or the same config" in str(error.value)
-    assert len(calls) == 1
-    # With no step saved there is nothing to mix: another config starts afresh.
-    calls = _fake_training(monkeypatch, stop_first=1, save=False)
-    fresh = str(tmp_path / "runs" / "fresh")
-    assert _train_stage(spec, config, fresh, log=lambda _: None) is None
-    assert _train_stage(spec, other, fresh, log=lambda _: None)["config"]["learning_rate"] == 0.05
-
-
-def test_training_seconds_add_up_over_invocations(tmp_path, monkeypatch):
-    """train.json's seconds (summary.md's "train s") were the last invocation's alone."""
-    from lexjax.experiments.extrapolation import RunSpec, _train_stage
-
-    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
-    _fake_training(monkeypatch, stop_first=2)
-    workdir = str(tmp_path / spec.name)
-    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
-    assert _train_stage(spec, config, workdir, log=lambda _: None) is None
-    record = _train_stage(spec, config, workdir, log=lambda _: None)
-    assert record["summary"]["step"] == 3
-    assert 0.9 <= record["seconds"] < 30, record["seconds"]
+    assert invocation(config) is None  # step 2
+    monkeypatch.setattr(training, "train", real_train)
+    record = invocation(config)
+    assert record["summary"]["step"] == 3 and record["summary"]["start_step"] == 2
+    # Each invocation compiles its step (seconds), far more than the stage adds.
+    assert walls[-1] < record["seconds"] <= sum(walls), (record["seconds"], walls)
 
 
 def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     """The documents resolution reads depend on the longest evaluated length (the
     plan keeps those that have it): with more multipliers perplexity was measured
     again, resolution kept, from other documents than the new numbers."""
-    from lexjax import checkpoint, evaluation
+    from lexjax import evaluation
     from lexjax.experiments.extrapolation import RunSpec, _eval_stage
 
-    spec, config = RunSpec("rope", 8.0, 0), _smoke_config()
-    monkeypatch.setattr(checkpoint, "load_params", lambda workdir: (config, None, 2))
-    measured = []
+    spec, config = RunSpec("rope", 8.0, 0), _smoke_config(batch_size=8)  # 8 devices
+    lexjax.train(config, str(tmp_path), log=lambda _: None)  # a real run of 2 steps
+    measured, real_protocol = [], evaluation.resolution_protocol
 
-    def resolution(model, params, documents, **kwargs):
+    def resolution(model, params, documents, **kwargs):  # the real one, counted
         measured.append([list(d) for d in documents])
-        return []
+        return real_protocol(model, params, documents, **kwargs)
 
     monkeypatch.setattr(evaluation, "resolution_protocol", resolution)
     plan = {
