@@ -157,20 +157,23 @@ def test_ctrl_c_keeps_an_earlier_json_and_the_finished_benchmarks(tmp_path):
     out.write_text('{"earlier": "complete"}\n')
     # train_vs_reference fails at once without torch (recorded); then mfu starts.
     args = ["--only", "train_vs_reference,mfu", "--reference_python", "/bin/false"]
-    proc = subprocess.Popen(
-        [sys.executable, "bench/run.py", *args, "--json", str(out)],
+    proc = subprocess.Popen(  # Ctrl-C's default action, also where the suite has it ignored
+        P.interruptible([sys.executable, "bench/run.py", *args, "--json", str(out)]),
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if line.startswith("running mfu"):
-            proc.send_signal(signal.SIGINT)
-            break
-    rest = proc.communicate(timeout=120)[1]
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("running mfu"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()  # (a no-op once it has ended)
     assert proc.returncode == 130, "".join(lines) + rest
     assert (
         rest.strip() == f"interrupted (Ctrl-C); the benchmarks that finished are in {out}.partial"

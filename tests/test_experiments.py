@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import lexjax
+from tests import processes as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = [
@@ -440,8 +441,8 @@ def test_a_signal_outside_training_stops_the_study(tmp_path, name):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-c", _SIGNALLED, name, str(out)],
+    done = subprocess.run(  # Ctrl-C's default action, also where the suite has it ignored
+        P.interruptible([sys.executable, "-c", _SIGNALLED, name, str(out)]),
         cwd=ROOT,
         env=env,
         capture_output=True,
