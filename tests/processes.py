@@ -138,6 +138,21 @@ def last_step(workdir) -> int:
     return logged[-1][0] if logged else 0
 
 
+def settled_step(workdir, proc: subprocess.Popen, quiet: float = 1.5, timeout: float = 60) -> int:
+    """The last logged step once it has not changed for ``quiet`` seconds (a run
+    whose data was held has drained what it had and waits for more)."""
+    deadline, last, since = time.monotonic() + timeout, last_step(workdir), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited ({proc.returncode}) while its data was held")
+        if (now := last_step(workdir)) != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return last
+    raise AssertionError("the run's steps did not settle while its data was held")
+
+
 def complete_steps(workdir) -> list[int]:
     """The steps whose checkpoint is finished (integrity record written), ascending.
     Digits only: a step orbax is still writing is ``<step>.orbax-checkpoint-tmp…``."""

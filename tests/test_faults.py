@@ -748,10 +748,9 @@ def test_a_sigterm_that_ends_the_grain_worker_too_still_stops_where_it_would(ctx
     P.wait_until(lambda: P.last_step(workdir) >= 2, proc, poll=0.005)
     [worker] = P.grain_workers(proc.pid)
     os.kill(worker, signal.SIGSTOP)
-    # Held stopped, it prefetches nothing more: the run's steps take milliseconds, so
-    # it drains what it had and waits inside next() for the next batch.
-    time.sleep(3)
-    stepped = P.last_step(workdir)
+    # Held stopped, it prefetches nothing more: the run drains what it had and waits
+    # inside next() for the next batch.
+    stepped = P.settled_step(workdir, proc)
     assert stepped < N, "the run finished before its worker was held"
     os.kill(worker, signal.SIGTERM)  # delivered with the SIGCONT: the worker ends
     proc.send_signal(signal.SIGTERM)

@@ -371,8 +371,7 @@ def test_a_sigterm_that_ends_a_grain_worker_too_stops_both_where_they_agree(ctx)
     P.wait_until(lambda: P.last_step(workdir) >= 2, procs[0], poll=0.005)
     [worker] = P.grain_workers(procs[0].pid)
     os.kill(worker, signal.SIGSTOP)
-    time.sleep(3)  # process 0 drains what its held worker had prefetched, then waits
-    stepped = P.last_step(workdir)
+    stepped = P.settled_step(workdir, procs[0])  # process 0 drained its prefetch, waits
     os.kill(worker, signal.SIGTERM)  # delivered with the SIGCONT: the worker ends
     procs[0].send_signal(signal.SIGTERM)
     os.kill(worker, signal.SIGCONT)
