@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import os
 import pathlib
 import sys
@@ -53,6 +52,7 @@ if __name__ == "__main__":
     hugepages.reexec_with_hugepages()  # as train.py does; see lexjax/hugepages.py
 
 from bench import common
+from lexjax import reports
 
 BENCHMARKS = (
     "train_vs_reference",
@@ -193,7 +193,7 @@ def _run(args, results: dict, partial: str | None) -> int:
         results[name].update(other_cores_busy=busy, shared_cores=shared)
         results["shared_cores"] = common.any_shared(results["shared_cores"], shared)
         if partial:  # the results so far, in case a later benchmark fails
-            _write(partial, results)
+            reports.write_json(partial, results)  # whole or not at all
     if partial:
         os.replace(partial, args.json)
     print(table(results))
@@ -203,12 +203,6 @@ def _run(args, results: dict, partial: str | None) -> int:
         print(f"error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         return 2
     return 0
-
-
-def _write(path: str, results: dict) -> None:
-    """Whole or not at all: a write cut off leaves the file before it."""
-    pathlib.Path(f"{path}.tmp").write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(f"{path}.tmp", path)
 
 
 if __name__ == "__main__":
