@@ -52,7 +52,7 @@ if __name__ == "__main__":
     hugepages.reexec_with_hugepages()  # as train.py does; see lexjax/hugepages.py
 
 from bench import common
-from lexjax import reports
+from lexjax import reports, signals
 
 BENCHMARKS = (
     "train_vs_reference",
@@ -127,6 +127,9 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> int:
+    # JAX's gc callback runs often; a Ctrl-C landing in it was only reported ("Exception
+    # ignored in: _xla_gc_callback") and the benchmarks went on. Raise it again instead.
+    signals.redeliver_swallowed_interrupts()
     args = parse(argv)
     check = common.load_check()
     if check["shared"]:

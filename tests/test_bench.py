@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -181,6 +182,41 @@ def test_ctrl_c_keeps_an_earlier_json_and_the_finished_benchmarks(tmp_path):
     assert out.read_text() == '{"earlier": "complete"}\n'
     finished = json.loads(pathlib.Path(f"{out}.partial").read_text())
     assert "error" in finished["train_vs_reference"] and "mfu" not in finished
+
+
+def test_a_ctrl_c_a_gc_callback_swallowed_still_stops_the_benchmarks(tmp_path):
+    """Python only reports what a gc callback raises, and JAX's runs often: a Ctrl-C that
+    landed there (CI saw it, during mfu) was lost and the benchmarks went on. A callback
+    swallowing a KeyboardInterrupt stands in for that unlucky timing, deterministically."""
+    program = textwrap.dedent(
+        f"""
+        import sys, time
+        from bench import run
+
+        class Swallowed:
+            def __del__(self):
+                raise KeyboardInterrupt  # as the Ctrl-C's, raised inside a callback
+
+        def benchmarks(args, results, partial):
+            Swallowed()
+            time.sleep(60)
+            return 0
+
+        run._run = benchmarks
+        sys.exit(run.main(["--only", "mfu", "--json", {str(tmp_path / "b.json")!r}]))
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        P.interruptible([sys.executable, "-c", program]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "interrupted (Ctrl-C)", done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr and time.monotonic() - started < 50
 
 
 @pytest.mark.parametrize(
