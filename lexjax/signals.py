@@ -26,6 +26,7 @@ __all__ = [
     "defer",
     "ignored",
     "take_deferred",
+    "end_deferral",
     "end_on_interrupt",
     "restore_interrupt",
     "on_swallowed",
@@ -65,6 +66,19 @@ def take_deferred() -> str | None:
     name = _received[0] if _received else None
     _received.clear()
     return name
+
+
+def end_deferral() -> str | None:
+    """Ends :func:`defer` for a program that keeps no handlers of its own (the study
+    outside its trainings): Python's own SIGTERM and Ctrl-C again. Returns what
+    :func:`take_deferred` does."""
+    for sig, handler in (
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGINT, signal.default_int_handler),
+    ):
+        if signal.getsignal(sig) is _record:
+            signal.signal(sig, handler)
+    return take_deferred()
 
 
 def end_on_interrupt() -> None:

@@ -410,6 +410,42 @@ def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
     )
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_study_imports_jax_stops_it_at_its_start(tmp_path, name):
+    """Before the study had handlers (importing JAX) a SIGTERM ended it by the default
+    action (status 143, nothing said, where train.py exits 0) and a Ctrl-C was a
+    KeyboardInterrupt traceback from inside an import."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(  # Ctrl-C's default action, also where the suite has it ignored
+        P.interruptible([*COMMAND, f"--out={out}"]),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def loading_jax():  # jaxlib's extension is mapped: `import jax` is under way
+        try:
+            with open(f"/proc/{proc.pid}/maps") as f:
+                return "jaxlib" in f.read()
+        except OSError:
+            return False
+
+    P.wait_until(loading_jax, proc, poll=0.001)
+    code, stdout, stderr = P.kill(proc, getattr(signal, name))
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if name == "SIGTERM":
+        assert code == 0, stderr[-3000:]
+        last = stdout.strip().splitlines()[-1]
+        assert last == f"stopped by SIGTERM; run the same command again to continue ({out})"
+    else:
+        assert code == -signal.SIGINT and stderr.strip() == "interrupted (Ctrl-C)", stderr
+    assert not out.exists()  # it stopped before it began
+
+
 # A study whose run is trained and whose evaluation gets a signal in a callback (where
 # Python only reports what a handler raises, as in JAX's gc callback): argv[1] names it.
 _SIGNALLED = """

@@ -36,6 +36,12 @@ recorded in ``timing.json``, and the same command resumes.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX loads, as train.py does
+    from lexjax import hugepages, signals
+
+    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
+    signals.defer()  # a stop while JAX loads ends the study at its start (SIGTERM: exit 0)
+
 import contextlib
 import dataclasses
 import hashlib
@@ -623,13 +629,24 @@ class _TerminateOutsideTraining:
 
     def __init__(self):
         self.armed, self.pending, self._previous = False, False, {}
+        self.deferred: str | None = None
 
     def __enter__(self):
+        self.deferred = signals.end_deferral()  # one while the program started
         with contextlib.suppress(ValueError):  # not the main thread
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
         signals.on_swallowed(_Terminated, self._again)
         self.armed = True
         return self
+
+    def raise_deferred(self) -> None:
+        """A SIGTERM or Ctrl-C that came while the program started (importing JAX,
+        :func:`lexjax.signals.defer`) stops the study now, as one a moment later would."""
+        name, self.deferred = self.deferred, None
+        if name == "SIGTERM":
+            raise _Terminated
+        if name == "SIGINT":
+            raise KeyboardInterrupt
 
     def _handle(self, signum, frame):
         if not self.armed:
@@ -671,6 +688,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
     _stopped_by_sigterm = False
     with _TerminateOutsideTraining() as stop:
         try:
+            stop.raise_deferred()
             return _run_experiment(exp, out, log, stop)
         except _Terminated:
             _stopped_by_sigterm = True
@@ -797,7 +815,4 @@ def run(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from lexjax import hugepages
-
-    hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
     sys.exit(run())
