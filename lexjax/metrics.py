@@ -7,6 +7,7 @@ import logging
 import os
 
 from lexjax.config import Config
+from lexjax.errors import CheckpointError
 
 __all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "mfu", "MetricsWriter", "read_metrics"]
 
@@ -76,10 +77,24 @@ class MetricsWriter:
         # Opened at the first record: a run that fails before it leaves no event file
         # (and a workdir it created can be removed as empty).
         self.tb, self._tb_dir = None, os.path.join(workdir, "tensorboard")
+        self.failed = False
 
     def write(self, step: int, values: dict[str, float]) -> None:
+        """Raises CheckpointError when the workdir refuses the record (a full disk):
+        one line and exit 4, as a checkpoint that cannot be written."""
         if not self.enabled:
             return
+        try:
+            self._write(step, values)
+        except OSError as e:
+            self.failed = True
+            raise CheckpointError(
+                f"writing step {step}'s metrics to {os.path.dirname(self.path)} failed: "
+                f"{e.strerror or e}; free space or fix the directory, then restart "
+                "(the checkpoints are kept)"
+            ) from None
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
         if self.tb is None:
             # Imported here: the FLOPs and MFU helpers above serve benchmarks on
             # accelerator hosts that have only jax, flax and optax.
@@ -94,8 +109,17 @@ class MetricsWriter:
         self.tb.flush()
 
     def close(self) -> None:
-        if self.tb is not None:
+        """After a failed write the events left unwritten are dropped: the error said so."""
+        if self.tb is None:
+            return
+        try:
             self.tb.close()
+        except OSError as e:
+            if not self.failed:
+                raise CheckpointError(
+                    f"writing the TensorBoard events to {self._tb_dir} failed: "
+                    f"{e.strerror or e}; free space or fix the directory"
+                ) from None
 
 
 def read_metrics(workdir: str) -> list[dict[str, float]]:

@@ -625,6 +625,33 @@ def test_disk_filling_up_before_a_save(ctx):
         ), line
 
 
+def test_disk_filling_up_between_saves(ctx):
+    """The disk fills far from a save: the next metrics record that needs a new page
+    fails first. It was two OSError tracebacks and exit 1 (a bug's), not a full disk's
+    one line and exit 4."""
+    with P.tmpfs(ctx[0] / "filling-between", "20m") as mount:
+        if mount is None:
+            pytest.skip("needs a tmpfs (root and mount)")
+        workdir = mount / "run"
+        many = dict(num_train_steps=2000, checkpoint_every=2000, eval_every=2000, log_every=1)
+        proc = P.start(args(ctx, workdir, **many), ctx[3])
+        P.wait_until(lambda: P.last_step(workdir) >= 1, proc)
+        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        out, err = proc.communicate(timeout=240)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        line = one_error_line(result)
+        assert result.returncode == 4 and err.strip().splitlines() == [line], err[-3000:]
+        assert re.fullmatch(
+            rf"error: writing step \d+'s metrics to {re.escape(str(workdir))} failed: No space "
+            r"left on device; free space or fix the directory, then restart \(the checkpoints "
+            r"are kept\)",
+            line,
+        ), line
+
+
 def test_checkpoints_of_another_model_shape(ctx, reference):
     workdir = ctx[0] / "other-shape"
     shutil.copytree(reference[0], workdir)
