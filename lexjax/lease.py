@@ -5,15 +5,17 @@ its last heartbeat and the timeout it promises to heartbeat within. It is
 created with ``O_CREAT | O_EXCL``, so of two jobs started on one workdir only
 one gets it; the other raises :class:`CheckpointError` naming the holder.
 
-A lease is stale when its holder is gone: on this host its pid no longer
-exists or is now another process (pids are reused: a restarted container's
-job is pid 1 again; the lease records when its holder process started), or
+A lease is stale when its holder is gone: on this host (the same boot and PID
+namespace, which the lease records) its pid no longer exists or is now another
+process (pids are reused: the lease records when its holder process started), or
 (any host, e.g. a shared or network filesystem) its heartbeat is older than
-the holder's own timeout. A stale lease is taken over with a
-one-line notice. A thread rewrites the heartbeat every ``timeout_s / 4``; if
-it finds the lease no longer its own (a stalled holder was declared stale and
-replaced), :attr:`WorkdirLease.held` turns False and training refuses to save
-(fencing: two jobs never write the same checkpoints).
+the holder's own timeout. A holder on this host in another PID namespace (a
+restarted container's job, or one in a container sharing the hostname) cannot
+be checked by pid: the newcomer watches its heartbeat, for at most its timeout.
+A stale lease is taken over with a one-line notice. A thread rewrites the
+heartbeat every ``timeout_s / 4``; if it finds the lease no longer its own (a
+stalled holder was declared stale and replaced), :attr:`WorkdirLease.held` turns
+False and training refuses to save (fencing: checked as each save starts).
 
 Every change of the lease file (take, take over, renew, release) reads, checks
 and writes it under an exclusive ``flock`` of the workdir, so a heartbeat never
@@ -99,6 +101,28 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
+def _pid_space() -> dict[str, str]:
+    """What makes a pid name one process: this boot of the kernel (``boot_id``) and
+    this PID namespace (``pid_ns``). Two containers that share a hostname (``docker
+    run --network host``, Kubernetes ``hostNetwork``) do not share their pids.
+    Empty without /proc."""
+    space = {}
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        space["boot_id"] = f.read().strip()
+    with contextlib.suppress(OSError):
+        space["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    return space
+
+
+class _Unverifiable(Exception):
+    """A fresh lease whose holder's pid means nothing here (another PID namespace or
+    boot on this host): only its heartbeat tells whether it is alive."""
+
+    def __init__(self, record: dict):
+        super().__init__(record)
+        self.record = record
+
+
 def _describe(record: dict) -> str:
     """The holder a lease record names ('' for an unreadable one: it names none)."""
     if not {"host", "pid"} <= record.keys():
@@ -128,6 +152,7 @@ class WorkdirLease:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "pid_start": _process_start(os.getpid()),
+            **_pid_space(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "token": self.token,
             "timeout_s": self.timeout_s,
@@ -179,7 +204,7 @@ class WorkdirLease:
     def _stale_reason(self, record: dict) -> str | None:
         """Why the holder of ``record`` is gone, or None if it may be alive."""
         pid = record.get("pid")
-        if record.get("host") == socket.gethostname() and isinstance(pid, int):
+        if self._pids_comparable(record) and isinstance(pid, int):
             reused = "(the holder is gone and its pid was reused)"
             if pid == os.getpid() and record.get("token") not in _HELD:
                 return f"pid {pid} is this process {reused}"
@@ -200,17 +225,33 @@ class WorkdirLease:
             return f"no heartbeat for {age:.0f} s (timeout {timeout:g} s)"
         return None
 
+    def _pids_comparable(self, record: dict) -> bool:
+        """Whether ``record``'s pid names a process here: the same host, boot and PID
+        namespace (a lease of an older lexjax, which records neither: the same host)."""
+        if record.get("host") != self._record["host"]:
+            return False
+        return all(record[k] == self._record.get(k) for k in ("boot_id", "pid_ns") if k in record)
+
     # -- taking and releasing ------------------------------------------------------
 
     def acquire(self) -> None:
-        """Takes the lease, taking over a stale one; raises CheckpointError if it is held."""
-        try:
-            with _locked(os.path.dirname(self.path)) as locked:
-                taken = locked and self._take()
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot create the workdir lease {self.path}: {e.strerror or e}"
-            ) from None
+        """Takes the lease, taking over a stale one; raises CheckpointError if it is held.
+
+        A holder on this host whose pid cannot be checked here (another PID namespace,
+        e.g. a restarted container's job, or one in another container) is watched, at
+        most until its heartbeat is older than its timeout: a renewed heartbeat means it
+        is alive (CheckpointError), none means it is gone (taken over)."""
+        while True:
+            try:
+                with _locked(os.path.dirname(self.path)) as locked:
+                    taken = locked and self._take()
+                break
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot create the workdir lease {self.path}: {e.strerror or e}"
+                ) from None
+            except _Unverifiable as unverifiable:
+                self._watch(unverifiable.record)  # outside the lock: the holder renews under it
         if not taken:
             raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
         self.held = True
@@ -230,10 +271,9 @@ class WorkdirLease:
             reason = self._stale_reason(record)
             holder = _describe(record)
             if reason is None and holder:
-                raise CheckpointError(
-                    f"workdir {os.path.dirname(self.path)} is in use by a training job on "
-                    f"{holder}; wait for it to finish or use another --workdir"
-                )
+                if record.get("host") == self._record["host"] and not self._pids_comparable(record):
+                    raise _Unverifiable(record)
+                raise self._in_use(record)
             if reason is None:
                 raise CheckpointError(
                     f"the workdir lease {self.path} cannot be read; it is taken over once it "
@@ -245,6 +285,32 @@ class WorkdirLease:
                 self.log(f"note: took over {whose}: {reason}")
                 return True
         return False
+
+    def _in_use(self, record: dict) -> CheckpointError:
+        return CheckpointError(
+            f"workdir {os.path.dirname(self.path)} is in use by a training job on "
+            f"{_describe(record)}; wait for it to finish or use another --workdir"
+        )
+
+    def _watch(self, record: dict) -> None:
+        """Returns once the lease ``record`` is gone, replaced or past its timeout
+        without a heartbeat (then the caller judges the lease again); raises the
+        in-use CheckpointError once its holder renews it."""
+        beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
+        left = beat + timeout - time.time()
+        self.log(
+            f"note: the lease of {os.path.dirname(self.path)} is held by "
+            f"{_describe(record)} in another PID namespace of this host, whose pids this "
+            f"process cannot check; waiting up to {max(left, 0):.0f} s for its heartbeat "
+            "(a renewed one means the job is alive)"
+        )
+        while time.time() <= beat + timeout:
+            time.sleep(min(0.25, timeout / 20))
+            now = self._read()
+            if not now or now.get("token") != record.get("token"):
+                return  # released or replaced
+            if now.get("heartbeat") != record.get("heartbeat"):
+                raise self._in_use(record)
 
     def _take_over(self, stale: dict) -> bool:
         """Replaces the stale lease ``stale`` by ours; False if another job got there first.

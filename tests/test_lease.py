@@ -118,6 +118,85 @@ def test_a_reused_pid_is_not_the_holder(tmp_path):
         later.wait()
 
 
+def test_a_holder_in_another_pid_namespace_is_judged_by_its_heartbeat(tmp_path):
+    """Two containers that share a hostname (docker --network host, Kubernetes
+    hostNetwork) do not share pids: a live job's lease naming pid 1 was taken over
+    at once ("pid 1 is another process now"), and the job lost its steps since its
+    last checkpoint. A holder whose pid cannot be checked here is watched until its
+    heartbeat is renewed (in use) or is older than its timeout (taken over)."""
+    other = {"pid": 1, "pid_start": 12345, "pid_ns": "pid:[1]", "timeout_s": 2.0}
+    path = tmp_path / lease_lib.LEASE_FILE
+    write_lease(tmp_path, heartbeat=time.time(), **other)
+    stop = threading.Event()
+
+    def renew():  # the holder's heartbeat thread
+        while not stop.wait(0.5):
+            path.write_text(json.dumps({**json.loads(path.read_text()), "heartbeat": time.time()}))
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    notes = []
+    try:
+        with pytest.raises(
+            CheckpointError, match=f"is in use by a training job on host {HOST} pid 1 "
+        ):
+            lease_lib.WorkdirLease(tmp_path, log=notes.append).acquire()
+    finally:
+        stop.set()
+        renewer.join()
+    assert len(notes) == 1 and "in another PID namespace of this host" in notes[0], notes
+    notes.clear()
+    write_lease(tmp_path, heartbeat=time.time(), **other)  # a holder that is gone
+    started = time.monotonic()
+    with lease_lib.WorkdirLease(tmp_path, log=notes.append) as lease:
+        assert lease_record(tmp_path)["token"] == lease.token
+    assert 1.5 < time.monotonic() - started < 30
+    assert len(notes) == 2 and re.search(r"no heartbeat for 2 s \(timeout 2 s\)$", notes[1]), notes
+
+
+def test_a_live_job_in_another_pid_namespace_keeps_its_lease(tmp_path):
+    """The same with a real holder: a WorkdirLease taken inside `unshare --pid` (pid 1
+    there), refused here; once it is killed, taken over after its timeout."""
+    take = (
+        "import sys, time; from lexjax import lease; "
+        "lease.WorkdirLease(sys.argv[1], timeout_s=2).acquire(); print('held', flush=True); "
+        "time.sleep(600)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(P.ROOT), "JAX_PLATFORMS": "cpu"}
+    argv = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        sys.executable,
+        "-c",
+        take,
+        str(tmp_path),
+    ]
+    try:
+        holder = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    except FileNotFoundError:
+        pytest.skip("needs unshare")
+    try:
+        if holder.stdout.readline() != "held\n":
+            pytest.skip(f"cannot make a PID namespace here: {holder.communicate()[1][-300:]}")
+        assert lease_record(tmp_path)["pid"] == 1
+        with pytest.raises(
+            CheckpointError, match=f"in use by a training job on host {HOST} pid 1 "
+        ):
+            lease_lib.WorkdirLease(tmp_path, log=lambda _: None).acquire()
+    finally:
+        holder.kill()  # unshare, and with it its namespace's pid 1
+        holder.wait()
+    notes = []
+    with lease_lib.WorkdirLease(tmp_path, log=notes.append):
+        pass
+    assert re.search(r"no heartbeat for \d+ s \(timeout 2 s\)$", notes[-1]), notes
+
+
 def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 50, timeout_s=60.0)
     with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
