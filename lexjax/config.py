@@ -28,12 +28,13 @@ import os
 import re
 import runpy
 import sys
+import traceback
 import typing
 from collections.abc import Mapping
 
 import numpy as np
 
-from lexjax.errors import ConfigError, one_line
+from lexjax.errors import ConfigError, LexjaxError, one_line
 
 __all__ = [
     "RELATIVE_ENCODINGS",
@@ -295,6 +296,8 @@ def _load_file(path: str):
         get_config = runpy.run_path(file).get("get_config")
     except SyntaxError as e:
         raise ConfigError(f"--config={path}: {file} line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # an import it cannot make, a computation that fails
+        raise _failed_in(path, file, e) from None
     if not callable(get_config):
         raise ConfigError(
             f"--config={path}: {file} defines no get_config(); a config file's "
@@ -302,7 +305,19 @@ def _load_file(path: str):
         )
     if preset and not inspect.signature(get_config).parameters:
         raise ConfigError(f"--config={path}: {file} has no presets; drop ':{preset}'")
-    return get_config(*[preset][: bool(preset)])
+    try:
+        return get_config(*[preset][: bool(preset)])
+    except LexjaxError:
+        raise  # a field check of lexjax's own, already one line
+    except Exception as e:
+        raise _failed_in(path, file, e) from None
+
+
+def _failed_in(path: str, file: str, error: Exception) -> ConfigError:
+    """A config file's own exception as one line, at its innermost line in that file."""
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == file]
+    where = f"{file} line {lines[-1]}" if lines else file
+    return ConfigError(f"--config={path}: {where}: {type(error).__name__}: {one_line(error)}")
 
 
 def _check_field(config, path: str) -> None:
@@ -510,10 +525,11 @@ def is_real(value) -> bool:
 
 
 def check_path(name: str, value) -> str:
-    """``value`` (a str or ``os.PathLike``) as a str; else a one-line :class:`ConfigError`."""
+    """``value`` (a str or ``os.PathLike``) as a str, ``~`` expanded; else a one-line
+    :class:`ConfigError`."""
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
-    return os.fspath(value)
+    return os.path.expanduser(os.fspath(value))  # a shell leaves "--workdir=~/x" as it is
 
 
 def check_dtypes(m: ModelConfig) -> None:

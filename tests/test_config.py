@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -132,6 +133,9 @@ def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected
         ("x = 1\n", "", "{file} defines no get_config()"),
         ("def get_config():\n    return {\n", "", "{file} line 2: '{{' was never closed"),
         ("def get_config():\n    return 1\n", ":small", "{file} has no presets; drop ':small'"),
+        # Its own exceptions were tracebacks, exit 1 (a bug's), only a SyntaxError one line.
+        ("import nonexistent_mod\n", "", "{file} line 1: ModuleNotFoundError: No module named"),
+        ("def get_config():\n    return 1 / 0\n", "", "{file} line 2: ZeroDivisionError: div"),
         (None, "", "{file} is a directory; name a config file in it"),
         (
             "def get_config():\n    return {'train_len': 32}\n",
@@ -153,6 +157,14 @@ def test_a_bad_config_file_is_one_line_exit_2(tmp_path, text, suffix, expected):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
     assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_workdir_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """A shell expands no ``~`` after ``--workdir=``: train.py made a directory named
+    ``~`` in the current one, which invites an ``rm -rf ~``."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cfg.check_path("workdir", "~/runs/a") == str(tmp_path / "runs" / "a")
+    assert cfg.check_path("workdir", pathlib.Path("~")) == str(tmp_path)
 
 
 def test_unknown_field_in_a_dict_names_the_closest():

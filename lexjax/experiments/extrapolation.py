@@ -692,7 +692,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
             return _run_experiment(exp, out, log, stop)
         except _Terminated:
             _stopped_by_sigterm = True
-            where = f" ({os.path.abspath(out)})" if out.strip() else ""
+            where = f" ({os.path.abspath(os.path.expanduser(out))})" if out.strip() else ""
             log(f"stopped by SIGTERM; run the same command again to continue{where}")
             return None
 
@@ -705,7 +705,7 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     exp = exp.to_dict() if hasattr(exp, "to_dict") else dict(exp)
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
-    out = os.path.abspath(out)
+    out = os.path.abspath(os.path.expanduser(out))  # a shell leaves "--out=~/x" so
     started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
     shared = exp["train"].to_dict() if hasattr(exp["train"], "to_dict") else dict(exp["train"])
     try:
