@@ -13,8 +13,9 @@ holds four items::
     config/      metadata: the config dict as JSON
     tokenizer/   metadata: the tokenizer as JSON (a SentencePiece model in
                  base64), so evaluation and generation use the training one
-    integrity/   metadata: JSON with a sha256 of every state leaf and of
-                 every process's iterator state, whether those agree, and the
+    integrity/   metadata: JSON with a sha256 of every state leaf, of every
+                 process's iterator state, of the config and tokenizer records
+                 and of itself, whether the iterator states agree, and the
                  settings the saved position belongs to (a resume under other
                  ones is refused)
   DIR/superseded/<step>-<time>/   steps moved aside by `save` (never deleted)
@@ -127,6 +128,14 @@ def _canonical_iterator_state(state: Any) -> str:
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _record_sha256(record: Any) -> str:
+    """The checksum of a JSON record as it reads back (keys sorted; a digest of the
+    integrity record itself leaves out its own ``self_sha256``)."""
+    if isinstance(record, dict):
+        record = {k: v for k, v in record.items() if k != "self_sha256"}
+    return _sha256(json.dumps(record, sort_keys=True))
 
 
 def _host_value(x: Any) -> np.ndarray:
@@ -341,12 +350,13 @@ class Checkpointer:
                 integrity["data_iter"]["settings"] = dict(settings)
             items[_DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(snapshot))
         if config is not None:
-            items[_CONFIG] = ocp.args.JsonSave(
-                config.to_dict() if hasattr(config, "to_dict") else dict(config)
-            )
+            config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            integrity["config_sha256"] = _record_sha256(config)
+            items[_CONFIG] = ocp.args.JsonSave(config)
         if tokenizer is not None:
-            integrity["tokenizer_sha256"] = _sha256(json.dumps(tokenizer, sort_keys=True))
+            integrity["tokenizer_sha256"] = _record_sha256(tokenizer)
             items[_TOKENIZER] = ocp.args.JsonSave(tokenizer)
+        integrity["self_sha256"] = _record_sha256(integrity)
         items[_INTEGRITY] = ocp.args.JsonSave(integrity)
         self._writing = step
         try:
@@ -495,6 +505,9 @@ class Checkpointer:
             raise _Damaged(f"integrity record unreadable ({one_line(e, innermost=True)})") from e
         if not isinstance(integrity, dict) or integrity.get("format") != _FORMAT:
             raise _Damaged("integrity record has an unknown format")
+        # Older lexjax recorded no digest of the record itself (nor of the config).
+        if "self_sha256" in integrity and integrity["self_sha256"] != _record_sha256(integrity):
+            raise _Damaged("integrity record fails its own checksum")
         return integrity
 
     def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
@@ -529,7 +542,10 @@ class Checkpointer:
             )
         except Exception as e:
             raise _Damaged(f"config record unreadable ({one_line(e, innermost=True)})") from e
-        return restored[_CONFIG]
+        config, want = restored[_CONFIG], self._read_integrity(step).get("config_sha256")
+        if want is not None and (not isinstance(config, dict) or _record_sha256(config) != want):
+            raise _Damaged("config record fails its checksum")
+        return config
 
     def restore_tokenizer_json(self, step: int) -> dict[str, Any] | None:
         """The tokenizer record saved with `step`, checked against its checksum,
@@ -543,9 +559,7 @@ class Checkpointer:
             record = self._manager.restore(
                 step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
             )[_TOKENIZER]
-            ok = _sha256(json.dumps(record, sort_keys=True)) == self._read_integrity(step).get(
-                "tokenizer_sha256"
-            )
+            ok = _record_sha256(record) == self._read_integrity(step).get("tokenizer_sha256")
             error = None if ok else "tokenizer record fails its checksum"
         except _Damaged as e:
             error = str(e)

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lexjax.checkpoint import Checkpointer, CheckpointError
+from lexjax.checkpoint import Checkpointer, CheckpointError, _record_sha256
 
 # Orbax leaves un-awaited read coroutines behind when tensorstore fails on a
 # damaged file; that is the failure under test, not a leak of ours.
@@ -224,6 +224,10 @@ def _as_if_saved_by(step_dir, process_count, shared):
         del record["shared"], record["stream"]
     else:
         record["shared"] = shared
+    if shared is None:  # nor a digest of the record itself
+        integrity.pop("self_sha256")
+    else:  # as the writer sealed it
+        integrity["self_sha256"] = _record_sha256(integrity)
     path.write_text(json.dumps(integrity))
 
 
