@@ -12,7 +12,7 @@ import sys
 import jax
 from absl import flags as absl_flags
 
-from lexjax import api, checkpoint, distributed, evaluation, generation, passkey, signals
+from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
 from lexjax.errors import StdoutClosed, one_line, report
 
@@ -171,7 +171,7 @@ def run_eval(
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
-    with distributed.first_process_speaks():
+    with distributed.first_process_speaks(), errors.stdout_failures():
         run = api.load(workdir)
         # Like train.py's; on stderr with --generate, whose stdout is the text alone.
         print(
@@ -188,7 +188,7 @@ def run_eval(
                 try:
                     if not closed:
                         print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
-                except BrokenPipeError:
+                except StdoutClosed:
                     closed.append(True)
                 return bool(closed)
 

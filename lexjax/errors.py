@@ -31,6 +31,7 @@ status  kind                                           class
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -44,6 +45,7 @@ __all__ = [
     "DistributedError",
     "one_line",
     "report",
+    "stdout_failures",
 ]
 
 
@@ -116,6 +118,47 @@ class StdoutClosed(Exception):
     """What a program printed to could not take it: stdout's reader went away."""
 
 
+class _GuardedStdout:
+    """stdout whose failures are the program's: a reader gone (``eval.py | head``)
+    is :class:`StdoutClosed` (a quiet exit 141), any other (a full disk, ``>
+    /dev/full``) one line (EvaluationError), instead of a traceback and exit 1."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            raise StdoutClosed from None
+        except OSError as e:
+            raise EvaluationError(
+                f"cannot write to stdout ({e.strerror or e}); send it to a file or device with room"
+            ) from None
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        return self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def stdout_failures():
+    """:class:`_GuardedStdout` in the block, flushed at its end (a pipe's buffer
+    fails there, not at exit)."""
+    real = sys.stdout
+    sys.stdout = _GuardedStdout(real)
+    try:
+        yield
+        sys.stdout.flush()
+    finally:
+        sys.stdout = real
+
+
 def report(program, *args, **kwargs) -> int:
     """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
     ``error: <one line>`` on stderr and the exit status of its kind.
@@ -130,6 +173,12 @@ def report(program, *args, **kwargs) -> int:
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.excepthook = _quiet_interrupt(sys.excepthook)
+        # The last word: what Python's finalization reports of the work cut short (an
+        # orbax save's coroutines, "never awaited", past the warning filters by then)
+        # goes nowhere. Only a program's own stderr (not a test's captured one).
+        if sys.stderr is sys.__stderr__:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         raise
     except StdoutClosed:
         # Python would flush stdout once more at exit, and fail again: it goes nowhere.

@@ -1011,18 +1011,6 @@ def evaluate_run(
         # Only then: the settings (and so the file names) of unscaled runs stay as they were.
         settings.update(rope_scaling=rope_scaling, rope_factor=float(rope_factor))
         info.update(rope_scaling=rope_scaling, rope_factor=float(rope_factor))
-    print(
-        f"perplexity of {workdir} (step {step}, position={label}, train_len={train_len}) "
-        f"on {where}\n"
-    )
-    print(reports.perplexity_table(results, label, missing=missing))
-    if sink_info:
-        print(
-            f"sinks + window: each token sees the first {sinks} tokens of its segment and its "
-            f"{2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
-        )
-    print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
-    print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
     stems = ["perplexity", settings_name("perplexity", settings)]
     summary = reports.perplexity_json(
         results, **info, **sink_info, max_length=max_length, settings=settings, missing=missing
@@ -1037,6 +1025,19 @@ def evaluate_run(
         reports.plot_perplexity(
             curves, written[-1], train_len=train_len, title=f"{label}, train_len {train_len}"
         )
+    # Printed once written: a stdout that fails (`| head`) loses nothing.
+    print(
+        f"perplexity of {workdir} (step {step}, position={label}, train_len={train_len}) "
+        f"on {where}\n"
+    )
+    print(reports.perplexity_table(results, label, missing=missing))
+    if sink_info:
+        print(
+            f"sinks + window: each token sees the first {sinks} tokens of its segment and its "
+            f"{2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
+        )
+    print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
+    print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
     if resolution:
         if len(resolution_modes) < len(modes):
             unmeasured = ", ".join(m for m in modes if m not in RESOLUTION_MODES)
@@ -1052,14 +1053,14 @@ def evaluate_run(
             where=where,
             say=say,
         )
-        print("\nattention resolution (paper eq. 3 with eq. 11)\n")
-        print(reports.resolution_table(measured, label))
         # What it measured: its own documents and modes (a name per measurement).
         settings = dict(settings, max_length=2 * train_len, kind="resolution")
         settings.update(documents=len(measured_docs), modes=resolution_modes)
         for stem in ("resolution", settings_name("resolution", settings)):
             written.append(os.path.join(out_dir, f"{stem}.json"))
             reports.write_json(written[-1], reports.resolution_json(measured, **info))
+        print("\nattention resolution (paper eq. 3 with eq. 11)\n")
+        print(reports.resolution_table(measured, label))
     if figure:
         m = config.model
         written.append(os.path.join(out_dir, "expectation.png"))

@@ -587,11 +587,7 @@ def evaluate_passkey(
         if mesh is None
         else shard_lib.batch_sharding(mesh, shard_lib.rules(config)),
     )
-    print(
-        f"passkey retrieval of {workdir} (step {step}, position={position}, "
-        f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
-    )
-    print(reports.passkey_table(results, position, skipped=skipped))
+    # Written before anything is printed: a stdout that fails (`| head`) loses nothing.
     summary = reports.passkey_json(
         results,
         train_len=train_len,
@@ -625,5 +621,10 @@ def evaluate_passkey(
             train_len=train_len,
             title=f"passkey, {position} {reports.MODE_NAMES.get(mode, mode)}",
         )
+    print(
+        f"passkey retrieval of {workdir} (step {step}, position={position}, "
+        f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
+    )
+    print(reports.passkey_table(results, position, skipped=skipped))
     print(f"\nwrote {', '.join(written)}")
     return results, written

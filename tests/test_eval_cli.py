@@ -288,6 +288,57 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 50
 
 
+@pytest.mark.parametrize(
+    "kind, flags, written",
+    [
+        ("perplexity", ["--lengths=32", "--max_length=32"], "perplexity.json"),
+        ("passkey", ["--passkey", "--lengths=96", "--passkey_depths=0"], "passkey.json"),
+    ],
+)
+def test_a_stdout_closed_early_keeps_the_results(workdir, tmp_path, kind, flags, written):
+    """`eval.py | head -n 1`: the tables were printed before the JSON was written, so the
+    reader going away was a BrokenPipeError traceback, exit 1, and no results kept."""
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval"))
+    args = [sys.executable, "eval.py", f"--workdir={copy}", *flags]
+    proc = subprocess.Popen(
+        [*args, "--passkey_trials=1"] if kind == "passkey" else [*args, "--max_docs=1"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().startswith("mesh ")  # what `head -n 1` takes
+    proc.stdout.close()
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 141 and "Traceback" not in err, err[-3000:]
+    assert (copy / "eval" / written).is_file()
+
+
+def test_a_stdout_that_cannot_take_the_tables_is_one_line(workdir, tmp_path):
+    """`eval.py > /dev/full`: was an OSError traceback, exit 1. Its first line (the
+    mesh) fails already, before any computation."""
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval"))
+    args = [f"--workdir={copy}", "--lengths=32", "--max_length=32", "--max_docs=1"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "eval.py", *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert done.returncode == 6, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: cannot write to stdout (No space left on device); send it to a file or "
+        "device with room"
+    )
+
+
 def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
     args = [f"--workdir={workdir}", "--passkey", "--lengths=32,96", "--passkey_depths=0,1"]
     done = _run("eval.py", *args, "--passkey_trials=2", "--seed=3")
