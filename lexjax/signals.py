@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = [
@@ -105,6 +106,7 @@ def _end(signum, frame):
 
 
 _again: dict[type[BaseException], Callable[[], bool]] = {}
+_in_hook = False  # the main thread is in the hook: a signal delivered now is swallowed too
 
 
 def on_swallowed(kind: type[BaseException], again: Callable[[], bool]) -> None:
@@ -117,9 +119,14 @@ def on_swallowed(kind: type[BaseException], again: Callable[[], bool]) -> None:
         previous = sys.unraisablehook
 
         def unraisable(report):
-            act = next((f for k, f in _again.items() if isinstance(report.exc_value, k)), None)
-            if act is None or not act():
-                previous(report)
+            global _in_hook
+            _in_hook = True
+            try:
+                act = next((f for k, f in _again.items() if isinstance(report.exc_value, k)), None)
+                if act is None or not act():
+                    previous(report)
+            finally:
+                _in_hook = False  # last: no call after it, where a signal could land
 
         sys.unraisablehook = unraisable
     _again[kind] = again
@@ -135,14 +142,21 @@ def redeliver_swallowed_interrupts() -> None:
 def interrupt_main_later(signum: int) -> bool:
     """``signum`` to the main thread 10 ms from now, from another thread: once the
     callback that swallowed the last one (and the hook reporting it, where a
-    handler's exception would be swallowed too) is done. True."""
-    threading.Timer(0.01, _interrupt_main, (signum,)).start()
+    handler's exception would be swallowed too) is done. True.
+
+    The thread is started without waiting for it (``threading.Timer.start`` waits,
+    and on a loaded machine its signal landed in that wait, inside the hook)."""
+    _thread.start_new_thread(_interrupt_main, (signum,))
     return True
 
 
 def _interrupt_main(signum: int) -> None:
-    """``signum`` to the main thread: a real signal also wakes it from a blocking call
-    (a sleep, a wait), which ``_thread.interrupt_main`` does not."""
+    """``signum`` to the main thread, 10 ms on and once it has left the hook: a real
+    signal also wakes it from a blocking call (a sleep, a wait), which
+    ``_thread.interrupt_main`` does not."""
+    time.sleep(0.01)
+    while _in_hook:
+        time.sleep(0.005)
     if hasattr(signal, "pthread_kill"):
         signal.pthread_kill(threading.main_thread().ident, signum)
     else:
