@@ -94,13 +94,24 @@ class MetricsWriter:
                 "(the checkpoints are kept)"
             ) from None
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
-        if self.tb is None:
+    def open(self) -> None:
+        """Starts the TensorBoard writer (about 2 s: its import), before the steps are
+        timed; else the first record does it, inside the next record's interval."""
+        if self.enabled and self.tb is None:
             # Imported here: the FLOPs and MFU helpers above serve benchmarks on
             # accelerator hosts that have only jax, flax and optax.
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(self._tb_dir)
+            try:
+                self.tb = SummaryWriter(self._tb_dir)
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot write TensorBoard events in {self._tb_dir} ({e.strerror or e}); "
+                    "free space or fix the directory"
+                ) from None
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        self.open()
         # Opened per write: a line is on disk before the next step, whatever stops the run.
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -255,6 +256,28 @@ def test_resume_equals_uninterrupted(tmp_path):
     (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
     assert s1 == s2 == 6
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_the_tensorboard_writers_start_is_not_timed(tmp_path, monkeypatch):
+    """The writer started at the first record (its import alone takes about 2 s), inside
+    the next record's interval: step 2 logged 52 tokens/s where the others had 10,000+.
+    Here its start takes 3 s; no logged rate may include them."""
+    import tensorboardX
+
+    start = tensorboardX.SummaryWriter.__init__
+
+    def slow_start(self, *args, **kwargs):
+        time.sleep(3)
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "__init__", slow_start)
+    config = _train_config(tmp_path, num_train_steps=4, log_every=1, checkpoint_every=4)
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    rates = [r["tokens_per_sec"] for r in metrics.read_metrics(workdir) if "tokens_per_sec" in r]
+    assert len(rates) == 3, rates  # steps 2-4 (step 1 compiles: no rate)
+    seconds = [config.batch_size * config.train_len / rate for rate in rates]
+    assert max(seconds) < 3, seconds
 
 
 def test_a_flipped_byte_in_the_config_or_integrity_record_falls_back(tmp_path, caplog):
