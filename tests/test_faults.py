@@ -652,6 +652,43 @@ def test_disk_filling_up_between_saves(ctx):
         ), line
 
 
+def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path):
+    """Was TFDS's RuntimeError traceback, exit 1, on the open "building dataset" line.
+    Now one line, exit 3 (a read-only data_dir's code); with room, the next run builds."""
+    with P.tmpfs(tmp_path / "small", "16k") as mount:
+        if mount is None:
+            pytest.skip("needs a tmpfs (root and mount)")
+        workdir, data_dir = tmp_path / "run", mount / "tfds"
+        result = P.run(P.train_args(workdir, ctx[1], data_dir, num_train_steps=1), ctx[3])
+        line = one_error_line(result)
+        assert result.returncode == 3 and line == (
+            f"error: data.data_dir={data_dir}: building the corpus textfiles failed (No "
+            "space left on device); free space there or choose another data.data_dir"
+        ), result.stderr[-3000:]
+        assert result.stdout.endswith("...\n"), result.stdout[-300:]  # the line is ended
+        subprocess.run(["mount", "-o", "remount,size=10m", str(mount)], check=True)
+        result = P.run(P.train_args(workdir, ctx[1], data_dir, num_train_steps=1), ctx[3])
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_corpus_file_that_cannot_be_read_is_one_line(ctx, tmp_path):
+    """A file the glob selects but reading fails on (permissions; here an I/O error:
+    a link to the reading process's own /proc/self/mem, unreadable even by root) was a
+    traceback from the corpus digest, exit 1."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(pathlib.Path(ctx[1]).parent, corpus)
+    (corpus / "mem.txt").symlink_to("/proc/self/mem")
+    workdir = tmp_path / "run"
+    result = P.run(
+        P.train_args(workdir, str(corpus / "*.txt"), tmp_path / "tfds", num_train_steps=1), ctx[3]
+    )
+    line = one_error_line(result)
+    assert result.returncode == 3 and line == (
+        f"error: cannot read {corpus / 'mem.txt'} (Input/output error); make it readable "
+        "or narrow the glob that selects it"
+    ), line
+
+
 def test_checkpoints_of_another_model_shape(ctx, reference):
     workdir = ctx[0] / "other-shape"
     shutil.copytree(reference[0], workdir)

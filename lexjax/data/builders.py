@@ -236,15 +236,28 @@ def _file_digest(path: str) -> str:
 def _content_digest(path: str, size: int, mtime_ns: int) -> str:
     del size, mtime_ns  # Only the cache key.
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _reading(path), open(path, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """A corpus file that cannot be read (its permissions, an I/O error) is one line
+    naming it, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(
+            f"cannot read {path} ({e.strerror or e}); make it readable or narrow the glob "
+            "that selects it"
+        ) from None
+
+
 def _kind_of(path: str) -> str:
     """'empty', 'binary' (a NUL byte near the start) or 'text'."""
-    with open(path, "rb") as f:
+    with _reading(path), open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
     if not head:
         return "empty"
@@ -654,8 +667,17 @@ def prepare(
                 end="",
                 flush=True,
             )
-            with _quiet_tfds():
-                builder.download_and_prepare()
+            try:
+                with _quiet_tfds():
+                    builder.download_and_prepare()
+            except Exception as e:
+                print(flush=True)  # ends the "building dataset ..." line
+                if (reason := _os_reason(e)) is None:
+                    raise
+                raise DataError(
+                    f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
+                    "free space there or choose another data.data_dir"
+                ) from None
             replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
@@ -675,6 +697,24 @@ def _damaged(build_dir: str, name: str, error: Exception) -> DataError:
         f"the corpus build {build_dir} is damaged; delete it and {again} "
         f"({one_line(error, limit=120)})"
     )
+
+
+# What TFDS's writers say (inside their own exceptions) when the disk refuses a write.
+_OS_REASONS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+
+
+def _os_reason(error: BaseException) -> str | None:
+    """The operating system's reason a build failed (an OSError's, or one of
+    :data:`_OS_REASONS` in a message down the chain), else None (not the disk's)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.strerror:
+            return error.strerror
+        if reason := next((r for r in _OS_REASONS if r in str(error)), None):
+            return reason
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
