@@ -749,6 +749,14 @@ def held_out_documents(
             )
         docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
         return f"{d.name} {split} split", docs
+    except data_lib.NoFiles as e:
+        if eval_files:
+            raise
+        # Not a flag of eval.py's: say what was moved.
+        raise DataError(
+            f"{e.what}={e.pattern!r}, the files this run trained on, matches no files now; "
+            "restore them, or evaluate on other text with --eval_files"
+        ) from None
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):
             raise

@@ -276,13 +276,13 @@ def test_bad_input_says_what_to_change(tmp_path):
     with pytest.raises(DataError) as e:
         data.plan_corpus("textfiles", str(tmp_path), test_files=str(tmp_path / "nothing"))
     assert str(e.value) == (
-        f"test_files={str(tmp_path / 'nothing')!r} matches no files; pass a glob of existing "
-        "text files, e.g. files='/data/books/**/*.txt'"
+        f"data.test_files={str(tmp_path / 'nothing')!r} matches no files; pass a glob of "
+        "existing text files, e.g. data.test_files='/data/books/**/*.txt'"
     )
     with pytest.raises(DataError) as e:  # a directory: say how to take its files
         data.plan_corpus("textfiles", str(tmp_path))
     assert str(e.value) == (
-        f"files={str(tmp_path)!r} matches no files; it is a directory: pass a glob of its "
+        f"data.files={str(tmp_path)!r} matches no files; it is a directory: pass a glob of its "
         f"files, e.g. {tmp_path}/** or {tmp_path}/*.txt"
     )
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
@@ -879,6 +879,42 @@ def test_vocab_larger_than_the_corpus_supports_names_the_largest(tmp_path):
             "sentencepiece", 5000, "textfiles", tmp_path / "tfds", str(tmp_path / "*.txt")
         )
     assert not glob.glob(str(tmp_path / "tfds" / "textfiles" / "*" / "*" / "sentencepiece-*"))
+
+
+def test_held_out_files_without_text_are_named(tmp_path):
+    """Said "the corpus is too small to hold out validation text; … pass
+    data.validation_files", to a run that had passed it."""
+    from tests.processes import write_corpus
+
+    files = write_corpus(tmp_path / "corpus")
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "empty.txt").write_text("")
+    (tmp_path / "held" / "binary.txt").write_bytes(b"\0\1\2")
+    with pytest.raises(DataError) as e:
+        data.plan_corpus("textfiles", files, validation_files=str(tmp_path / "held" / "*"))
+    assert str(e.value) == (
+        "data.validation_files selects no text: its 2 files are empty or binary; make it "
+        "select text files"
+    )
+
+
+@pytest.mark.parametrize("corpus", [None, "textfiles/abc"], ids=["unrecorded", "recorded"])
+def test_evaluation_of_a_run_whose_corpus_files_moved_says_so(tmp_path, corpus):
+    """eval.py advised `files='…'`, a setting it has no flag for, when the files a run
+    trained on had moved (the build found from them first, or read)."""
+    from lexjax import evaluation
+    from tests.helpers import small_config
+
+    files = str(tmp_path / "moved" / "*.txt")
+    config = small_config(
+        **{"data.name": "textfiles", "data.files": files, "data.data_dir": str(tmp_path / "tfds")}
+    )
+    with pytest.raises(DataError) as e:
+        evaluation.held_out_documents(config, corpus=corpus)
+    assert str(e.value) == (
+        f"data.files={files!r}, the files this run trained on, matches no files now; restore "
+        "them, or evaluate on other text with --eval_files"
+    )
 
 
 def test_evaluation_stops_at_a_damaged_test_split_instead_of_scoring_another(tmp_path):

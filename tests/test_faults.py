@@ -925,4 +925,4 @@ def test_glob_matching_nothing(ctx):
     files = str(ctx[0] / "nowhere" / "*.txt")
     result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])
     line = one_error_line(result)
-    assert f"files={files!r} matches no files" in line, line
+    assert f"error: data.files={files!r} matches no files" in line, line

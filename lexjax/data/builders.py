@@ -129,7 +129,15 @@ def stdlib_files(max_files: int | None = None) -> tuple[str, list[str]]:
     return root, relpaths[:max_files] if max_files is not None else relpaths
 
 
-def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
+class NoFiles(DataError):
+    """A glob of files (the setting ``what``) that matches none."""
+
+    def __init__(self, what: str, pattern: str, hint: str):
+        super().__init__(f"{what}={pattern!r} matches no files; {hint}")
+        self.what, self.pattern = what, pattern
+
+
+def glob_files(pattern: str, what: str = "data.files") -> tuple[str, list[str]]:
     """Returns (root, sorted relative posix paths) of the files matching a glob.
 
     The root is the pattern's leading directories that contain no wildcard, so
@@ -143,9 +151,9 @@ def glob_files(pattern: str, what: str = "files") -> tuple[str, list[str]]:
         hint = (
             f"it is a directory: pass a glob of its files, e.g. {pattern}/** or {pattern}/*.txt"
             if os.path.isdir(pattern)
-            else "pass a glob of existing text files, e.g. files='/data/books/**/*.txt'"
+            else f"pass a glob of existing text files, e.g. {what}='/data/books/**/*.txt'"
         )
-        raise DataError(f"{what}={pattern!r} matches no files; {hint}")
+        raise NoFiles(what, pattern, hint)
     return root, sorted(_relative(p, root) for p in matches)
 
 
@@ -346,7 +354,14 @@ def plan_splits(
                 f"file{'s' if len(both) > 1 else ''} (first {os.path.join(root, both[0])}), "
                 "whose text would be in both splits; make the two globs select different files"
             )
-        for relpath in text_files(split, root, relpaths):
+        kept = text_files(split, root, relpaths)
+        if not kept:  # (not "the corpus is too small": it names this setting as the cure)
+            raise DataError(
+                f"data.{split}_files selects no text: its {len(relpaths)} "
+                f"file{'s are' if len(relpaths) > 1 else ' is'} empty or binary; make it "
+                "select text files"
+            )
+        for relpath in kept:
             pieces[split].append(
                 Piece(root, relpath, 0, os.path.getsize(os.path.join(root, relpath)))
             )
@@ -569,9 +584,9 @@ def plan_corpus(
     """The split plan of `python_stdlib` or `textfiles` (see `prepare`)."""
     explicit = {}
     if validation_files:
-        explicit["validation"] = glob_files(validation_files, "validation_files")
+        explicit["validation"] = glob_files(validation_files, "data.validation_files")
     if test_files:
-        explicit["test"] = glob_files(test_files, "test_files")
+        explicit["test"] = glob_files(test_files, "data.test_files")
     if name == "python_stdlib":
         if files is not None:
             raise DataError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
