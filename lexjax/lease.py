@@ -296,12 +296,15 @@ class WorkdirLease:
         """Returns once the lease ``record`` is gone, replaced or past its timeout
         without a heartbeat (then the caller judges the lease again); raises the
         in-use CheckpointError once its holder renews it."""
-        beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
+        try:
+            beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
+        except (KeyError, TypeError, ValueError):  # nothing to watch: as on another host
+            raise self._in_use(record) from None
         left = beat + timeout - time.time()
         self.log(
             f"note: the lease of {os.path.dirname(self.path)} is held by "
-            f"{_describe(record)} in another PID namespace of this host, whose pids this "
-            f"process cannot check; waiting up to {max(left, 0):.0f} s for its heartbeat "
+            f"{_describe(record)} in another PID namespace (or boot) of this host, whose "
+            f"pids this process cannot check; waiting up to {max(left, 0):.0f} s for its heartbeat "
             "(a renewed one means the job is alive)"
         )
         while time.time() <= beat + timeout:
