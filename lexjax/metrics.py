@@ -95,8 +95,8 @@ class MetricsWriter:
             ) from None
 
     def open(self) -> None:
-        """Starts the TensorBoard writer (about 2 s: its import), before the steps are
-        timed; else the first record does it, inside the next record's interval."""
+        """Starts the TensorBoard writer (about 2 s: its import), so that a caller can
+        leave that out of what it times; else the first record does it."""
         if self.enabled and self.tb is None:
             # Imported here: the FLOPs and MFU helpers above serve benchmarks on
             # accelerator hosts that have only jax, flax and optax.

@@ -462,7 +462,6 @@ class _Loop:
         setup, config, checkpointer = self.setup, self.setup.config, self.checkpointer
         total = config.num_train_steps
         self.summary["start_step"] = step
-        self.writer.open()  # not inside a timed interval
         self.last = (time.perf_counter(), step)
         # On stdout with the other log lines; one line per log step off a terminal.
         self.bar = Progress(
@@ -580,6 +579,12 @@ class _Loop:
                 )
         step, m = self.pending[-1][0], values[-1]
         self.pending.clear()
+        # The first record starts the TensorBoard writer (about 2 s: its import; not at
+        # the loop's start, so a run that fails at its first batch leaves no files): it
+        # is not timed.
+        opening = time.perf_counter()
+        self.writer.open()
+        untimed = time.perf_counter() - opening
         now, (then, then_step) = time.perf_counter(), self.last
         config = self.setup.config
         self.last = (now, step)
@@ -591,7 +596,7 @@ class _Loop:
         shown = f"loss {record['loss']:.3f}"
         if step > then_step:  # else only the first step (with its compilation) ran since
             tokens = (step - then_step) * config.batch_size * config.train_len
-            rate = tokens / max(now - then, 1e-9)
+            rate = tokens / max(now - then - untimed, 1e-9)
             record["tokens_per_sec"] = rate
             if self.peak is not None:
                 record["mfu"] = metrics.mfu(rate, config, self.peak, jax.device_count())

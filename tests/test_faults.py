@@ -654,7 +654,8 @@ def test_disk_filling_up_between_saves(ctx):
 
 def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path):
     """Was TFDS's RuntimeError traceback, exit 1, on the open "building dataset" line.
-    Now one line, exit 3 (a read-only data_dir's code); with room, the next run builds."""
+    Now one line, exit 3 (a read-only data_dir's code), and no partial build is left
+    for the next run to mistake for one."""
     with P.tmpfs(tmp_path / "small", "16k") as mount:
         if mount is None:
             pytest.skip("needs a tmpfs (root and mount)")
@@ -666,9 +667,7 @@ def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path):
             "space left on device); free space there or choose another data.data_dir"
         ), result.stderr[-3000:]
         assert result.stdout.endswith("...\n"), result.stdout[-300:]  # the line is ended
-        subprocess.run(["mount", "-o", "remount,size=10m", str(mount)], check=True)
-        result = P.run(P.train_args(workdir, ctx[1], data_dir, num_train_steps=1), ctx[3])
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert not [p for p in data_dir.rglob("*") if p.is_file() and p.suffix != ".lock"]
 
 
 def test_a_corpus_file_that_cannot_be_read_is_one_line(ctx, tmp_path):
