@@ -602,14 +602,14 @@ def test_full_disk(ctx):
         assert f"failed: {'No space left on device' if mount else 'File too large'}; " in line
 
 
-def test_disk_filling_up_before_a_save(ctx):
-    """The disk fills while training runs; the next save fails as it starts (orbax's
-    synchronous part), which once gave no step and stray RuntimeWarnings on stderr."""
-    with P.tmpfs(ctx[0] / "filling", "20m") as mount:
+def _fill_the_disk_while_training(ctx, name: str, **overrides) -> tuple:
+    """Trains on a 20 MiB tmpfs, fills it after step 1 and waits for the run to fail:
+    (workdir, its one error line); skips where this process may not mount."""
+    with P.tmpfs(ctx[0] / name, "20m") as mount:
         if mount is None:
             pytest.skip("needs a tmpfs (root and mount)")
         workdir = mount / "run"
-        proc = P.start(args(ctx, workdir, num_train_steps=8, checkpoint_every=8), ctx[3])
+        proc = P.start(args(ctx, workdir, **overrides), ctx[3])
         P.wait_until(lambda: P.last_step(workdir) >= 1, proc)
         with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
             while True:
@@ -619,37 +619,33 @@ def test_disk_filling_up_before_a_save(ctx):
         result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         line = one_error_line(result)
         assert result.returncode == 4 and err.strip().splitlines() == [line], err[-3000:]
-        assert line.startswith(
-            f"error: writing checkpoint step 8 to {workdir / 'checkpoints'} "
-            "failed: No space left on device; "
-        ), line
+        return workdir, line
+
+
+def test_disk_filling_up_before_a_save(ctx):
+    """The disk fills while training runs; the next save fails as it starts (orbax's
+    synchronous part), which once gave no step and stray RuntimeWarnings on stderr."""
+    workdir, line = _fill_the_disk_while_training(
+        ctx, "filling", num_train_steps=8, checkpoint_every=8
+    )
+    assert line.startswith(
+        f"error: writing checkpoint step 8 to {workdir / 'checkpoints'} "
+        "failed: No space left on device; "
+    ), line
 
 
 def test_disk_filling_up_between_saves(ctx):
     """The disk fills far from a save: the next metrics record that needs a new page
     fails first. It was two OSError tracebacks and exit 1 (a bug's), not a full disk's
     one line and exit 4."""
-    with P.tmpfs(ctx[0] / "filling-between", "20m") as mount:
-        if mount is None:
-            pytest.skip("needs a tmpfs (root and mount)")
-        workdir = mount / "run"
-        many = dict(num_train_steps=2000, checkpoint_every=2000, eval_every=2000, log_every=1)
-        proc = P.start(args(ctx, workdir, **many), ctx[3])
-        P.wait_until(lambda: P.last_step(workdir) >= 1, proc)
-        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        out, err = proc.communicate(timeout=240)
-        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        line = one_error_line(result)
-        assert result.returncode == 4 and err.strip().splitlines() == [line], err[-3000:]
-        assert re.fullmatch(
-            rf"error: writing step \d+'s metrics to {re.escape(str(workdir))} failed: No space "
-            r"left on device; free space or fix the directory, then restart \(the checkpoints "
-            r"are kept\)",
-            line,
-        ), line
+    many = dict(num_train_steps=2000, checkpoint_every=2000, eval_every=2000, log_every=1)
+    workdir, line = _fill_the_disk_while_training(ctx, "filling-between", **many)
+    assert re.fullmatch(
+        rf"error: writing step \d+'s metrics to {re.escape(str(workdir))} failed: No space "
+        r"left on device; free space or fix the directory, then restart \(the checkpoints "
+        r"are kept\)",
+        line,
+    ), line
 
 
 def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path):
