@@ -345,19 +345,26 @@ def check_settings(
     seed: int = 0,
     depths: Sequence[float] = DEPTHS,
     eval_files: str | None = None,
+    flag: str = "--",
 ) -> tuple[int, int, list[float]]:
     """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
     of range, or held-out files given to the repeated filler (which would ignore
     them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
-    the JSON needs) and the depths sorted, without repeats."""
+    the JSON needs) and the depths sorted, without repeats. ``flag``: ``"--"`` names
+    eval.py's flags in the errors, ``""`` the Python API's arguments."""
     seed = check_seed(seed)
-    trials = check_int("--passkey_trials", trials)
+    trials_, filler_, files_ = (
+        ("--passkey_trials", "--passkey_filler", "--eval_files")
+        if flag
+        else ("trials", "filler", "eval_files")
+    )
+    trials = check_int(trials_, trials)
     if filler not in FILLERS:
-        raise ConfigError(f"--passkey_filler={filler!r}: use {' or '.join(FILLERS)}")
+        raise ConfigError(f"{filler_}={filler!r}: use {' or '.join(FILLERS)}")
     if filler != "text" and eval_files is not None:
         raise ConfigError(
-            f"passkey with --passkey_filler={filler} does not use --eval_files; give "
-            "--passkey_filler=text to fill the samples with those files, or leave it out"
+            f"passkey with {filler_}={filler} does not use {files_}; give "
+            f"{filler_}=text to fill the samples with those files, or leave it out"
         )
     return trials, seed, _sorted_depths(depths)
 
@@ -546,6 +553,7 @@ def evaluate_passkey(
         seed=seed,
         depths=DEPTHS if depths is None else depths,
         eval_files=eval_files,
+        flag="",  # called by the Python API (eval.py checked its flags already)
     )
     train_len, position = config.train_len, config.model.position
     modes = evaluation.check_modes(modes)

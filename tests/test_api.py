@@ -265,7 +265,8 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         (run.evaluate, ([16],), {"rope_scaling": "pi", "rope_factor": "2"}, "rope_factor=2 must"),
         (run.passkey, ([80],), {"depths": 0.5}, "depths must be a sequence of numbers"),
         (run.passkey, ([80],), {"depths": ["x"]}, "depths must be numbers in [0, 1]"),
-        (run.passkey, ([80],), {"eval_files": str(docs)}, "passkey with --passkey_filler=repeat"),
+        (run.passkey, ([80],), {"eval_files": str(docs)}, "passkey with filler=repeat does not"),
+        (run.passkey, ([80],), {"trials": 1.5}, "trials=1.5 must be a positive integer"),  # no --
         (run.generate, ("x",), {"temperature": 1e39}, "temperature must be ≥ 0 (0 = greedy)"),
         (run.generate, ("x",), {"on_text": 5}, "on_text must be a function"),
     ]:

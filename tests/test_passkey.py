@@ -418,7 +418,7 @@ def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params
     other = str(tmp_path / "other")
     with pytest.raises(ConfigError, match=r"seed=-1 must be an integer in \[0, 2\*\*32\)"):
         passkey.evaluate_passkey(config, params, 5, other, lengths=[96], trials=1, seed=-1)
-    with pytest.raises(ConfigError, match=r"passkey_trials=2.5 must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"^trials=2.5 must be a positive integer"):
         passkey.evaluate_passkey(config, params, 5, other, lengths=[96], trials=2.5)
     with pytest.raises(ConfigError, match=r"depths must be in \[0, 1\]"):  # NaN sorts anywhere
         passkey.evaluate_passkey(config, params, 5, other, lengths=[96], depths=[0, np.nan, 1])
