@@ -684,6 +684,35 @@ def test_a_corpus_file_that_cannot_be_read_is_one_line(ctx, tmp_path):
     ), line
 
 
+def test_a_flipped_byte_in_the_config_or_integrity_record_falls_back(reference, tmp_path, caplog):
+    """The config and integrity records had no checksum: one byte ("train_len": 32 →
+    12) made eval.py evaluate with another window and label it so, exit 0; a dtype or
+    shape byte in the integrity record was a traceback or a model-shape error, with
+    an intact step before it."""
+    train_len = ckpt_lib.load_params(reference[0])[0].train_len
+    flips = {
+        "config": (f'"train_len": {train_len}', '"train_len": 12'),
+        "integrity": ('"dtype": "float32"', '"dtype": "float33"'),
+    }
+    for item, (before, after) in flips.items():
+        workdir = tmp_path / item
+        shutil.copytree(reference[0], workdir)
+        path = workdir / "checkpoints" / str(N) / item / "metadata"
+        text = path.read_text()
+        assert before in text, text[:300]
+        path.write_text(text.replace(before, after, 1))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+            config, _, step = ckpt_lib.load_params(workdir)
+        assert step == N - 2 and config.train_len == train_len
+        said = {"config": "config record fails its checksum"}.get(
+            item, "integrity record fails its own checksum"
+        )
+        damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+        assert len(damaged) == 1 and f"step {N} in {workdir}" in damaged[0], damaged
+        assert said in damaged[0] and damaged[0].endswith(f"falling back to step {N - 2}")
+
+
 def test_checkpoints_of_another_model_shape(ctx, reference):
     workdir = ctx[0] / "other-shape"
     shutil.copytree(reference[0], workdir)
