@@ -205,6 +205,8 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
 
 def _check_workdir(workdir: str) -> None:
     """Creates ``workdir`` if needed; raises CheckpointError unless it is writable."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise CheckpointError(f"workdir {workdir} is a file; choose a directory for --workdir")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:

@@ -17,7 +17,7 @@ from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import data as data_lib
 from lexjax import metrics
-from lexjax.errors import DataError
+from lexjax.errors import CheckpointError, DataError
 from lexjax.optim import learning_rate_schedule
 from lexjax.steps import TrainSetup
 from lexjax.training import train
@@ -277,6 +277,16 @@ def test_the_tensorboard_writers_start_is_not_timed(tmp_path, monkeypatch):
     assert len(rates) == 3, rates  # steps 2-4 (step 1 compiles: no rate)
     seconds = [config.batch_size * config.train_len / rate for rate in rates]
     assert max(seconds) < 3, seconds
+
+
+def test_a_workdir_that_is_a_file_is_named_so(tmp_path):
+    """Was "cannot create workdir F: File exists", which reads as a directory in the way."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    with pytest.raises(CheckpointError) as e:
+        train(_train_config(tmp_path), str(blocker), log=lambda _: None, progress=False)
+    assert str(e.value) == f"workdir {blocker} is a file; choose a directory for --workdir"
+    assert blocker.read_text() == "kept"
 
 
 def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog):
