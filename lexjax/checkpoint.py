@@ -533,7 +533,9 @@ class Checkpointer:
             raise _Damaged("its directory is gone")
         return False
 
-    def _read_config(self, step: int) -> dict[str, Any] | None:
+    def _read_config(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
+        """The config record of ``step``, checked against the ``integrity`` record
+        (None: read here)."""
         if not self._has_item(step, _CONFIG):
             return None
         try:
@@ -542,7 +544,8 @@ class Checkpointer:
             )
         except Exception as e:
             raise _Damaged(f"config record unreadable ({one_line(e, innermost=True)})") from e
-        config, want = restored[_CONFIG], self._read_integrity(step).get("config_sha256")
+        integrity = self._read_integrity(step) if integrity is None else integrity
+        config, want = restored[_CONFIG], integrity.get("config_sha256")
         if want is not None and (not isinstance(config, dict) or _record_sha256(config) != want):
             raise _Damaged("config record fails its checksum")
         return config
@@ -552,14 +555,16 @@ class Checkpointer:
         or None if none was saved (checkpoints of an older lexjax)."""
         return self._read_one(self._read_tokenizer, step)
 
-    def _read_tokenizer(self, step: int) -> dict[str, Any] | None:
+    def _read_tokenizer(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
+        """The tokenizer record of ``step``, checked as :meth:`_read_config` checks."""
         if not self._has_item(step, _TOKENIZER):
             return None
         try:
             record = self._manager.restore(
                 step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
             )[_TOKENIZER]
-            ok = _record_sha256(record) == self._read_integrity(step).get("tokenizer_sha256")
+            integrity = self._read_integrity(step) if integrity is None else integrity
+            ok = _record_sha256(record) == integrity.get("tokenizer_sha256")
             error = None if ok else "tokenizer record fails its checksum"
         except _Damaged as e:
             error = str(e)
@@ -605,11 +610,12 @@ class Checkpointer:
         """
 
         def read(s: int) -> tuple[PyTree, dict[str, Any] | None]:
-            config = self._read_config(s)
+            integrity = self._read_integrity(s)  # read once: it checks the records too
+            config = self._read_config(s, integrity)
             if check_config is not None:
                 check_config(config)
-            self._read_tokenizer(s)
-            state = self._restore_step(s, abstract_state, data_iter)
+            self._read_tokenizer(s, integrity)
+            state = self._restore_step(s, abstract_state, data_iter, integrity)
             self._verified[s] = True
             return state, config
 
@@ -661,8 +667,9 @@ class Checkpointer:
             "(keep_checkpoints)"
         )
 
-    def _restore_step(self, step: int, abstract_state: PyTree, data_iter: Any) -> PyTree:
-        integrity = self._read_integrity(step)
+    def _restore_step(
+        self, step: int, abstract_state: PyTree, data_iter: Any, integrity: dict
+    ) -> PyTree:
         saved = integrity["leaves"]
         wanted = _leaf_names(abstract_state)
         self._check_shapes(step, saved, wanted)
@@ -868,16 +875,16 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     checkpointer = Checkpointer(directory, read_only=True)
 
     def read(step: int) -> tuple[Config, PyTree, Any]:
-        stored = checkpointer._read_config(step)
+        integrity = checkpointer._read_integrity(step)  # read once: it checks the records too
+        stored = checkpointer._read_config(step, integrity)
         if stored is None:
             raise CheckpointError(
                 f"checkpoint step {step} in {directory} has no config; "
                 "it was not written by train.py"
             )
-        record = checkpointer._read_tokenizer(step)
+        record = checkpointer._read_tokenizer(step, integrity)
         config = from_configdict(stored)
         shardings = sharding(config) if callable(sharding) else sharding
-        integrity = checkpointer._read_integrity(step)
         params = _restore_params(checkpointer, step, integrity, abstract_params(config), shardings)
         tok = _tokenizer_of(checkpointer, step, stored, record) if tokenizer else None
         stream = integrity.get("data_iter") or {}
