@@ -1,15 +1,18 @@
 """lexjax.data: tokenizer, TF-less TFDS builders, grain packing pipeline."""
 
 import collections
+import contextlib
 import glob
 import itertools
 import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -177,15 +180,15 @@ def test_processes_preparing_one_corpus_at_once_build_it_once(tmp_path):
     """Before the build lock, all but the first to finish failed renaming their
     build onto the first's (FileExistsError)."""
     _write_corpus(str(tmp_path / "corpus"), 60)
-    signal, data_dir = tmp_path / "go", tmp_path / "tfds"
-    args = [sys.executable, "-c", _PREPARE_AT_A_SIGNAL, str(signal), str(data_dir)]
+    go, data_dir = tmp_path / "go", tmp_path / "tfds"
+    args = [sys.executable, "-c", _PREPARE_AT_A_SIGNAL, str(go), str(data_dir)]
     args.append(str(tmp_path / "corpus" / "**" / "*.txt"))
     procs = [
         subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(3)
     ]
     assert [p.stdout.readline() for p in procs] == ["ready\n"] * 3
-    signal.touch()
+    go.touch()
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
     paths = {out.strip().splitlines()[-1] for out, _ in outputs}
@@ -816,6 +819,58 @@ def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
     assert "".join(pieces[:3]) == long
     # A budget of 5,000 a document: the piece that reaches it is the last one taken.
     assert [len(p) for p in tokenizer_lib.sample_lines([long, short], 10_000)] == [4096, 4096, 10]
+
+
+_LEARN_UNTIL_SIGTERM = """
+import signal, sys, time
+import numpy as np
+from lexjax.data import tokenizer
+
+class Stopped(BaseException):
+    pass
+
+def stop(signum, frame):  # as train() does while it sets up
+    raise Stopped
+
+signal.signal(signal.SIGTERM, stop)
+rng = np.random.default_rng(0)
+letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+words = np.array(["".join(rng.choice(letters, size=n)) for n in rng.integers(2, 10, 20000)])
+lines = [" ".join(row) for row in words[rng.integers(0, len(words), (40000, 30))].tolist()]
+print("learning", flush=True)  # 7 MiB, 8,000 ids: 9 s and more on 2 cores
+try:
+    tokenizer.train_sentencepiece(lines, 8000)
+except Stopped:
+    print("stopped", flush=True)
+"""
+
+
+def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
+    """The learning was one call into SentencePiece's C++ code, where no signal
+    handler runs: a SIGTERM or Ctrl-C waited for it to end. It now
+    learns in a child process, killed when the parent stops."""
+    marker = f"LEXJAX_TEST_LEARNER={tmp_path.name}"
+    env = dict(os.environ, LEXJAX_TEST_LEARNER=tmp_path.name)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LEARN_UNTIL_SIGTERM], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout.readline() == "learning\n"
+    time.sleep(1.0)  # into the learning
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert (out, proc.returncode) == ("stopped\n", 0)
+    assert time.monotonic() - sent < 3.0
+
+    def learners():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    found.append(pid)
+        return found
+
+    assert learners() == []  # killed, not left to learn on
 
 
 def test_byte_tokenizer_counts_bytes_and_round_trips_through_json():

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
+import json
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -258,47 +261,87 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
                 yield piece
 
 
+# SentencePiece learns in a child process. Its training is one call into C++ that
+# holds the interpreter until it ends (many seconds on 16 MiB), and a signal
+# handler only runs after it; the parent waits in Python instead, so SIGTERM and
+# Ctrl-C stop a run that is still learning at once (the child is killed). The child
+# imports sentencepiece only; ``-P`` keeps the working directory off its path. It
+# ignores SIGTERM and Ctrl-C (sent to the whole process group by a terminal or
+# Slurm): whether they stop the learning is the parent's to decide.
+_LEARNER = r"""
+import io, json, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+import sentencepiece
+data = sys.stdin.buffer.read()
+lines = (line.decode("utf-8", "surrogatepass") for line in data.split(b"\n")) if data else iter(())
+model = io.BytesIO()
+try:
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, **json.loads(sys.argv[1])
+    )
+except RuntimeError as e:
+    sys.stderr.write(str(e))
+    sys.exit(3)
+sys.stdout.buffer.write(model.getvalue())
+"""
+
+
 def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
-    """Trains a unigram SentencePiece model of exactly `vocab_size` ids on `lines`.
+    """Trains a unigram SentencePiece model of exactly `vocab_size` ids on `lines`
+    (strings without newlines), in a child process that an exception raised while it
+    learns (a signal handler's) kills.
 
     Raises DataError naming the largest (or smallest) vocabulary the text
     supports when `vocab_size` does not fit it.
     """
-    import sentencepiece
-
-    model = io.BytesIO()
+    options = dict(
+        vocab_size=vocab_size,
+        model_type="unigram",
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        user_defined_symbols=["\n"],  # lines are sentences; newlines stay one id
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        max_sentence_length=4 * _MAX_LINE_CHARS,
+        num_threads=2,
+        minloglevel=2,
+    )
+    text = "\n".join(lines).encode("utf-8", "surrogatepass")
+    learner = subprocess.Popen(
+        [sys.executable, "-P", "-c", _LEARNER, json.dumps(options)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type="unigram",
-            normalization_rule_name="identity",
-            add_dummy_prefix=False,
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            byte_fallback=True,
-            character_coverage=0.9995,
-            user_defined_symbols=["\n"],  # lines are sentences; newlines stay one id
-            pad_id=0,
-            unk_id=1,
-            bos_id=2,
-            eos_id=3,
-            max_sentence_length=4 * _MAX_LINE_CHARS,
-            num_threads=2,
-            minloglevel=2,
-        )
-    except RuntimeError as e:
-        message = str(e)
+        model, errors = learner.communicate(text)
+    finally:
+        if learner.returncode is None:  # stopped while it learned
+            learner.kill()
+            learner.wait()
+    message = errors.decode("utf-8", "replace").strip()
+    if learner.returncode == 3:
         if largest := re.search(r"too high.*<= (\d+)", message):
             raise DataError(
                 f"data.vocab_size={vocab_size} is more than this corpus supports; "
                 f"use at most {largest[1]}"
-            ) from None
+            )
         if smallest := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
             raise DataError(
                 f"data.vocab_size={vocab_size} cannot hold this corpus's characters; "
                 f"use at least {smallest[1]}"
-            ) from None
-        raise DataError(f"sentencepiece training failed: {message.splitlines()[0]}") from None
-    return SentencePieceTokenizer(model.getvalue())
+            )
+        raise DataError(f"sentencepiece training failed: {(message.splitlines() or ['?'])[0]}")
+    if learner.returncode != 0:  # a traceback (its last line says what), or a signal
+        why = message.splitlines()[-1] if message else f"exit status {learner.returncode}"
+        if learner.returncode < 0:
+            why = f"the learning process was killed by {signal.Signals(-learner.returncode).name}"
+        raise DataError(f"sentencepiece training failed: {why}")
+    return SentencePieceTokenizer(model)
