@@ -196,6 +196,41 @@ def test_processes_preparing_one_corpus_at_once_build_it_once(tmp_path):
     assert sum(out.count("building dataset") for out, _ in outputs) == 1
 
 
+_BUILD_UNTIL_SIGTERM = """
+import signal, sys
+from lexjax import data, signals
+
+class Stopped(BaseException):
+    pass
+
+def stop(signum, frame):  # as train() does while it sets up
+    raise Stopped
+
+signal.signal(signal.SIGTERM, stop)
+# As train() does: one that a callback swallowed (TFDS's, a __del__) comes again.
+signals.on_swallowed(Stopped, lambda: signals.interrupt_main_later(signal.SIGTERM))
+try:
+    data.prepare("textfiles", sys.argv[1], sys.argv[2])
+except Stopped:
+    print("stopped", flush=True)
+"""
+
+
+def test_a_signal_while_the_corpus_builds_ends_the_building_line(tmp_path):
+    """The run's own line came after "building dataset …..." on the same line."""
+    _write_corpus(str(tmp_path / "corpus"), 60)
+    args = [sys.executable, "-c", _BUILD_UNTIL_SIGTERM, str(tmp_path / "tfds")]
+    args.append(str(tmp_path / "corpus" / "**" / "*.txt"))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    seen = ""
+    while not seen.endswith("..."):
+        seen += proc.stdout.read(1) or pytest.fail(f"no building line: {seen!r}")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert seen.startswith("building dataset textfiles (60 files")
+    assert (out, proc.returncode) == ("\nstopped\n", 0)
+
+
 def test_builds_leave_no_temporary_directories(tmp_path, monkeypatch):
     """TFDS's bucket lookup made an empty tmpXXXXtfds in $TMPDIR for every build."""
     scratch = tmp_path / "scratch"

@@ -676,18 +676,18 @@ def prepare(
         builder, prepared = builder_of_plan()
         if not prepared:
             skipped = _counts(plan.skipped)
-            print(
-                f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
-                f"{'; skipped ' + skipped if skipped else ''})...",
-                end="",
-                flush=True,
-            )
-            try:
+            try:  # the line is ended whatever stops the build (a signal: also in print)
+                print(
+                    f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
+                    f"{'; skipped ' + skipped if skipped else ''})...",
+                    end="",
+                    flush=True,
+                )
                 with _quiet_tfds():
                     builder.download_and_prepare()
-            except Exception as e:
+            except BaseException as e:  # a signal handler's too (SIGTERM while building)
                 print(flush=True)  # ends the "building dataset ..." line
-                if (reason := _os_reason(e)) is None:
+                if not isinstance(e, Exception) or (reason := _os_reason(e)) is None:
                     raise
                 raise DataError(
                     f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
