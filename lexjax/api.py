@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -254,9 +254,12 @@ class Run:
             )
 
 
-def load(workdir: str | os.PathLike[str]) -> Run:
+def load(workdir: str | os.PathLike[str], *, check: Callable[[Config], None] | None = None) -> Run:
     """Loads the newest good checkpoint of a training workdir (params only,
-    checksums verified; a damaged step falls back to the one before).
+    checksums verified; a damaged step falls back to the one before). ``check``:
+    called with the run's :class:`lexjax.config.Config` before its parameters are
+    read, to refuse settings that do not suit the run early (its exception
+    propagates).
 
     Raises :class:`lexjax.errors.CheckpointError` when there is none. Needs no
     lease: it reads while training runs, and only complete steps.
@@ -267,7 +270,7 @@ def load(workdir: str | os.PathLike[str]) -> Run:
     # threads and coroutines (a kernel collects them later, while it runs).
     checkpoint.quiet_background_errors()
     with _quiet_orbax_notices():
-        loaded, mesh = evaluation.load_on_mesh(workdir)
+        loaded, mesh = evaluation.load_on_mesh(workdir, check=check)
     return Run(
         workdir, loaded.config, loaded.params, loaded.step, loaded.tokenizer, mesh, loaded.corpus
     )

@@ -172,7 +172,10 @@ def run_eval(
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
     with distributed.first_process_speaks(), errors.stdout_failures():
-        run = api.load(workdir)
+        check = None
+        if "sinks" in modes and not (generate or passkey_run):  # refused before loading
+            check = lambda config: evaluation.check_sink_count(config.block, sinks)
+        run = api.load(workdir, check=check)
         # Like train.py's; on stderr with --generate, whose stdout is the text alone.
         print(
             f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True

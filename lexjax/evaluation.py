@@ -96,6 +96,7 @@ __all__ = [
     "block_scan_logprobs",
     "sinks_logprobs",
     "check_sinks",
+    "check_sink_count",
     "RESOLUTION_MODES",
     "check_modes",
     "full_logprobs",
@@ -222,7 +223,8 @@ def _compiled_sinks(model: Decoder, block: int, sinks: int):
     return jax.jit(run)
 
 
-def _check_sink_count(block: int, sinks: int) -> None:
+def check_sink_count(block: int, sinks: int) -> None:
+    """Raises :class:`ConfigError` for a sink count outside ``0 … block``."""
     try:
         sink_window(block, sinks)
     except ValueError as e:  # a setting out of its range, as --sinks=-1 is
@@ -233,7 +235,7 @@ def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
     """Raises :class:`ConfigError` for a sink count outside ``0 … train_len/2``,
     :class:`EvaluationError` for an absolute position encoding (the sink + window
     mode cannot run)."""
-    _check_sink_count(block, sinks)
+    check_sink_count(block, sinks)
     if config.position in ABSOLUTE_ENCODINGS:
         raise EvaluationError(
             f"sinks + window needs a relative encoding or none, not {config.position}: "
@@ -488,7 +490,7 @@ def perplexity(
     if not modes:
         raise EvaluationError(f"no mode to evaluate: choose from {', '.join(MODES)}")
     if "sinks" in modes:
-        _check_sink_count(block, sinks)
+        check_sink_count(block, sinks)
     if not lengths or lengths[0] < 1:
         raise EvaluationError(f"lengths must be positive, got {lengths}")
     if not documents:
@@ -962,7 +964,7 @@ def evaluate_run(
     model = Decoder(config.model, rules)
     train_len, position = config.train_len, config.model.position
     if "sinks" in modes:
-        _check_sink_count(config.block, sinks)
+        check_sink_count(config.block, sinks)
     resolution_modes = [m for m in modes if m in RESOLUTION_MODES]
     if resolution and not resolution_modes:
         raise EvaluationError(
@@ -1083,16 +1085,19 @@ def evaluate_run(
     return results, written
 
 
-def load_on_mesh(workdir: str, devices=None):
+def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | None = None):
     """``(loaded, mesh)``: the newest good checkpoint in ``workdir``
     (:class:`lexjax.checkpoint.Loaded`: config, params, step, and the tokenizer and
     corpus recorded with that step, read with it) and the run's mesh
     (``sharding.eval_mesh``: its preset and mesh config re-fitted to ``devices``,
     default all). Every parameter is read directly into its sharding there, never
-    gathered onto one device."""
+    gathered onto one device. ``check``: called with the stored config before any
+    parameter is read (settings that depend on the run are refused there)."""
     meshes = []
 
     def shardings(config: Config):
+        if check is not None:
+            check(config)
         meshes.append(shard_lib.eval_mesh(config, devices))
         return shard_lib.model_param_shardings(config, meshes[-1])
 

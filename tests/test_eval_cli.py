@@ -509,12 +509,9 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
     )
-    _one_line_error(
-        _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17"),
-        2,
-        "sinks must be",
-        "[0, 16]",
-    )
+    too_many = _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17")
+    _one_line_error(too_many, 2, "sinks must be", "[0, 16]")
+    assert "mesh" not in too_many.stdout  # refused before the parameters were loaded
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--resolution"), 6, "resolution"
     )
