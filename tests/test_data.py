@@ -323,6 +323,19 @@ def test_bad_input_says_what_to_change(tmp_path):
         f"data.files={str(tmp_path)!r} matches no files; it is a directory: pass a glob of its "
         f"files, e.g. {tmp_path}/** or {tmp_path}/*.txt"
     )
+    # A directory named with '[': glob read "[2024]" as one of the characters 2, 0, 4.
+    books = tmp_path / "[2024] books"
+    books.mkdir()
+    (books / "one.txt").write_text("a book\n")
+    pattern = str(books / "**" / "*.txt")
+    with pytest.raises(DataError) as e:
+        data.plan_corpus("textfiles", pattern)
+    escaped = os.path.join(str(tmp_path), "[[]2024] books", "**", "*.txt")
+    assert str(e.value) == (
+        f"data.files={pattern!r} matches no files; a directory or file name in it holds "
+        f"'[', which glob reads as a set of characters; escape it: data.files='{escaped}'"
+    )
+    assert builders.glob_files(escaped)[1] == ["[2024] books/one.txt"]  # the advice works
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
     with pytest.raises(DataError, match="textfiles needs files="):

@@ -148,11 +148,16 @@ def glob_files(pattern: str, what: str = "data.files") -> tuple[str, list[str]]:
     root = _glob_root(pattern)
     matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matches:
-        hint = (
-            f"it is a directory: pass a glob of its files, e.g. {pattern}/** or {pattern}/*.txt"
-            if os.path.isdir(pattern)
-            else f"pass a glob of existing text files, e.g. {what}='/data/books/**/*.txt'"
-        )
+        hint = f"pass a glob of existing text files, e.g. {what}='/data/books/**/*.txt'"
+        if os.path.isdir(pattern):
+            hint = (
+                f"it is a directory: pass a glob of its files, e.g. {pattern}/** or {pattern}/*.txt"
+            )
+        elif escaped := _escaped_brackets(pattern):
+            hint = (
+                "a directory or file name in it holds '[', which glob reads as a set of "
+                f"characters; escape it: {what}='{escaped}'"
+            )
         raise NoFiles(what, pattern, hint)
     return root, sorted(_relative(p, root) for p in matches)
 
@@ -183,6 +188,21 @@ def check_outside(pattern: str | None, what: str, places: dict[str, str]) -> Non
 def _within(path: str, directory: str) -> bool:
     path = os.path.realpath(path)
     return os.path.commonpath([path, directory]) == directory
+
+
+def _escaped_brackets(pattern: str) -> str | None:
+    """``pattern`` with its longest existing literal prefix that holds ``[`` escaped
+    (``[2024] books`` is a directory, not a set of characters), if the escaped
+    pattern matches files; else None."""
+    for end in range(len(pattern), 0, -1):
+        prefix = pattern[:end]
+        whole = end == len(pattern) or pattern[end] == os.sep  # a whole name
+        if "[" in prefix and whole and os.path.exists(prefix):
+            escaped = glob.escape(prefix) + pattern[end:]
+            if any(os.path.isfile(p) for p in glob.glob(escaped, recursive=True)):
+                return escaped
+            return None
+    return None
 
 
 def _glob_root(pattern: str) -> str:
