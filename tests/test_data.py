@@ -196,24 +196,33 @@ def test_processes_preparing_one_corpus_at_once_build_it_once(tmp_path):
     assert sum(out.count("building dataset") for out, _ in outputs) == 1
 
 
-_BUILD_UNTIL_SIGTERM = """
-import signal, sys
-from lexjax import data, signals
+# A script's start: SIGTERM raises Stopped, as in train() while it sets up, and one
+# that a callback swallowed (TFDS's, a __del__) comes again, as train() has it.
+_STOP_ON_SIGTERM = """
+import signal
+from lexjax import signals
 
 class Stopped(BaseException):
     pass
 
-def stop(signum, frame):  # as train() does while it sets up
+def stop(signum, frame):
     raise Stopped
 
 signal.signal(signal.SIGTERM, stop)
-# As train() does: one that a callback swallowed (TFDS's, a __del__) comes again.
 signals.on_swallowed(Stopped, lambda: signals.interrupt_main_later(signal.SIGTERM))
+"""
+
+_BUILD_UNTIL_SIGTERM = (
+    _STOP_ON_SIGTERM
+    + """
+import sys
+from lexjax import data
 try:
     data.prepare("textfiles", sys.argv[1], sys.argv[2])
 except Stopped:
     print("stopped", flush=True)
 """
+)
 
 
 def test_a_signal_while_the_corpus_builds_ends_the_building_line(tmp_path):
@@ -869,18 +878,11 @@ def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
     assert [len(p) for p in tokenizer_lib.sample_lines([long, short], 10_000)] == [4096, 4096, 10]
 
 
-_LEARN_UNTIL_SIGTERM = """
-import signal, sys, time
+_LEARN_UNTIL_SIGTERM = (
+    _STOP_ON_SIGTERM
+    + """
 import numpy as np
 from lexjax.data import tokenizer
-
-class Stopped(BaseException):
-    pass
-
-def stop(signum, frame):  # as train() does while it sets up
-    raise Stopped
-
-signal.signal(signal.SIGTERM, stop)
 rng = np.random.default_rng(0)
 letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 words = np.array(["".join(rng.choice(letters, size=n)) for n in rng.integers(2, 10, 20000)])
@@ -891,6 +893,7 @@ try:
 except Stopped:
     print("stopped", flush=True)
 """
+)
 
 
 def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
