@@ -54,6 +54,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from typing import Any, NamedTuple
 
@@ -1049,7 +1050,9 @@ def quiet_background_errors() -> None:
     Checkpointer turns into one line, and as stray reports from the threads and
     coroutines that carried it (logged errors, "Exception ignored in
     <coroutine>", tensorstore callbacks hitting a closed event loop). Only the
-    first is shown; every other error still reaches the default hooks.
+    first is shown; every other error still reaches the default hooks, and so does
+    any exception the main thread leaves uncaught (a user's own orbax call after
+    ``lexjax.load`` in the same process still prints its traceback).
     """
     global _quiet
     if _quiet:
@@ -1064,8 +1067,8 @@ def quiet_background_errors() -> None:
         if not _from_checkpoint_io(report.exc_value, report.object):
             default_unraisable(report)
 
-    def excepthook(exc_type, exc, tb):
-        if not _from_checkpoint_io(exc):
+    def excepthook(exc_type, exc, tb):  # a callback's error printed from another thread
+        if threading.current_thread() is threading.main_thread() or not _from_checkpoint_io(exc):
             default_excepthook(exc_type, exc, tb)
 
     sys.unraisablehook, sys.excepthook = unraisable, excepthook

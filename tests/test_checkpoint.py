@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import grain
@@ -524,3 +525,39 @@ def test_two_processes_resume_each_their_own_iterator(tmp_path):
 
 if __name__ == "__main__":
     run_two_process_resume(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+
+
+_ORBAX_ERROR_AFTER_QUIETING = """
+import sys, threading
+import orbax.checkpoint as ocp
+from lexjax import checkpoint
+
+checkpoint.quiet_background_errors()  # as lexjax.load and train.py install it
+try:
+    ocp.PyTreeCheckpointer().restore(sys.argv[1])
+except FileNotFoundError as e:
+    caught = e
+# From another thread, as a tensorstore callback's error is printed: kept quiet.
+report = lambda: sys.excepthook(type(caught), caught, caught.__traceback__)
+thread = threading.Thread(target=report)
+thread.start()
+thread.join()
+print("thread reported", file=sys.stderr, flush=True)
+ocp.PyTreeCheckpointer().restore(sys.argv[1])  # the main thread's own: shown
+"""
+
+
+def test_a_users_own_uncaught_orbax_error_still_prints_after_lexjax_quiets_orbax(tmp_path):
+    """lexjax.load's hook dropped every uncaught exception whose traceback passed
+    through orbax, the user's own later ones too: exit 1, nothing printed."""
+    missing = str(tmp_path / "does-not-exist")
+    done = subprocess.run(
+        [sys.executable, "-c", _ORBAX_ERROR_AFTER_QUIETING, missing],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    before, _, after = done.stderr.partition("thread reported\n")
+    assert "Traceback" not in before, before[-2000:]
+    assert "Traceback" in after and "FileNotFoundError" in after.splitlines()[-1], after[-2000:]
