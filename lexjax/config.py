@@ -552,7 +552,7 @@ def tokenizer_vocab_size(data: DataConfig) -> int:
 
 def _validated(config: Config) -> Config:
     """Checks every value a user can get wrong; resolves ``model.max_len`` and
-    ``model.vocab_size`` = None."""
+    ``model.vocab_size`` = None, and makes the data paths absolute."""
     d = config.data
     if d.tokenizer not in TOKENIZERS:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r}: use {' or '.join(TOKENIZERS)}")
@@ -699,4 +699,12 @@ def _validated(config: Config) -> Config:
         raise ConfigError(
             "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"
         )
-    return config
+    # Fixed where the config is made, so a run (stored with them) and a loaded Run still
+    # find their corpus and its build once the working directory changes (a notebook's
+    # %cd). A URL (gs://…) stays as it is.
+    paths = {
+        name: os.path.abspath(os.path.expanduser(value))
+        for name in ("files", "validation_files", "test_files", "data_dir")
+        if isinstance(value := getattr(d, name), str) and value.strip() and "://" not in value
+    }
+    return dataclasses.replace(config, data=dataclasses.replace(d, **paths))

@@ -108,11 +108,11 @@ def _direct_nll(run, rows_BxN):
 def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # process-wide hooks
     files = write_corpus(tmp_path / "corpus")
-    overrides = {
-        **TINY,
-        "data": {**TINY["data"], "files": files, "data_dir": str(tmp_path / "tfds")},
-    }
+    monkeypatch.chdir(tmp_path)  # the data paths relative to it, as a notebook gives them
+    data = {"files": os.path.relpath(files, tmp_path), "data_dir": "tfds"}
+    overrides = {**TINY, "data": {**TINY["data"], **data}}
     config = lexjax.make_config(overrides)
+    assert (config.data.files, config.data.data_dir) == (files, str(tmp_path / "tfds"))
     workdir = str(tmp_path / "run")
 
     summary = lexjax.train(overrides, workdir)  # a dict goes through make_config
@@ -184,6 +184,14 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     # One length and one mode need no list.
     (one,) = run.evaluate(16, modes="bca", eval_files=str(docs / "*.txt"), **numpy)
     assert (one.mode, one.length) == ("bca", 16)
+    # The run's own held-out text after a %cd: its corpus and build where they were
+    # (relative paths were kept as given: its files "matched no files now", its
+    # data_dir got a second build in the new directory).
+    monkeypatch.chdir(docs)
+    capfd.readouterr()
+    (own,) = run.evaluate(16, modes="bca", max_length=16, max_docs=1)
+    assert own.tokens == 16 and "building dataset" not in capfd.readouterr().out
+    assert not os.path.exists(docs / "tfds")
 
     # Generation starts from BOS by itself: greedy tokens within one training
     # length equal greedy decoding by full forward passes over [BOS, prompt, ...].
