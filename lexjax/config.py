@@ -400,11 +400,15 @@ def model_differences(stored: dict, config: Config) -> list[str]:
 
 
 def _plain(values, path: str = "config") -> dict:
+    if isinstance(values, Config):  # a loaded run's config, or one built by hand
+        return to_dict(values)
     if hasattr(values, "to_dict"):
         return values.to_dict()
     if not isinstance(values, Mapping):
+        shown = repr(values)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ConfigError(
-            f"{path}={values!r}: expected a mapping of fields, e.g. {{'train_len': 64}}"
+            f"{path}={shown}: expected a mapping of fields, e.g. {{'train_len': 64}}, or a Config"
         )
     return dict(values)
 

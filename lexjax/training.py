@@ -246,7 +246,7 @@ def train(
     ``peak_flops``, else the datasheet figure of a known accelerator) sets the
     MFU denominator; without one MFU is not reported.
 
-    The summary holds ``start_step``, ``step``, ``checkpoint_dir``,
+    The summary (JSON-serialisable) holds ``start_step``, ``step``, ``checkpoint_dir`` (a str),
     ``stopped_by`` (a signal name or None), ``num_params`` and the last logged
     ``loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec`` (``mfu``)
     and ``val_loss``. ``tokens_per_sec`` counts ``batch_size × train_len``
@@ -256,7 +256,7 @@ def train(
     step has no rate.
     """
     # A Config built by hand or with dataclasses.replace is checked like any other.
-    config = from_configdict(to_dict(config) if isinstance(config, Config) else config)
+    config = from_configdict(config)
     workdir = check_path("workdir", workdir)
     if stop_after is not None:
         stop_after = check_int("stop_after", stop_after, bound="a positive integer or None")
@@ -510,7 +510,7 @@ class _Loop:
                     self.data_iter.close()
         self.summary.update(
             step=step,
-            checkpoint_dir=checkpointer.directory,
+            checkpoint_dir=str(checkpointer.directory),  # a str, as when it stops early
             stopped_by=stop.signal_name,
             num_params=setup.num_params,
         )

@@ -67,6 +67,16 @@ def test_make_config_rejects_what_is_no_mapping_with_a_config_error(overrides, m
         lexjax.make_config(overrides)
 
 
+def test_make_config_takes_a_config_and_shows_a_long_value_short():
+    """A loaded run's config (run.config) was refused by a message of 1,100 characters,
+    its whole repr; train() took it."""
+    config = lexjax.make_config({"train_len": 64})
+    assert lexjax.make_config(config) == config
+    with pytest.raises(ConfigError) as e:
+        lexjax.make_config(list(range(1000)))
+    assert len(str(e.value)) < 160 and str(e.value).startswith("config=[0, 1, 2")
+
+
 def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     config = lexjax.make_config({"train_len": np.int64(32), "learning_rate": np.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
@@ -117,6 +127,8 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
 
     summary = lexjax.train(overrides, workdir)  # a dict goes through make_config
     assert summary["step"] == 6 and summary["start_step"] == 0
+    # A plain str, as when a run stops before its first step (it was an etils path).
+    assert json.loads(json.dumps(summary))["checkpoint_dir"] == os.path.join(workdir, "checkpoints")
     out = capfd.readouterr().out
     assert "step 6/6 loss" in out  # the progress display of train.py
 
