@@ -29,7 +29,7 @@ import jax
 
 from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, check_path, from_configdict
+from lexjax.config import Config, check_path, from_configdict, is_real
 from lexjax.data import Tokenizer
 from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
@@ -198,7 +198,7 @@ class Run:
                 self.step,
                 self.workdir,
                 lengths=_listed(lengths),
-                depths=depths,
+                depths=[depths] if is_real(depths) else depths,  # one depth needs no list
                 trials=trials,
                 modes=_listed(modes),
                 filler=filler,

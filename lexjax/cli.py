@@ -98,6 +98,7 @@ def parse_lengths(values) -> list[int] | None:
     return None if values is None else [int(value) for value in values]
 
 
+@errors.naming_flags()  # the library's messages name eval.py's flags
 def run_eval(
     workdir: str,
     *,

@@ -32,6 +32,7 @@ status  kind                                           class
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
 
@@ -44,6 +45,8 @@ __all__ = [
     "EvaluationError",
     "DistributedError",
     "one_line",
+    "arg",
+    "naming_flags",
     "report",
     "stdout_failures",
 ]
@@ -89,6 +92,26 @@ class DistributedError(LexjaxError, RuntimeError):
     """The processes of a multi-process run could not join."""
 
     exit_code = 7
+
+
+_IN_EVAL_PY = contextvars.ContextVar("lexjax_in_eval_py", default=False)
+
+
+def arg(name: str, flag: str | None = None) -> str:
+    """How a message names an argument of the evaluation API: ``name`` (the Python
+    API's), or inside :func:`naming_flags` eval.py's flag (``flag``, default
+    ``--name``), so that one message serves both."""
+    return (flag or f"--{name}") if _IN_EVAL_PY.get() else name
+
+
+@contextlib.contextmanager
+def naming_flags():
+    """Messages raised in the block name eval.py's flags (:func:`arg`)."""
+    token = _IN_EVAL_PY.set(True)
+    try:
+        yield
+    finally:
+        _IN_EVAL_PY.reset(token)
 
 
 def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300) -> str:

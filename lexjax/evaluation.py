@@ -82,7 +82,7 @@ from lexjax.config import (
     check_rope_scaling,
 )
 from lexjax.data.builders import decode_text, glob_files, text_files_of
-from lexjax.errors import DataError, EvaluationError, LexjaxError
+from lexjax.errors import DataError, EvaluationError, LexjaxError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -688,7 +688,7 @@ def _check_same_corpus(name: str, trained: str, now: str | None, split: str) -> 
         raise DataError(
             f"the {name} corpus changed since this run trained on it (build {trained} "
             f"then, {now} now): its {split} split may hold text the run trained "
-            "on; restore the files, or evaluate on other text with --eval_files"
+            f"on; restore the files, or evaluate on other text with {arg('eval_files')}"
         )
 
 
@@ -710,7 +710,7 @@ def held_out_documents(
     run trained on), or when the build holds another tokenizer than ``tokenizer``."""
     try:
         if eval_files:
-            root, relpaths = glob_files(eval_files, "--eval_files")
+            root, relpaths = glob_files(eval_files, arg("eval_files"))
             relpaths = text_files_of(root, relpaths, "evaluation", say)
             docs, replaced = [], 0
             for rel in relpaths:
@@ -747,7 +747,7 @@ def held_out_documents(
             raise DataError(
                 f"the {d.name} build holds a {built.describe(tokenizer)} tokenizer other than "
                 f"the {tokenizer.describe(built)} one this run was trained with; evaluate with "
-                "--eval_files or rebuild the corpus the run was trained on"
+                f"{arg('eval_files')} or rebuild the corpus the run was trained on"
             )
         docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
         return f"{d.name} {split} split", docs
@@ -757,7 +757,7 @@ def held_out_documents(
         # Not a flag of eval.py's: say what was moved.
         raise DataError(
             f"{e.what}={e.pattern!r}, the files this run trained on, matches no files now; "
-            "restore them, or evaluate on other text with --eval_files"
+            f"restore them, or evaluate on other text with {arg('eval_files')}"
         ) from None
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):
@@ -779,8 +779,9 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str):
         longest = max((len(d) for d in documents), default=0)
         raise DataError(
             f"no document is long enough for the budget of {max_length} tokens: {where} has "
-            f"{len(documents)} documents, the longest {longest} tokens; pass --max_length="
-            f"{max(longest - 1, 1)} or less (with --lengths that divide it) or other --eval_files"
+            f"{len(documents)} documents, the longest {longest} tokens; pass "
+            f"{arg('max_length')}={max(longest - 1, 1)} or less (with {arg('lengths')} that "
+            f"divide it) or other {arg('eval_files')}"
         )
     return chosen
 
@@ -835,6 +836,8 @@ def check_settings(
         lengths = sorted({check_int(f"{flag}lengths", n) for n in lengths})
     if max_length is not None:
         check_int(f"{flag}max_length", max_length)
+        if lengths:  # before any work: the budget must hold the largest length
+            budget(0, lengths, max_length)
     check_int(f"{flag}sinks", sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
     check_int(f"{flag}max_docs", max_docs)
     if eval_files is not None and not isinstance(eval_files, (str, os.PathLike)):
@@ -851,8 +854,8 @@ def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None
         return max(16 * train_len, *lengths)
     if max_length < max(lengths):
         raise ConfigError(
-            f"--max_length={max_length} is below the largest length {max(lengths)}; "
-            "raise it or ask for shorter --lengths"
+            f"{arg('max_length')}={max_length} is below the largest length {max(lengths)}; "
+            f"raise it or ask for shorter {arg('lengths')}"
         )
     return int(max_length)  # numpy's too: it goes into the JSON
 

@@ -171,9 +171,22 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         (run.generate, ("x",), {"temperature": "1"}, "temperature must be ≥ 0"),
         (run.evaluate, ("32",), {}, "lengths='32' must be a positive integer"),
         (lexjax.load, (None,), {}, "workdir must be a path"),
+        # The API's argument names, not eval.py's flags; one depth needs no list.
+        (
+            run.evaluate,
+            ([64],),
+            {"max_length": 32},
+            "max_length=32 is below the largest length 64; raise it or ask for shorter lengths$",
+        ),
+        (run.passkey, ([80],), {"depths": 1.5}, r"depths must be in \[0, 1\], got \[1.5\]"),
     ]:
         with pytest.raises(ConfigError, match=f"^{message}"):
             verb(*args, **kwargs)
+    missing = str(tmp_path / "none" / "*.txt")
+    with pytest.raises(
+        DataError, match=f"^eval_files='{re.escape(missing)}' matches no files; .* eval_files="
+    ):
+        run.evaluate([16], eval_files=missing)
     assert not os.path.exists(os.path.join(workdir, "eval"))
     numpy = dict(max_length=np.int64(64), max_docs=np.int32(2))  # numpy integers are integers
     twice = ("bca", "full", "bca")  # a mode given twice is evaluated once

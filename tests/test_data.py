@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from lexjax import data
+from lexjax import data, errors
 from lexjax.data import builders
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError
@@ -1015,7 +1015,7 @@ def test_evaluation_of_a_run_whose_corpus_files_moved_says_so(tmp_path, corpus):
     config = small_config(
         **{"data.name": "textfiles", "data.files": files, "data.data_dir": str(tmp_path / "tfds")}
     )
-    with pytest.raises(DataError) as e:
+    with pytest.raises(DataError) as e, errors.naming_flags():  # as eval.py names its flags
         evaluation.held_out_documents(config, corpus=corpus)
     assert str(e.value) == (
         f"data.files={files!r}, the files this run trained on, matches no files now; restore "
