@@ -533,6 +533,8 @@ def check_path(name: str, value) -> str:
     :class:`ConfigError`."""
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
+    if not os.fspath(value).strip():  # not the current directory by accident
+        raise ConfigError(f"{name} is empty; give a path")
     return os.path.expanduser(os.fspath(value))  # a shell leaves "--workdir=~/x" as it is
 
 
