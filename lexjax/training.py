@@ -230,6 +230,9 @@ def train(
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
 
     ``config``: a :class:`Config`, or the overrides :func:`lexjax.make_config` takes.
+    ``log``: called with each line of the run's own (the model, notes, the logged
+    steps; process 0 only); the progress lines of a corpus build or a tokenizer
+    learned go to stdout.
 
     The job holds the workdir's lease (:mod:`lexjax.lease`) throughout and
     releases it on every exit: a second job on the same workdir raises
@@ -258,6 +261,8 @@ def train(
     # A Config built by hand or with dataclasses.replace is checked like any other.
     config = from_configdict(config)
     workdir = check_path("workdir", workdir)
+    if not callable(log):
+        raise ConfigError(f"log={log!r} must be a function of one str, such as print")
     if stop_after is not None:
         stop_after = check_int("stop_after", stop_after, bound="a positive integer or None")
     if peak_flops is not None and not (is_real(peak_flops) and 0 < peak_flops < float("inf")):

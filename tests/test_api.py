@@ -83,6 +83,8 @@ def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     assert type(config.train_len) is int and type(config.learning_rate) is float
     with pytest.raises(ConfigError, match="train_len=33 must be an even integer"):
         lexjax.train({"train_len": 33}, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="^log=None must be a function of one str"):
+        lexjax.train({}, str(tmp_path / "run"), log=None)  # was a TypeError, later
     for verb in (lambda: lexjax.train({}, ""), lambda: lexjax.load(" ")):
         with pytest.raises(ConfigError, match="^workdir is empty; give a path$"):
             verb()  # was "cannot create workdir : No such file or directory"
