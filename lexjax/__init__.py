@@ -17,7 +17,10 @@ resolution and expected-score curves (Figure 1) in `resolution`.
     run.evaluate([64, 256, 1024])          # perplexity with and without BCA
     run.generate("def ", max_new_tokens=1000)
 
-Errors a user can cause are `LexjaxError`s with a one-line message.
+Errors a user can cause through the programs and this API (configs, files,
+workdirs, evaluation settings) are `LexjaxError`s with a one-line message; the
+pure functions (`xpos`, the masks, `attention`) raise a plain `ValueError` for
+an argument outside their domain (a shape, an odd head_dim), as jax.numpy does.
 
 ``import lexjax`` loads nothing else: each name imports its module (and JAX)
 when first used.
