@@ -301,7 +301,7 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         (run.evaluate, (True,), {}, "lengths=True must be a sequence of lengths"),
         (run.evaluate, ([16],), {"modes": None}, "modes=None: use some of"),
         (run.evaluate, ([16],), {"rope_scaling": "pi", "rope_factor": "2"}, "rope_factor=2 must"),
-        (run.passkey, ([80],), {"depths": 0.5}, "depths must be a sequence of numbers"),
+        (run.passkey, ([80],), {"depths": "0.5"}, "depths must be a sequence of numbers"),
         (run.passkey, ([80],), {"depths": ["x"]}, "depths must be numbers in [0, 1]"),
         (run.passkey, ([80],), {"eval_files": str(docs)}, "passkey with filler=repeat does not"),
         (run.passkey, ([80],), {"trials": 1.5}, "trials=1.5 must be a positive integer"),  # no --
@@ -328,7 +328,8 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     eval_dir = tmp_path / "run" / "eval"
     assert json.loads((eval_dir / "passkey.json").read_text())["seed"] == 1
     assert (eval_dir / "passkey-full.png").exists()
-    run.passkey([80], depths=[0.5], trials=1, modes="bca")
+    (one,) = run.passkey([80], depths=0.5, trials=1, modes="bca")  # one depth, no list
+    assert one.depth == 0.5
     assert not (eval_dir / "passkey-full.png").exists()  # not of the latest run's modes
     named = sorted(p.name for p in eval_dir.glob("passkey-step*.json"))
     assert [n[: n.rindex("-")] for n in named] == [
