@@ -81,7 +81,7 @@ from lexjax.config import (
     check_int,
     check_rope_scaling,
 )
-from lexjax.data.builders import decode_text, glob_files, text_files_of
+from lexjax.data.builders import decode_text, distinct_files, glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -711,20 +711,24 @@ def held_out_documents(
     try:
         if eval_files:
             root, relpaths = glob_files(eval_files, arg("eval_files"))
-            relpaths = text_files_of(root, relpaths, "evaluation", say)
-            docs, replaced = [], 0
-            for rel in relpaths:
-                with open(os.path.join(root, rel), "rb") as f:
+            # A file reached by several paths (symlinks) is one document, as in a build.
+            relpaths = text_files_of(root, distinct_files(root, relpaths), "evaluation", say)
+            noted = []
+
+            def read(index: int) -> np.ndarray:
+                with open(os.path.join(root, relpaths[index]), "rb") as f:
                     # As a corpus build reads its files: every tokenizer the same text.
                     text, invalid = decode_text(f.read())
-                replaced += invalid
-                docs.append(tokenizer.encode_document(text))
-            if replaced:
-                say(
-                    f"note: {replaced} of {len(relpaths)} evaluation files had invalid UTF-8, "
-                    "replaced by U+FFFD as in a corpus build (bits per byte counts its 3 bytes)"
-                )
-            return f"{len(relpaths)} files of {eval_files}", docs
+                if invalid and not noted:  # one note for them all
+                    noted.append(relpaths[index])
+                    say(
+                        f"note: evaluation files with invalid UTF-8 (the first read: "
+                        f"{relpaths[index]}) are read with U+FFFD in its place, as in a corpus "
+                        "build (bits per byte counts its 3 bytes)"
+                    )
+                return tokenizer.encode_document(text)
+
+            return f"{len(relpaths)} files of {eval_files}", _Documents(len(relpaths), read)
         d = config.data
         # Found from the files first, so a changed corpus is refused before it is built.
         if corpus is not None and (planned := data_lib.build_name(d.name, **_plan_args(d))):
@@ -749,7 +753,7 @@ def held_out_documents(
                 f"the {tokenizer.describe(built)} one this run was trained with; evaluate with "
                 f"{arg('eval_files')} or rebuild the corpus the run was trained on"
             )
-        docs = [data_lib.as_document(source[i], tokenizer) for i in range(len(source))]
+        docs = _Documents(len(source), lambda i: data_lib.as_document(source[i], tokenizer))
         return f"{d.name} {split} split", docs
     except data_lib.NoFiles as e:
         if eval_files:
@@ -765,18 +769,50 @@ def held_out_documents(
         raise DataError(str(e).strip().splitlines()[0] if str(e) else type(e).__name__) from e
 
 
+class _Documents(Sequence):
+    """Held-out documents (int32 token arrays), each read and tokenized when it is
+    used and not kept: choosing the first few of a large collection holds only
+    those in memory (every document was read and tokenized first, about 30× the
+    text's size with SentencePiece)."""
+
+    def __init__(self, count: int, load: Callable[[int], np.ndarray]):
+        self._count, self._load = count, load
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._load(i) for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        return self._load(index % self._count)
+
+
+def _first_long(documents, length: int, count: int) -> tuple[list, int, int]:
+    """``(the first count documents of at least length tokens, documents looked at,
+    the longest of those)``, reading no further than needed."""
+    chosen, seen, longest = [], 0, 0
+    for document in documents:
+        seen, longest = seen + 1, max(longest, len(document))
+        if len(document) >= length:
+            chosen.append(document)
+            if len(chosen) == count:
+                break
+    return chosen, seen, longest
+
+
 def select_documents(documents, max_length: int, *, max_docs: int, where: str):
     """The first ``max_docs`` documents with at least ``max_length + 1`` tokens (the
     budget and the token after it); :class:`DataError` when there is none."""
-    long_enough = [d for d in documents if len(d) >= max_length + 1]
-    chosen = long_enough[:max_docs]
-    if 0 < len(long_enough) < len(documents):
+    chosen, seen, longest = _first_long(documents, max_length + 1, max_docs)
+    if 0 < len(chosen) < seen:
+        among = seen if seen == len(documents) else f"the first {seen}"
         _stderr(
-            f"note: {len(documents) - len(long_enough)} of {len(documents)} documents of {where} "
-            f"are shorter than the budget of {max_length} tokens + 1 and are left out"
+            f"note: {seen - len(chosen)} of {among} documents of {where} are shorter than "
+            f"the budget of {max_length} tokens + 1 and are left out"
         )
     if not chosen:
-        longest = max((len(d) for d in documents), default=0)
         raise DataError(
             f"no document is long enough for the budget of {max_length} tokens: {where} has "
             f"{len(documents)} documents, the longest {longest} tokens; pass "
@@ -875,11 +911,11 @@ def settings_name(kind: str, settings: dict) -> str:
 def resolution_documents(documents, train_len: int, *, max_docs: int, where: str) -> list:
     """The documents attention resolution measures: the first ``max_docs`` of at
     least 2× ``train_len`` tokens; :class:`DataError` where there is none."""
-    chosen = [d for d in documents if len(d) >= 2 * train_len][:max_docs]
+    chosen, _, longest = _first_long(documents, 2 * train_len, max_docs)
     if not chosen:
         raise DataError(
             f"resolution needs documents of {2 * train_len} tokens; {where} has none "
-            f"(longest {max((len(d) for d in documents), default=0)})"
+            f"(longest {longest})"
         )
     return chosen
 

@@ -361,6 +361,35 @@ def test_eval_files_with_invalid_utf8_are_read_as_the_corpus_build_reads_them(tm
     np.testing.assert_array_equal(doc, data_lib.BYTES.encode_document(text))
     assert data_lib.BYTES.num_bytes(doc) == len(text.encode()) == 150  # 110 bytes in the file
     assert notes == [
-        "note: 1 of 1 evaluation files had invalid UTF-8, replaced by U+FFFD as in a corpus "
-        "build (bits per byte counts its 3 bytes)"
+        "note: evaluation files with invalid UTF-8 (the first read: latin1.txt) are read with "
+        "U+FFFD in its place, as in a corpus build (bits per byte counts its 3 bytes)"
     ]
+
+
+def test_eval_files_are_each_one_document_and_read_only_as_far_as_needed(tmp_path):
+    """A file reached through a symlinked directory was scored once per path (the
+    build counts it once); and every file was read and tokenized before the first
+    max_docs were chosen (SentencePiece: ~30× the text's size in memory)."""
+    from lexjax import data as data_lib
+    from tests.helpers import small_config
+
+    (tmp_path / "sub").mkdir()
+    for i in range(30):
+        (tmp_path / ("sub" if i % 2 else ".") / f"d{i:02}.txt").write_text(f"doc {i} " * (i + 1))
+    (tmp_path / "sublink").symlink_to(tmp_path / "sub")
+    encoded = []
+
+    class Counting(type(data_lib.BYTES)):
+        def encode_document(self, text):
+            encoded.append(text)
+            return super().encode_document(text)
+
+    where, docs = evaluation.held_out_documents(
+        small_config(), str(tmp_path / "**" / "*.txt"), tokenizer=Counting()
+    )
+    assert (where, len(docs), encoded) == (f"30 files of {tmp_path}/**/*.txt", 30, [])
+    # In sorted order the even files come first (sub/ after them): d00, d02 and d04
+    # ("doc 4 " x 5: 30 bytes + BOS, EOS) are shorter than 40 tokens + 1.
+    chosen = evaluation.select_documents(docs, 40, max_docs=2, where=where)
+    assert [len(d) for d in chosen] == [len("doc 6 " * 7) + 2, len("doc 8 " * 9) + 2]
+    assert len(encoded) == 5  # d00 … d08, and no further

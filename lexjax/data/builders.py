@@ -343,6 +343,12 @@ def _distinct(root: str, relpaths: list[str], taken: set[str]) -> tuple[list[str
     return sorted(by_real.values()), already
 
 
+def distinct_files(root: str, relpaths: list[str]) -> list[str]:
+    """``relpaths`` (under ``root``, sorted) with each file once, as a build takes
+    them: a path through a symlink is the file it points to."""
+    return _distinct(root, relpaths, set())[0]
+
+
 def plan_splits(
     pool: tuple[str, list[str]], explicit: dict[str, tuple[str, list[str]]] | None = None
 ) -> Plan:
