@@ -772,7 +772,7 @@ def held_out_documents(
 class _Documents(Sequence):
     """Held-out documents (int32 token arrays), each read and tokenized when it is
     used and not kept: choosing the first few of a large collection holds only
-    those in memory (every document was read and tokenized first, about 30× the
+    those in memory (every document was read and tokenized first, many times the
     text's size with SentencePiece)."""
 
     def __init__(self, count: int, load: Callable[[int], np.ndarray]):
