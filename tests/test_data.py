@@ -775,6 +775,27 @@ def test_symlinks_are_the_file_they_point_to(tmp_path):
     assert len(homes) == 40 and all(len(splits) == 1 for splits in homes.values())
 
 
+def test_two_symlink_loops_under_globstar_are_one_line_not_a_hang(tmp_path, monkeypatch):
+    """Each loop repeats the tree under it; two multiply the paths without end (2^40:
+    train.py printed nothing for as long as it ran). One loop still plans its files."""
+    monkeypatch.setattr(builders, "_LOOP_CHECK_AFTER", 2000)  # the real bound: 100,000
+    corpus = tmp_path / "corpus"
+    for name in ("a", "b"):
+        (corpus / name).mkdir(parents=True)
+        (corpus / name / "x.txt").write_text(f"text of {name}\n" * 20)
+    (corpus / "a" / "loop").symlink_to(corpus)
+    assert builders.glob_files(str(corpus / "**"))[1] != []  # one loop: ~40 paths a file
+    (corpus / "b" / "loop").symlink_to(corpus)
+    with pytest.raises(DataError) as e:
+        builders.glob_files(str(corpus / "**"))
+    assert re.fullmatch(
+        rf"data.files='{re.escape(str(corpus))}/\*\*' reaches the same files over and over "
+        r"through symlink loops \(\d+ paths to [4-6] files and directories, and counting\); "
+        "remove the loops or narrow the glob",
+        str(e.value),
+    )
+
+
 def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(builders, "_MAX_DOCUMENT_BYTES", 1000)
     content = _book(tmp_path / "big.txt", 2000)

@@ -66,6 +66,7 @@ import glob
 import hashlib
 import logging
 import os
+import stat
 import sysconfig
 import time
 from pathlib import PurePath
@@ -146,7 +147,7 @@ def glob_files(pattern: str, what: str = "data.files") -> tuple[str, list[str]]:
     """
     pattern = os.path.abspath(os.path.expanduser(pattern))
     root = _glob_root(pattern)
-    matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+    matches = _matching_files(pattern, what)
     if not matches:
         hint = f"pass a glob of existing text files, e.g. {what}='/data/books/**/*.txt'"
         if os.path.isdir(pattern):
@@ -160,6 +161,36 @@ def glob_files(pattern: str, what: str = "data.files") -> tuple[str, list[str]]:
             )
         raise NoFiles(what, pattern, hint)
     return root, sorted(_relative(p, root) for p in matches)
+
+
+# `**` follows symlinked directories: a loop of them repeats every path under it up
+# to the system's limit of nested links (about 40), and two loops multiply the paths
+# without end. Past this many paths, more than _MAX_PATHS_PER_ENTRY per distinct
+# file or directory is such an explosion.
+_LOOP_CHECK_AFTER = 100_000
+_MAX_PATHS_PER_ENTRY = 64
+
+
+def _matching_files(pattern: str, what: str) -> list[str]:
+    """The files that ``pattern`` matches (every path of them); DataError once the
+    matches show symlink loops that multiply the paths."""
+    matches, seen, entries = [], 0, set()
+    for path in glob.iglob(pattern, recursive=True):
+        try:
+            st = os.stat(path)
+        except OSError:  # a dangling link, a file gone meanwhile
+            continue
+        seen += 1
+        entries.add((st.st_dev, st.st_ino))
+        if stat.S_ISREG(st.st_mode):
+            matches.append(path)
+        if seen > _LOOP_CHECK_AFTER and seen > _MAX_PATHS_PER_ENTRY * len(entries):
+            raise DataError(
+                f"{what}={pattern!r} reaches the same files over and over through symlink "
+                f"loops ({seen} paths to {len(entries)} files and directories, and counting); "
+                "remove the loops or narrow the glob"
+            )
+    return matches
 
 
 def check_outside(pattern: str | None, what: str, places: dict[str, str]) -> None:
