@@ -311,7 +311,7 @@ def test_other_prepared_datasets_load_through_tfds_data_source(tmp_path):
         len(data.load_source("foreign_corpus", "train[:50%]", tmp_path, text_feature="content"))
         == 3
     )
-    with pytest.raises(DataError, match="text_feature= one of"):
+    with pytest.raises(DataError, match=r"set data.text_feature to one of \['content'\]$"):
         data.load_source("foreign_corpus", "train", tmp_path)
     assert "tensorflow" not in sys.modules
 
@@ -347,6 +347,8 @@ def test_bad_input_says_what_to_change(tmp_path):
     assert builders.glob_files(escaped)[1] == ["[2024] books/one.txt"]  # the advice works
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
+    with pytest.raises(DataError, match="^data.files is read by data.name=textfiles only; set"):
+        data.plan_corpus("python_stdlib", pattern)  # it said to drop the files
     with pytest.raises(DataError, match="textfiles needs files="):
         data.load_source("textfiles", "train", tmp_path)
     (tmp_path / "a.txt").write_text("some text\n" * 50)

@@ -646,7 +646,10 @@ def plan_corpus(
         explicit["test"] = glob_files(test_files, "data.test_files")
     if name == "python_stdlib":
         if files is not None:
-            raise DataError("files= applies to 'textfiles' only; drop it for 'python_stdlib'")
+            raise DataError(
+                "data.files is read by data.name=textfiles only; set data.name=textfiles to "
+                "train on those files, or leave data.files out for python_stdlib"
+            )
         return plan_splits(stdlib_files(max_files), explicit)
     if name == "textfiles":
         if max_files is not None:
@@ -913,9 +916,10 @@ def load_source(
         raise _damaged(build_dir, name, e) from e
     features = records.dataset_info.features
     if text_feature not in features:
+        texts = [k for k, f in sorted(features.items()) if isinstance(f, tfds.features.Text)]
+        texts = ["text"] if name in BUILDER_NAMES else texts  # not the file's "path"
         raise DataError(
-            f"{name!r} has no feature {text_feature!r}; "
-            f"pass text_feature= one of {sorted(features.keys())}"
+            f"{name!r} has no feature {text_feature!r}; set data.text_feature to one of {texts}"
         )
     source = TextSource(records, text_feature)
     for index in sorted({0, len(source) - 1} - {-1}):
