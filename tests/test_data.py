@@ -899,6 +899,9 @@ def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
     assert "".join(pieces[:3]) == long
     # A budget of 5,000 a document: the piece that reaches it is the last one taken.
     assert [len(p) for p in tokenizer_lib.sample_lines([long, short], 10_000)] == [4096, 4096, 10]
+    # The budget counts bytes (it counted characters: 3× the bytes of CJK text).
+    cjk = "\n".join(["東京" * 100] * 10)  # lines of 200 characters, 600 bytes
+    assert [len(p) for p in tokenizer_lib.sample_lines([cjk], 1_000)] == [200, 200]
 
 
 _LEARN_UNTIL_SIGTERM = (

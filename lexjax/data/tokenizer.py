@@ -256,7 +256,7 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
         for piece in pieces:
             if taken >= per_document:
                 break
-            taken += len(piece) + 1
+            taken += len(piece.encode("utf-8", "surrogatepass")) + 1  # bytes, as the budget
             if piece:
                 yield piece
 
