@@ -24,12 +24,14 @@ COMMAND = [
 ]
 
 
-def _run(out, *flags):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(out, *flags, home=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **({"HOME": str(home)} if home else {}))
     env.pop("XLA_FLAGS", None)
-    # A relative --out, as in the documented command (orbax needs absolute paths inside).
+    # A relative --out, as in the documented command (orbax needs absolute paths inside),
+    # or one under ~ (given as a str), as a script passes it: the shell expands none.
+    out = out if isinstance(out, str) else os.path.relpath(out, ROOT)
     return subprocess.run(
-        [*COMMAND, f"--out={os.path.relpath(out, ROOT)}", *flags],
+        [*COMMAND, f"--out={out}", *flags],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -167,9 +169,11 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         summary = f.read()
     assert "paper Table 2" in summary and "paper Table 3" in summary
 
-    # A second invocation finds every stage done and only rewrites the reports.
-    again = _run(out)
+    # A second invocation finds every stage done and only rewrites the reports; the
+    # same --out as ~/out (it wrote everything, then failed reading ~/out/summary.md).
+    again = _run("~/out", home=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "paper Table 2" in again.stdout
     assert again.stdout.count("trained already") == 2
     assert again.stdout.count("evaluated already") == 2
     with open(out / "timing.json") as f:
@@ -203,6 +207,8 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         # Empty lists were empty tables (exit 0) after every training.
         ("--config.modes=", "modes is empty; list some of bca, full, sinks"),
         ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
+        # A sink count the block cannot hold: refused after the first run's training.
+        ("--config.sinks=100", "sinks must be an integer in [0, 8] (train_len/2), got 100"),
         # No length reaches train_len for the extensions: an error after every training.
         (
             "--config.multipliers=0.5 --config.scalings=pi",
@@ -359,8 +365,8 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     """The documents resolution reads depend on the longest evaluated length (the
     plan keeps those that have it): with more multipliers perplexity was measured
     again, resolution kept, from other documents than the new numbers."""
-    from lexjax import evaluation
-    from lexjax.experiments.extrapolation import RunSpec, _eval_stage
+    from lexjax import checkpoint, evaluation
+    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _eval_stage
 
     spec, config = RunSpec("rope", 8.0, 0), _smoke_config(batch_size=8)  # 8 devices
     lexjax.train(config, str(tmp_path), log=lambda _: None)  # a real run of 2 steps
@@ -375,6 +381,7 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
         "docs": {"perplexity": 1, "resolution": 2},
         "eval_split": "test",
         "evaluations": lambda spec: [],
+        "corpus": None,  # not checked
     }
     workdir, log = str(tmp_path), lambda _: None
     first = [list(range(40)), list(range(1, 41)), list(range(2, 42))]
@@ -387,6 +394,16 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     assert measured[2:] == [first[2:]]
     with open(tmp_path / "resolution.json") as f:
         assert json.load(f)["measured"]["documents"] == 1
+    # Files that changed since the run trained make another build: refused, not
+    # measured on text its held-out split may share with its training (and kept, not
+    # mixed with other runs' numbers, when measured already).
+    trained = checkpoint.load_params_and_tokenizer(workdir).corpus
+    assert trained is not None
+    with pytest.raises(
+        ExperimentError, match=f"^run rope_s0 trained on the corpus build {trained}, "
+    ):
+        _eval_stage(spec, config, workdir, {**plan, "documents": first[2:], "corpus": "x/y/1"}, log)
+    assert measured[3:] == []
 
 
 def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):

@@ -207,8 +207,8 @@ def _recorded(stored: dict, measured: dict) -> dict:
     """The evaluation settings a stage file was measured with. Files written before
     they were recorded hold some at the top or in their results (max_length, sinks,
     documents, the passkey settings); the rest are taken as unchanged."""
-    if "measured" in stored:
-        return stored["measured"]
+    if "measured" in stored:  # a setting recorded since (the corpus) is taken as unchanged
+        return {k: stored["measured"].get(k, v) for k, v in measured.items()}
     first = (stored.get("results") or [{}])[0]
     return {k: stored.get(k, first.get(k, v)) for k, v in measured.items()}
 
@@ -365,6 +365,22 @@ def _check_scalings(exp, specs: list[RunSpec], lengths: list[int], train_len: in
         )
 
 
+def _load_run(spec, workdir: str, plan: dict):
+    """``(config, params, step)`` of a trained run, refused when the run trained on
+    another build of the corpus than its files make now (its held-out split may then
+    hold text it trained on, and its numbers would not compare with the others')."""
+    try:
+        loaded = checkpoint.load_params_and_tokenizer(workdir)
+    except CheckpointError as e:
+        raise _run_error(spec, e) from None
+    if None not in (loaded.corpus, plan["corpus"]) and loaded.corpus != plan["corpus"]:
+        raise ExperimentError(
+            f"run {spec.name} trained on the corpus build {loaded.corpus}, and its files make "
+            f"{plan['corpus']} now: they changed since; restore them, or use a new --out"
+        )
+    return loaded.config, loaded.params, loaded.step
+
+
 def _eval_stage(spec, config, workdir, plan, log) -> None:
     """Perplexity per evaluation (:func:`evaluations`) and attention resolution of one
     trained run, each stage once."""
@@ -372,6 +388,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     shared = {"eval_split": plan["eval_split"]}
     measured_perplexity = lambda mode: {
         **shared,
+        "corpus": plan["corpus"],
         "lengths": list(plan["lengths"]),
         "max_length": plan["max_length"],
         "documents": len(docs),
@@ -387,6 +404,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     )
     measured_resolution = {
         **shared,
+        "corpus": plan["corpus"],
         "resolution_docs": plan["docs"]["resolution"],
         "documents": len(chosen),
         "tokens": _digest(chosen, 2 * config.train_len),
@@ -405,10 +423,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
     if not todo and not measure_resolution:
         log(f"[{spec.name}] evaluated already")
         return
-    try:
-        stored_config, params, step = checkpoint.load_params(workdir)
-    except CheckpointError as e:
-        raise _run_error(spec, e) from None
+    stored_config, params, step = _load_run(spec, workdir, plan)
     model = Decoder(stored_config.model)
     say = lambda message: log(f"[{spec.name}] {message}")
 
@@ -477,10 +492,7 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
         return
     if _stage_done(path, config, protocol=PASSKEY, measured=settings) is not None:
         return
-    try:
-        stored_config, params, step = checkpoint.load_params(workdir)
-    except CheckpointError as e:
-        raise _run_error(spec, e) from None
+    stored_config, params, step = _load_run(spec, workdir, plan)
     say = lambda message: log(f"[{spec.name}] {message}")
     say(
         f"passkey: lengths {settings['lengths']}, depths {settings['depths']}, "
@@ -566,6 +578,8 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
             f"multipliers: lengths {uneven} do not divide the largest, {max_length}: they "
             "would score fewer tokens than the other cells; use powers of two"
         )
+    sinks = int(exp.get("sinks", evaluation.DEFAULT_SINKS))
+    evaluation.check_sink_count(shared_config.block, sinks)  # not after the first training
     longest = max(max_length + 1, 2 * shared_config.train_len)
     d = shared_config.data  # every run shares the corpus, so its tokenizer
     tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **d.corpus())
@@ -586,7 +600,10 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
         "docs": docs,
         "eval_split": exp["eval_split"],
         "tokens_per_batch": int(exp["tokens_per_batch"]),
-        "sinks": int(exp.get("sinks", evaluation.DEFAULT_SINKS)),
+        "sinks": sinks,
+        "corpus": data_lib.build_name(
+            d.name, d.files, validation_files=d.validation_files, test_files=d.test_files
+        ),
         "evaluations": lambda spec: evaluations(exp, spec),
         "passkey": passkey_plan,
         "longest": longest,
@@ -778,7 +795,8 @@ def main(argv) -> int:
         sys.stderr.flush()
         os._exit(0)
     if collected is not None:
-        with open(os.path.join(_OUT.value, "summary.md"), encoding="utf-8") as f:
+        summary = os.path.join(os.path.expanduser(_OUT.value), "summary.md")  # as written
+        with open(summary, encoding="utf-8") as f:
             print(f.read())
     return 0
 
