@@ -147,13 +147,18 @@ def check_writable(directory: str) -> None:
 
 def write_json(path: str, value: dict) -> None:
     """``value`` as indented JSON at ``path``, replaced atomically (process 0 only)."""
+    write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """``text`` at ``path``, written to ``path.tmp`` and renamed (process 0 only): the
+    file before stays whole when the write is cut off, which is one line."""
     if not _writes():
         return
     with _writing(path):
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=2)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
 
 
@@ -1002,8 +1007,7 @@ def write_all(out, c) -> None:
         "passkey.md": ("Passkey retrieval, mean over depths", study_passkey_tables(c)),
     }
     for name, (title, body) in tables.items():
-        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
-            f.write(f"## {title}\n\n{body}\n")
+        write_text(os.path.join(out, name), f"## {title}\n\n{body}\n")
     write_json(os.path.join(out, "results.json"), c)
     _plot_variants(c, os.path.join(out, "perplexity.png"))
     _plot_scalings(c, os.path.join(out, "scalings.png"))
@@ -1026,5 +1030,4 @@ def write_all(out, c) -> None:
         "## Resolution of the expected-score curves (eq. 8), for comparison\n\n"
         + expected_resolution_table(c)
     )
-    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
-        f.write("\n\n".join(parts) + "\n")
+    write_text(os.path.join(out, "summary.md"), "\n\n".join(parts) + "\n")

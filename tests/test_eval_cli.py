@@ -763,6 +763,21 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         assert "\n" not in str(error.value) and not os.path.exists(f"{path}.tmp")
 
 
+def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_path):
+    """The study's markdown tables and summary were plain writes: a full disk was a
+    traceback (exit 1) and left the table half written."""
+    from lexjax import reports
+    from lexjax.errors import CheckpointError
+
+    path = tmp_path / "table3.md"
+    reports.write_text(str(path), "## before\n")
+    (tmp_path / "table3.md.tmp").symlink_to("/dev/full")  # every write: no space left
+    with pytest.raises(CheckpointError, match="No space left on device") as error:
+        reports.write_text(str(path), "## after\n" * 10_000)
+    assert "\n" not in str(error.value) and path.read_text() == "## before\n"
+    assert not os.path.lexists(tmp_path / "table3.md.tmp")
+
+
 def test_a_figure_cut_off_while_written_leaves_the_one_before_whole(tmp_path, monkeypatch):
     """Figures are replaced atomically, as the JSON is: a write cut off (a file-size
     limit, a full disk, a Ctrl-C) keeps the earlier figure and leaves no .tmp."""
