@@ -896,7 +896,8 @@ def _plot_variants(c, path) -> None:
         path,
         train_len=c["train_len"],
         title=f"trained at {c['train_len']} tokens",
-        ylabel="perplexity (per byte)",
+        # Per token of the study's tokenizer: a byte only for the byte tokenizer.
+        ylabel="perplexity (per byte)" if c["tokenizer"].startswith("bytes") else "perplexity",
     )
 
 

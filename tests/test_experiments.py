@@ -513,3 +513,18 @@ def test_a_signal_outside_training_stops_the_study(tmp_path, name):
         (invocation,) = json.load(f)["invocations"]
     assert invocation["outcome"] == {"SIGTERM": "stopped", "SIGINT": "interrupted"}[name]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "tokenizer,ylabel",
+    [("bytes (258 ids)", "perplexity (per byte)"), ("sentencepiece (2048 ids)", "perplexity")],
+)
+def test_the_perplexity_figure_says_per_byte_only_for_bytes(monkeypatch, tokenizer, ylabel):
+    """It said "per byte" for a study of SentencePiece tokens too."""
+    from lexjax import reports
+
+    drawn = []
+    monkeypatch.setattr(reports, "plot_perplexity", lambda *a, **k: drawn.append(k["ylabel"]))
+    c = {"runs": [], "lengths": [16, 32], "train_len": 16, "tokenizer": tokenizer}
+    reports._plot_variants(c, "unused.png")
+    assert drawn == [ylabel]
