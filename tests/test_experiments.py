@@ -1,5 +1,6 @@
 """The extrapolation experiment's command at smoke size: tables, JSON, figures, resumption."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -353,6 +354,12 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
         error.value
     )
     assert "learning_rate); use a new --out or the same config" in str(error.value)
+    other_model = _smoke_config(**steps)
+    other_model = dataclasses.replace(
+        other_model, model=dataclasses.replace(other_model.model, scale_base=4.0)
+    )
+    with pytest.raises(ExperimentError, match=r"\(differs in model\.scale_base\)"):
+        _train_stage(spec, other_model, workdir, log=log)  # it named only "model"
     assert invocation(config) is None  # step 2
     monkeypatch.setattr(training, "train", real_train)
     record = invocation(config)

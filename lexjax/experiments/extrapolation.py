@@ -191,7 +191,9 @@ def _stage_done(
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
         theirs = _plain(to_dict(from_configdict(theirs)))
     if theirs != ours:
-        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        ours_flat, theirs_flat = _dotted(ours), _dotted(theirs)
+        keys = set(ours_flat) | set(theirs_flat)
+        diff = sorted(k for k in keys if ours_flat.get(k) != theirs_flat.get(k))
         raise ExperimentError(
             f"{path} was written for another training config (differs in "
             f"{', '.join(diff)}); use a new --out or the same config"
@@ -201,6 +203,17 @@ def _stage_done(
     if measured is not None and _plain(_recorded(stored, measured)) != _plain(measured):
         return None
     return stored
+
+
+def _dotted(config: dict, prefix: str = "") -> dict:
+    """A nested config as ``{"model.scale_base": 8, ...}``: a difference names its field."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _recorded(stored: dict, measured: dict) -> dict:
