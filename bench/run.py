@@ -20,7 +20,8 @@ A flag it cannot use ends it with one line on stderr, ``error: …``, and status
 2 before anything runs (also a ``--json`` whose directory is not writable).
 So does a ``--reference_python`` that cannot be run or lacks torch and
 torchscale, after the other benchmarks: the JSON records that benchmark's
-``error``.
+``error`` (a run that measured nothing leaves an earlier ``OUT`` as it was, its
+record in ``OUT.partial``).
 
 Before it starts, the run samples for a few seconds how many cores *other*
 processes keep busy (its own process and children do not count), and again
@@ -197,8 +198,16 @@ def _run(args, results: dict, partial: str | None) -> int:
         results["shared_cores"] = common.any_shared(results["shared_cores"], shared)
         if partial:  # the results so far, in case a later benchmark fails
             reports.write_json(partial, results)  # whole or not at all
-    if partial:
+    measured = any("error" not in results[name] for name in args.names)
+    if partial and (measured or not os.path.exists(args.json)):
         os.replace(partial, args.json)
+    elif partial:  # an earlier complete run's results outweigh a record of errors alone
+        print(
+            f"nothing was measured: {args.json} is left as it was; this run's record is in "
+            f"{partial}",
+            file=sys.stderr,
+            flush=True,
+        )
     print(table(results))
     if results["shared_cores"]:
         print("SHARED CORES: other processes ran during this run; its ratios are not speeds")

@@ -35,13 +35,16 @@ EXPECTED_ERRORS = (ReferenceUnavailable,)
 
 
 def _has_reference(python: str) -> bool:
-    probe = "import torch, torchscale"
-    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+    probe = "import torch, torchscale; print('ok')"  # printed: /bin/true exits 0 too
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    return done.returncode == 0 and done.stdout == "ok\n"
 
 
 def resolve_python(requested: str | None) -> str:
     """The interpreter for the reference: ``requested``, else this one if it has torch."""
     python = requested or sys.executable
+    if os.sep in python:  # a path: the reference runs from the repository's root
+        python = os.path.abspath(os.path.expanduser(python))
     where = f"--reference_python={requested}" if requested else f"this Python ({python})"
     try:
         found = _has_reference(python)

@@ -236,6 +236,28 @@ def test_a_reference_python_without_torch_is_a_one_line_error(tmp_path, python, 
     assert len(errors) == 1 and errors[0].startswith("error: ") and said in errors[0], errors
     assert f"--reference_python={python}" in errors[0]
     assert said in json.loads(out.read_text())["train_vs_reference"]["error"]  # still recorded
+    # An earlier run's results are not replaced by a record of this error alone.
+    out.write_text('{"earlier": "complete"}\n')
+    proc = _run(["bench/run.py", *args], tmp_path)
+    assert proc.returncode == 2 and out.read_text() == '{"earlier": "complete"}\n'
+    assert (
+        said
+        in json.loads(pathlib.Path(f"{out}.partial").read_text())["train_vs_reference"]["error"]
+    )
+
+
+def test_a_relative_reference_python_is_found_and_a_non_python_is_named(tmp_path, monkeypatch):
+    """A relative --reference_python passed its check (against the working directory),
+    then failed with a traceback from the repository's root; /bin/true passed the import
+    probe (it exits 0)."""
+    from bench import train_vs_reference as tvr
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "py").write_text("#!/bin/sh\necho ok\n")  # answers the probe as one would
+    (tmp_path / "py").chmod(0o755)
+    assert tvr.resolve_python("./py") == str(tmp_path / "py")
+    with pytest.raises(tvr.ReferenceUnavailable, match="^--reference_python=/bin/true cannot"):
+        tvr.resolve_python("/bin/true")
 
 
 def test_paper_literal_mirrors_configs_paper():
@@ -346,3 +368,11 @@ def test_load_check_does_not_count_this_process():
     assert common.other_cores_busy(before, after) <= os.cpu_count()
     check = common.load_check(0.5)
     assert set(check) >= {"other_cores_busy", "shared", "threshold_cores"}
+
+
+def test_the_quartiles_of_two_rounds_lie_between_them():
+    """--quick runs 2 rounds, whose quartiles fell outside their min-max."""
+    from bench import common
+
+    summary = common.Summary.of([1.0, 2.0])
+    assert summary.min <= summary.q25 <= summary.median <= summary.q75 <= summary.max
