@@ -11,7 +11,6 @@ the numbers.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -30,6 +29,7 @@ if __name__ == "__main__":
 import jax
 
 from bench import common
+from lexjax.errors import ConfigError
 
 # What an operation (or the body of a fusion) contains → kind; first match wins.
 KINDS = (
@@ -82,7 +82,7 @@ def trace_events(log_dir: pathlib.Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])  # errors: one line
     p.add_argument("--dtype", default="float32")
     p.add_argument("--position", default="xpos")
     p.add_argument("--steps", type=int, default=3)
@@ -90,7 +90,10 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    config = common.tiny_config(dtype=args.dtype, position=args.position)
+    try:
+        config = common.tiny_config(dtype=args.dtype, position=args.position)
+    except ConfigError as e:  # --position=bogus: was a traceback
+        p.error(str(e))
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     setup, timer = common.train_timer(config, batches, args.steps)
     with jax.set_mesh(setup.mesh):

@@ -138,6 +138,10 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
         ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"], tmp_path
     )
     assert proc.returncode == 2 and "x.json: cannot write there (File exists)" in proc.stderr
+    # profile_step.py's flags too (a bad --position was a ConfigError traceback).
+    proc = _run(["bench/profile_step.py", "--position", "bogus"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: model.position='bogus'")
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_a_json_in_a_read_only_directory_is_refused_before_any_benchmark(tmp_path):
