@@ -716,12 +716,18 @@ def table2(c) -> str:
     The paper's text says every model used BCA, but its baselines' values equal Table 5's
     rows without BCA; only LEX's equal a row with it.
     """
-    lines = [_header("model", c["lengths"])]
+    lines, read = [_header("model", c["lengths"])], set()
     for label, position, _, group in _variants(c["runs"]):
         mode = "bca" if position == "xpos" else "full"
         name = f"LEX ({label} + BCA)" if position == "xpos" else label
+        read.add(mode)
         lines.append(
             _row(name + _seeds_note(group), [_fmt_stats(group, mode, n) for n in c["lengths"]])
+        )
+    if unmeasured := sorted(read - set(_modes(c["runs"]))):  # say why a row is empty
+        lines.append(
+            f"\n– : not measured; this table reads mode {' and '.join(unmeasured)}, which the "
+            "study's modes leave out"
         )
     return "\n".join(lines)
 
@@ -832,9 +838,12 @@ def table4(c) -> str:
     both modes see the same keys); NoPE beside them when the study has it."""
     n = c["train_len"]
     lines = [_header("model", [f"perplexity at {n}"])]
+    # At the training length BCA's window holds every key: a study of mode bca alone
+    # has the same numbers there.
+    mode = "full" if "full" in _modes(c["runs"]) else "bca"
     for label, position, _, group in _variants(c["runs"]):
         if position in ("rope", "xpos", "xpos_norotate", "none"):
-            lines.append(_row(label + _seeds_note(group), [_fmt_stats(group, "full", n)]))
+            lines.append(_row(label + _seeds_note(group), [_fmt_stats(group, mode, n)]))
     return "\n".join(lines)
 
 

@@ -535,3 +535,25 @@ def test_the_perplexity_figure_says_per_byte_only_for_bytes(monkeypatch, tokeniz
     c = {"runs": [], "lengths": [16, 32], "train_len": 16, "tokenizer": tokenizer}
     reports._plot_variants(c, "unused.png")
     assert drawn == [ylabel]
+
+
+def test_tables_2_and_4_of_a_study_of_bca_alone():
+    """With --config.modes=bca, Table 2's baselines (read without BCA) were empty with no
+    word why, and every Table 4 cell was empty, though at the training length BCA's
+    numbers are the same."""
+    from lexjax import reports
+
+    runs = [
+        {"position": p, "scale_base": b, "perplexity": {"bca": {"16": v, "32": v + 1}}}
+        for p, b, v in (("rope", None, 9.0), ("xpos", 8.0, 8.0))
+    ]
+    c = {"runs": runs, "lengths": [16, 32], "train_len": 16}
+    table2 = reports.table2(c)
+    assert "| RoPE | – | – |" in table2 and "| 8.000 | 9.000 |" in table2
+    assert table2.endswith(
+        "– : not measured; this table reads mode full, which the study's modes leave out"
+    )
+    assert [row.split("|")[2].strip() for row in reports.table4(c).splitlines()[2:]] == [
+        "9.000",
+        "8.000",
+    ]
