@@ -209,7 +209,7 @@ def _run(args, results: dict, partial: str | None) -> int:
             flush=True,
         )
     print(table(results))
-    if results["shared_cores"]:
+    if results["shared_cores"] and measured:
         print("SHARED CORES: other processes ran during this run; its ratios are not speeds")
     if errors:  # a missing reference interpreter: a flag to change, status 2
         print(f"error: {'; '.join(errors)}", file=sys.stderr, flush=True)
