@@ -240,6 +240,7 @@ def test_a_reference_python_without_torch_is_a_one_line_error(tmp_path, python, 
     assert len(errors) == 1 and errors[0].startswith("error: ") and said in errors[0], errors
     assert f"--reference_python={python}" in errors[0]
     assert said in json.loads(out.read_text())["train_vs_reference"]["error"]  # still recorded
+    assert "SHARED CORES" not in proc.stdout  # nothing measured: no ratio to doubt
     if python != "/bin/false":
         return
     # An earlier run's results are not replaced by a record of this error alone.
