@@ -557,3 +557,29 @@ def test_tables_2_and_4_of_a_study_of_bca_alone():
         "9.000",
         "8.000",
     ]
+
+
+def test_a_sink_count_is_checked_only_for_a_study_that_evaluates_sinks(monkeypatch):
+    """Checked before any training, but only where mode sinks uses it (a study without
+    that mode was refused a sink count it never uses)."""
+    from configs import extrapolation as presets
+    from lexjax import data as data_lib
+    from lexjax.errors import ConfigError
+    from lexjax.experiments import extrapolation as ex
+
+    class Planned(Exception):
+        """Raised where the plan starts reading the corpus: every setting checked."""
+
+    def planned(*args, **kwargs):
+        raise Planned
+
+    monkeypatch.setattr(data_lib, "load_tokenizer", planned)
+    exp, shared = presets.get_config("smoke"), _smoke_config()
+    specs = ex.parse_runs("rope", scale_base=8.0, seed=0)
+    exp.sinks = 100
+    exp.modes = "bca,full"
+    with pytest.raises(Planned):
+        ex._plan(exp, shared, specs)
+    exp.modes = "bca,full,sinks"
+    with pytest.raises(ConfigError, match=r"^sinks must be an integer in \[0, 8\]"):
+        ex._plan(exp, shared, specs)
