@@ -174,14 +174,19 @@ _MAX_PATHS_PER_ENTRY = 64
 def _matching_files(pattern: str, what: str) -> list[str]:
     """The files that ``pattern`` matches (every path of them); DataError once the
     matches show symlink loops that multiply the paths."""
-    matches, seen, entries = [], 0, set()
+    matches, seen, entries, real_dirs = [], 0, set(), {}
     for path in glob.iglob(pattern, recursive=True):
         try:
             st = os.stat(path)
         except OSError:  # a dangling link, a file gone meanwhile
             continue
         seen += 1
-        entries.add((st.st_dev, st.st_ino))
+        # By the real directory and the name: a loop's paths repeat these, hard links
+        # (other names, or other directories) do not.
+        directory, name = os.path.split(path)
+        if directory not in real_dirs:
+            real_dirs[directory] = os.path.realpath(directory)
+        entries.add((real_dirs[directory], name))
         if stat.S_ISREG(st.st_mode):
             matches.append(path)
         if seen > _LOOP_CHECK_AFTER and seen > _MAX_PATHS_PER_ENTRY * len(entries):

@@ -24,10 +24,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -265,9 +267,11 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
 # holds the interpreter until it ends (many seconds on 16 MiB), and a signal
 # handler only runs after it; the parent waits in Python instead, so SIGTERM and
 # Ctrl-C stop a run that is still learning at once (the child is killed). The child
-# imports sentencepiece only; ``-P`` keeps the working directory off its path. It
-# ignores SIGTERM and Ctrl-C (sent to the whole process group by a terminal or
-# Slurm): whether they stop the learning is the parent's to decide.
+# imports sentencepiece only, from the parent's sys.path (a notebook's additions too);
+# ``-P`` keeps the working directory off its path. It ignores SIGTERM and Ctrl-C (sent
+# to the whole process group by a terminal or Slurm): whether they stop the learning is
+# the parent's to decide. The model goes to a file, so nothing printed at its start
+# (a sitecustomize) can mix into it.
 _LEARNER = r"""
 import io, json, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -283,7 +287,8 @@ try:
 except RuntimeError as e:
     sys.stderr.write(str(e))
     sys.exit(3)
-sys.stdout.buffer.write(model.getvalue())
+with open(sys.argv[2], "wb") as f:
+    f.write(model.getvalue())
 """
 
 
@@ -314,18 +319,33 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceT
         minloglevel=2,
     )
     text = "\n".join(lines).encode("utf-8", "surrogatepass")
-    learner = subprocess.Popen(
-        [sys.executable, "-P", "-c", _LEARNER, json.dumps(options)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        model, errors = learner.communicate(text)
-    finally:
-        if learner.returncode is None:  # stopped while it learned
-            learner.kill()
-            learner.wait()
+    path = os.pathsep.join(p for p in sys.path if p)  # not "": the working directory
+    env = dict(os.environ, PYTHONPATH=path)
+    with tempfile.TemporaryDirectory(prefix="lexjax-sentencepiece-") as scratch:
+        written = os.path.join(scratch, "model")
+        try:
+            learner = subprocess.Popen(
+                [sys.executable, "-P", "-c", _LEARNER, json.dumps(options), written],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
+        except OSError as e:  # an embedded interpreter: sys.executable is no program
+            raise DataError(
+                f"sentencepiece training needs a Python to run it in; sys.executable="
+                f"{sys.executable!r} cannot be run ({e.strerror or e})"
+            ) from None
+        try:
+            _, errors = learner.communicate(text)
+        finally:
+            if learner.returncode is None:  # stopped while it learned
+                learner.kill()
+                learner.wait()
+        model = b""
+        if learner.returncode == 0:
+            with open(written, "rb") as f:
+                model = f.read()
     message = errors.decode("utf-8", "replace").strip()
     if learner.returncode == 3:
         if largest := re.search(r"too high.*<= (\d+)", message):
