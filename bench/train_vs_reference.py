@@ -37,7 +37,7 @@ EXPECTED_ERRORS = (ReferenceUnavailable,)
 def _has_reference(python: str) -> bool:
     probe = "import torch, torchscale; print('ok')"  # printed: /bin/true exits 0 too
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
-    return done.returncode == 0 and done.stdout == "ok\n"
+    return done.returncode == 0 and done.stdout.splitlines()[-1:] == ["ok"]  # after any notices
 
 
 def resolve_python(requested: str | None) -> str:
