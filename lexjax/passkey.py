@@ -53,7 +53,7 @@ from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
-from lexjax.errors import DataError, EvaluationError
+from lexjax.errors import DataError, EvaluationError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -345,19 +345,15 @@ def check_settings(
     seed: int = 0,
     depths: Sequence[float] = DEPTHS,
     eval_files: str | None = None,
-    flag: str = "--",
 ) -> tuple[int, int, list[float]]:
     """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
     of range, or held-out files given to the repeated filler (which would ignore
     them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
-    the JSON needs) and the depths sorted, without repeats. ``flag``: ``"--"`` names
-    eval.py's flags in the errors, ``""`` the Python API's arguments."""
+    the JSON needs) and the depths sorted, without repeats. The errors name the
+    Python API's arguments, or eval.py's flags within it (:func:`lexjax.errors.arg`)."""
     seed = check_seed(seed)
-    trials_, filler_, files_ = (
-        ("--passkey_trials", "--passkey_filler", "--eval_files")
-        if flag
-        else ("trials", "filler", "eval_files")
-    )
+    trials_, filler_ = arg("trials", "--passkey_trials"), arg("filler", "--passkey_filler")
+    files_ = arg("eval_files")
     trials = check_int(trials_, trials)
     if filler not in FILLERS:
         raise ConfigError(f"{filler_}={filler!r}: use {' or '.join(FILLERS)}")
@@ -553,7 +549,6 @@ def evaluate_passkey(
         seed=seed,
         depths=DEPTHS if depths is None else depths,
         eval_files=eval_files,
-        flag="",  # called by the Python API (eval.py checked its flags already)
     )
     train_len, position = config.train_len, config.model.position
     modes = evaluation.check_modes(modes)
