@@ -84,7 +84,8 @@ def parse_modes(values, bca: str = "both") -> tuple[str, ...]:
         return BCA_MODES[bca]
     if bca != "both":
         raise ConfigError(f"--modes and --bca={bca} both choose modes; give --modes alone")
-    return evaluation.check_modes(values, flag="--")
+    with errors.naming_flags():
+        return evaluation.check_modes(values)
 
 
 def parse_lengths(values) -> list[int] | None:
@@ -135,12 +136,7 @@ def run_eval(
     modes_given = modes is not None or bca != "both"
     modes = parse_modes(modes, bca)
     requested = evaluation.check_settings(
-        parse_lengths(lengths),
-        max_length,
-        sinks=sinks,
-        max_docs=max_docs,
-        eval_files=eval_files,
-        flag="--",
+        parse_lengths(lengths), max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     )
     check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
     # Each run refuses the flags given (not at their defaults) that it would ignore.
@@ -164,7 +160,7 @@ def run_eval(
         verb = "--passkey" + ("" if text else " with --passkey_filler=repeat")
         uses = {"lengths", "seed", *_KEYED, *(("eval_files", "max_docs") if text else ())}
     if not (generate or passkey_run):
-        evaluation.check_modes(modes, sinks=sinks, flag="--")
+        evaluation.check_modes(modes, sinks=sinks)
     if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")

@@ -827,22 +827,22 @@ def default_lengths(train_len: int) -> list[int]:
     return [m * train_len for m in (1, 2, 4, 8, 16)]
 
 
-def check_modes(modes, *, sinks: int = DEFAULT_SINKS, flag: str = "") -> tuple[str, ...]:
+def check_modes(modes, *, sinks: int = DEFAULT_SINKS) -> tuple[str, ...]:
     """``modes`` in their order without repeats, some of :data:`MODES` (else a
     :class:`ConfigError`: none, or one unknown); a sink count other than the
-    default (``sinks``) only with mode ``"sinks"``, the one that uses it.
-    ``flag``: ``"--"`` names eval.py's flags in the message."""
+    default (``sinks``) only with mode ``"sinks"``, the one that uses it. The
+    message names the API's arguments, or eval.py's flags (:func:`lexjax.errors.arg`)."""
     if not isinstance(modes, (str, Iterable)):
-        raise ConfigError(f"{flag}modes={modes!r}: use some of {', '.join(MODES)}")
+        raise ConfigError(f"{arg('modes')}={modes!r}: use some of {', '.join(MODES)}")
     modes = tuple(dict.fromkeys([modes] if isinstance(modes, str) else modes))
     if not all(isinstance(m, str) for m in modes):
-        raise ConfigError(f"{flag}modes={modes!r}: use some of {', '.join(MODES)}")
+        raise ConfigError(f"{arg('modes')}={modes!r}: use some of {', '.join(MODES)}")
     if not modes or set(modes) - set(MODES):
-        raise ConfigError(f"{flag}modes={','.join(modes)}: use some of {', '.join(MODES)}")
+        raise ConfigError(f"{arg('modes')}={','.join(modes)}: use some of {', '.join(MODES)}")
     if sinks != DEFAULT_SINKS and "sinks" not in modes:
         raise ConfigError(
-            f"{flag}sinks={sinks} is the sink count of mode sinks, which {flag}modes="
-            f"{','.join(modes)} leaves out; add sinks to {flag}modes or leave {flag}sinks out"
+            f"{arg('sinks')}={sinks} is the sink count of mode sinks, which {arg('modes')}="
+            f"{','.join(modes)} leaves out; add sinks to {arg('modes')} or leave {arg('sinks')} out"
         )
     return modes
 
@@ -854,32 +854,33 @@ def check_settings(
     sinks: int = DEFAULT_SINKS,
     max_docs: int = DEFAULT_MAX_DOCS,
     eval_files: str | None = None,
-    flag: str = "",
 ) -> list[int] | None:
-    """The evaluation's settings as :func:`evaluate_run` (and eval.py, whose names
-    ``flag`` ``"--"`` gives) accepts them: sorted distinct ``lengths`` (None: the
+    """The evaluation's settings as :func:`evaluate_run` (and eval.py, whose flags
+    :func:`lexjax.errors.arg` names) accepts them: sorted distinct ``lengths`` (None: the
     default), else a one-line :class:`ConfigError`. Integers may be numpy's."""
     if lengths is not None:
         if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
             raise ConfigError(
-                f"{flag}lengths={lengths!r} must be a sequence of lengths such as 256,1024"
+                f"{arg('lengths')}={lengths!r} must be a sequence of lengths such as 256,1024"
             )
         lengths = list(lengths)  # (a generator is read once)
         if not lengths:
             raise ConfigError(
-                f"{flag}lengths is empty; give lengths such as 256,1024 or leave it out"
+                f"{arg('lengths')} is empty; give lengths such as 256,1024 or leave it out"
             )
-        lengths = sorted({check_int(f"{flag}lengths", n) for n in lengths})
+        lengths = sorted({check_int(arg("lengths"), n) for n in lengths})
     if max_length is not None:
-        check_int(f"{flag}max_length", max_length)
+        check_int(arg("max_length"), max_length)
         if lengths:  # before any work: the budget must hold the largest length
             budget(0, lengths, max_length)
-    check_int(f"{flag}sinks", sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
-    check_int(f"{flag}max_docs", max_docs)
+    check_int(arg("sinks"), sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
+    check_int(arg("max_docs"), max_docs)
     if eval_files is not None and not isinstance(eval_files, (str, os.PathLike)):
-        raise ConfigError(f"{flag}eval_files={eval_files!r} must be a glob (a str or a path)")
+        raise ConfigError(f"{arg('eval_files')}={eval_files!r} must be a glob (a str or a path)")
     if eval_files is not None and not os.fspath(eval_files).strip():
-        raise ConfigError(f"{flag}eval_files is empty; give a glob of text files or leave it out")
+        raise ConfigError(
+            f"{arg('eval_files')} is empty; give a glob of text files or leave it out"
+        )
     return lengths
 
 
