@@ -91,11 +91,12 @@ def context(
 ) -> Context:
     """Builds the shared :class:`Context` of one forward (pure).
 
-    For XPOS both position sets are shifted by the same integer so they are
-    centred around zero: scores depend only on ``m − n``, so the shift is exact
-    and keeps every scale far inside XPOS's safe range
-    (:func:`lexjax.positions.max_safe_position`). ``segment_ids``: ``(q, kv)``
-    int32 for the splash kernel's mask (see :class:`Context`), or None.
+    For XPOS and RoPE both position sets are shifted by the same integer per
+    row so they are centred around zero: scores depend only on ``m − n``, so
+    the shift is exact, keeps every XPOS scale far inside its safe range
+    (:func:`lexjax.positions.max_safe_position`) and RoPE's angles small.
+    ``segment_ids``: ``(q, kv)`` int32 for the splash kernel's mask (see
+    :class:`Context`), or None.
 
     ``rope_scaling`` (xpos and rope only): an inference-time extension of
     :func:`lexjax.positions.rope_scaling` with factor ``rope_factor`` (≥ 1)
@@ -125,11 +126,20 @@ def context(
             if not (isinstance(scaled.qk_scale, float) and scaled.qk_scale == 1.0):
                 extension["scale"] = scaled.qk_scale
             decay_base = scale_base * scaled.decay_base_scale
+        # Both position sets are shifted by one integer per row, which changes no
+        # score (they depend on m − n): XPOS's scales stay far inside their safe
+        # range and RoPE's float32 angles keep their precision. Per row, since rows
+        # may sit at different offsets; written so that no int32 sum overflows.
+        low = jnp.min(k_positions, axis=-1, keepdims=True)
+        shift = low + (jnp.max(q_positions, axis=-1, keepdims=True) - low) // 2
         if position == "rope":
-            q_rotary = pos_lib.rotary_tables(q_positions, head_dim, theta=theta, **extension)
-            k_rotary = pos_lib.rotary_tables(k_positions, head_dim, theta=theta, **extension)
+            q_rotary = pos_lib.rotary_tables(
+                q_positions - shift, head_dim, theta=theta, **extension
+            )
+            k_rotary = pos_lib.rotary_tables(
+                k_positions - shift, head_dim, theta=theta, **extension
+            )
         else:
-            shift = (jnp.min(k_positions) + jnp.max(q_positions)) // 2
             tables = functools.partial(
                 pos_lib.xpos_tables,
                 head_dim=head_dim,
@@ -153,9 +163,29 @@ def encode(q, k, ctx: Context):
     return q, k
 
 
-def _context_of(q, k, q_positions, k_positions, **kwargs) -> Context:
-    q_positions = jnp.broadcast_to(q_positions, q.shape[:2])
-    k_positions = jnp.broadcast_to(k_positions, k.shape[:2])
+def _context_of(q, k, q_positions, k_positions, v=None, **kwargs) -> Context:
+    """The context of ``[B, T, H, D]`` queries and keys (and values), their shapes
+    and positions checked first: a mismatch is one ValueError naming both shapes,
+    not a broadcasting error from inside the computation."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is not None and jnp.ndim(x) != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"q {q.shape} and k {k.shape} must share batch, heads and head_dim ([B, T, H, D])"
+        )
+    if v is not None and v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {v.shape} must share batch, seq and heads with k {k.shape}")
+    positions = []
+    for name, p, x in (("q_positions", q_positions, q), ("k_positions", k_positions, k)):
+        p = jnp.asarray(p)
+        try:
+            positions.append(jnp.broadcast_to(p, x.shape[:2]))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name} of shape {p.shape} do not broadcast to [batch, seq] = {x.shape[:2]}"
+            ) from None
+    q_positions, k_positions = positions
     return context(q_positions, k_positions, num_heads=q.shape[2], head_dim=q.shape[3], **kwargs)
 
 
@@ -170,7 +200,7 @@ def encode_qk(
     theta: float = 10000.0,
 ):
     """Applies the rotary encodings (XPOS, RoPE, or XPOS's decay alone) to queries and
-    keys, positions centred for XPOS as in :func:`context`. Other kinds pass q, k through."""
+    keys, positions centred as in :func:`context`. Other kinds pass q, k through."""
     ctx = _context_of(
         q, k, q_positions, k_positions, position=position, scale_base=scale_base, theta=theta
     )
@@ -285,6 +315,7 @@ def multihead_attention(
         k,
         q_positions,
         k_positions,
+        v,
         position=position,
         mask=mask,
         scale_base=scale_base,

@@ -127,6 +127,8 @@ def _check_positions(x, positions):
         )
     if x.ndim < 3:
         raise ValueError(f"x must be [..., seq, heads, head_dim], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be floating point, got dtype {x.dtype}; cast it first")
     lead = x.shape[:-2]
     try:
         ok = np.broadcast_shapes(positions.shape, lead) == lead
@@ -360,8 +362,11 @@ def xpos(
 def rope(x, positions, *, theta: float = 10000.0):
     """Rotary position embedding (Su et al. 2021): XPOS with ζ = 1.
 
-    Same shapes, pair layout and numerics as :func:`xpos`; no decay, so any
-    integer position that float32 represents exactly is safe.
+    Same shapes, pair layout and numerics as :func:`xpos`; no decay, so no
+    position overflows. The float32 angles ``p·θ_i`` lose precision as |p| grows
+    (their rounding error grows like |p|·2⁻²⁴ radians), so scores of distant
+    positions drift from their relative-position values: shift both position
+    sets toward zero, as :func:`lexjax.attention.context` does.
     """
     _check_head_dim(x.shape[-1])
     positions = _check_positions(x, positions)

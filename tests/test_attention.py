@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -105,6 +106,39 @@ class MultiheadAttentionTest(chex.TestCase):
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             self.assertTrue(np.all(np.isfinite(got)))
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+    @parameterized.parameters("xpos", "rope")
+    def test_rows_at_far_and_different_offsets_score_as_near_ones(self, position):
+        # Scores depend only on m − n (paper §3), whatever each row's offset: one row
+        # near 0, the other past int32's half range (2^30 + …, where a sum of two
+        # positions overflows). The shift that keeps XPOS finite and RoPE's float32
+        # angles exact was one for the whole batch: the near row pushed the far one
+        # out of range, and every output was NaN.
+        q, k, v = _qkv(6)
+        k_pos = np.arange(TK, dtype=np.int32)
+        q_pos = k_pos[TK - TQ :]
+        mask = masks.causal_by_position(q_pos, k_pos)[None, None]
+        near = attention.multihead_attention(q, k, v, q_pos, k_pos, position=position, mask=mask)
+        offsets = np.array([[0], [2**30 + 12_345]], np.int32)
+        far = attention.multihead_attention(
+            q, k, v, q_pos + offsets, k_pos + offsets, position=position, mask=mask
+        )
+        for got, want in zip(far, near):
+            self.assertTrue(np.all(np.isfinite(got)))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+    def test_shape_mismatches_are_value_errors_naming_the_shapes(self):
+        q, k, v = _qkv(7)
+        pos = np.arange(TK, dtype=np.int32)
+        run = functools.partial(attention.multihead_attention, position="xpos")
+        for args, said in (
+            ((q, k[..., :4], v, pos[:TQ], pos), "must share batch, heads and head_dim"),
+            ((q[0], k[0], v[0], pos[:TQ], pos), "q must be [batch, seq, heads, head_dim]"),
+            ((q, k, v[:, :3], pos[:TQ], pos), "v (2, 3, 2, 8) must share batch, seq and heads"),
+            ((q, k, v, pos[:3], pos), "q_positions of shape (3,) do not broadcast to"),
+        ):
+            with self.assertRaisesRegex(ValueError, re.escape(said)):
+                run(*args)
 
     def test_alibi_bias_enters_the_logits(self):
         # The ALiBi logits are the plain logits plus −m_h·(i − j), head by head.

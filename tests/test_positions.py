@@ -347,6 +347,12 @@ class BadArgumentsTest(parameterized.TestCase):
             lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=math.nan),
             "scale_base must be positive",
         ),
+        # An int x came back as truncated ints (3 → [0, 4]), not rotated floats.
+        (
+            "integer_x",
+            lambda: positions.rope(jnp.ones((1, 2, 1, 4), jnp.int32), jnp.arange(2)),
+            "x must be floating point, got dtype int32",
+        ),
         ("sinusoidal_odd_dim", lambda: positions.sinusoidal(jnp.arange(3), 5), "dim must be even"),
         (
             "sinusoidal_float_positions",
