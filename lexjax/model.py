@@ -230,6 +230,10 @@ class Decoder(nn.Module):
     other weight, so FSDP moves weights and gradients, never activations; without
     a mesh they change nothing.
 
+    Token ids must lie in ``[0, vocab_size)``: the embedding is read with
+    ``jnp.take``, which gives NaN for a larger id and wraps a negative one (ids
+    are traced values, so no error can be raised for them).
+
     ``init`` creates only ``params``. Tests that differentiate with respect to
     each token's input vector pass ``{"perturbations": {"embedded":
     zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
@@ -257,9 +261,26 @@ class Decoder(nn.Module):
         if (window is not None or sinks is not None) and cache is None:
             raise ValueError("window and sinks apply to a call with a cache")
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
+        if jnp.ndim(tokens_BxT) != 2 or not jnp.issubdtype(
+            jnp.result_type(tokens_BxT), jnp.integer
+        ):
+            raise ValueError(
+                f"tokens must be integer ids of shape [batch, seq], got {jnp.shape(tokens_BxT)} "
+                f"{jnp.result_type(tokens_BxT)}"
+            )
         B, T = tokens_BxT.shape
         if positions_BxT is None:
+            if c.position == "learned" and c.max_len < T:
+                raise ValueError(
+                    f"{T} tokens need positions beyond the learned table of max_len="
+                    f"{c.max_len}; pass at most {c.max_len} tokens or explicit positions"
+                )
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        elif jnp.shape(positions_BxT) != (B, T):
+            raise ValueError(
+                f"positions of shape {jnp.shape(positions_BxT)} must match tokens' [batch, seq] "
+                f"= {(B, T)}"
+            )
 
         embed = nn.Embed(
             c.vocab_size,

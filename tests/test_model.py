@@ -189,3 +189,22 @@ def test_a_model_config_made_by_hand_is_checked(change, message):
     model = Decoder(dataclasses.replace(config.model, **change))
     with pytest.raises(ValueError, match=message):
         model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors():
+    """They were an unpacking error, a broadcasting TypeError deep in attention, and
+    for learned positions past max_len NaN logits at every position (the table read
+    out of range, and attention spread the NaN to the positions before it)."""
+    config = small_config(**{"model.position": "learned", "model.max_len": 16})
+    model, params = _init(config)
+    variables = {"params": params}
+    for tokens, positions, message in (
+        (jnp.zeros((8,), jnp.int32), None, r"tokens must be integer ids of shape \[batch, seq\]"),
+        (jnp.zeros((1, 8)), None, r"got \(1, 8\) float32"),
+        (jnp.zeros((1, 8), jnp.int32), jnp.arange(7)[None], r"positions of shape \(1, 7\)"),
+        (jnp.zeros((1, 17), jnp.int32), None, "17 tokens need positions beyond the learned"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            model.apply(variables, tokens, positions)
+    logits, _ = model.apply(variables, jnp.zeros((1, 16), jnp.int32))
+    assert np.all(np.isfinite(logits))
