@@ -172,6 +172,9 @@ def run_eval(
         check = None
         if "sinks" in modes and not (generate or passkey_run):  # refused before loading
             check = lambda config: evaluation.check_sink_count(config.block, sinks)
+        if generate:  # a length mode full cannot reach, too
+            new = sampling.get("max_new_tokens", generation.SAMPLING["max_new_tokens"])
+            check = lambda config: generation.check_stored_run(config, prompt, new, modes[0])
         run = api.load(workdir, check=check)
         # Like train.py's; on stderr with --generate, whose stdout is the text alone.
         print(

@@ -545,9 +545,10 @@ def check_dtypes(m: ModelConfig) -> None:
             raise ConfigError(f"model.{name}={getattr(m, name)!r}: use {', '.join(_DTYPES)}")
 
 
-def check_seed(seed) -> int:
-    """A seed as an int; :class:`ConfigError` outside [0, 2**32), the data shuffle's range."""
-    return check_int("seed", seed, 0, 2**32, "an integer in [0, 2**32)")
+def check_seed(seed, name: str = "seed") -> int:
+    """A seed as an int; :class:`ConfigError` naming ``name`` outside [0, 2**32), the
+    data shuffle's range."""
+    return check_int(name, seed, 0, 2**32, "an integer in [0, 2**32)")
 
 
 def tokenizer_vocab_size(data: DataConfig) -> int:

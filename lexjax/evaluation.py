@@ -101,6 +101,7 @@ __all__ = [
     "check_modes",
     "full_logprobs",
     "check_full_length",
+    "full_length_limit",
     "segments",
     "PerplexityResult",
     "perplexity",
@@ -275,7 +276,7 @@ def check_full_length(config: ModelConfig, length: int) -> None:
       ``length/2``; it must stay within :func:`lexjax.positions.max_safe_position`
       for the compute dtype (PI's decay sees p/s: the check stays conservative).
     """
-    if config.position == "learned" and length > config.max_len:
+    if config.position == "learned" and config.max_len < length:
         raise EvaluationError(
             f"learned absolute positions have a table of {config.max_len}; length {length} "
             "without BCA would need positions beyond it (evaluate it with BCA, whose "
@@ -283,12 +284,21 @@ def check_full_length(config: ModelConfig, length: int) -> None:
         )
     if config.position in ("xpos", "xpos_norotate"):
         limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
-        if length / 2 > limit:
+        if full_length_limit(config) < length:
             raise EvaluationError(
                 f"length {length} without BCA puts XPOS positions at ±{length // 2}, beyond "
                 f"the {config.dtype} safe range ±{int(limit)} for scale_base "
                 f"{config.scale_base:g}; use BCA or a shorter length"
             )
+
+
+def full_length_limit(config: ModelConfig) -> float:
+    """The most positions :func:`check_full_length` accepts (``inf``: no limit)."""
+    if config.position == "learned":
+        return config.max_len
+    if config.position in ("xpos", "xpos_norotate"):
+        return math.floor(2 * pos_lib.max_safe_position(config.scale_base, dtype=config.dtype))
+    return math.inf
 
 
 @functools.cache

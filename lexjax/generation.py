@@ -37,9 +37,9 @@ from lexjax import data as data_lib
 from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
-from lexjax.config import Config, check_int, check_seed, is_real
-from lexjax.errors import ConfigError, EvaluationError
-from lexjax.evaluation import check_full_length
+from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
+from lexjax.errors import ConfigError, EvaluationError, arg
+from lexjax.evaluation import check_full_length, full_length_limit
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -232,14 +232,41 @@ def check_sampling(
     # ruled-out ids' −inf / inf NaNs that win the draw).
     if not is_real(temperature) or not 0 <= temperature <= _FLOAT32_MAX:  # NaN too
         raise ConfigError(
-            f"temperature must be ≥ 0 (0 = greedy) and at most {_FLOAT32_MAX:.3g} (float32), "
-            f"got {temperature!r}"
+            f"{arg('temperature')} must be ≥ 0 (0 = greedy) and at most {_FLOAT32_MAX:.3g} "
+            f"(float32), got {temperature!r}"
         )
-    check_int("top_k", top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
+    check_int(arg("top_k"), top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
     if not is_real(top_p) or not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
-    check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS + 1)
-    check_seed(seed)
+        raise ConfigError(f"{arg('top_p')} must be in (0, 1], got {top_p!r}")
+    bound = f"an integer in [1, {MAX_NEW_TOKENS:,}]"
+    check_int(arg("max_new_tokens"), max_new_tokens, 1, MAX_NEW_TOKENS + 1, bound=bound)
+    check_seed(seed, name=arg("seed"))
+
+
+def check_full_mode(config: ModelConfig, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raises :class:`EvaluationError` when mode ``"full"`` cannot generate
+    ``max_new_tokens`` after ``prompt_tokens`` (its begin-of-text included), where
+    :func:`lexjax.evaluation.check_full_length` refuses their sum: the message
+    says how many new tokens fit."""
+    length = prompt_tokens + max_new_tokens
+    try:
+        check_full_length(config, length)
+    except EvaluationError as e:
+        fits = full_length_limit(config) - prompt_tokens
+        instead = f"at most {fits:,} new tokens" if fits > 0 else "a shorter prompt"
+        bca = arg("mode='bca'", "--bca=on")
+        raise EvaluationError(
+            f"{arg('max_new_tokens')}={max_new_tokens:,} after {prompt_tokens:,} prompt tokens "
+            f"without BCA: {str(e).split('; ')[0]}; generate with {bca}, or {instead}"
+        ) from None
+
+
+def check_stored_run(config: Config, prompt: str, max_new_tokens: int, mode: str) -> None:
+    """What :func:`check_full_mode` refuses, checked on a run's stored config before
+    its parameters load: exact for the byte tokenizer (one id per UTF-8 byte, after
+    begin-of-text); another tokenizer's count is known, and checked, once it loads."""
+    if mode == "full" and config.data.tokenizer == "bytes":
+        check_full_mode(config.model, 1 + len(prompt.encode("utf-8")), max_new_tokens)
 
 
 MAX_NEW_TOKENS = 1 << 24
@@ -312,8 +339,7 @@ def generate(
     cache never holds more than 2w tokens, so any number of tokens can be
     generated in constant memory per token; ``"full"``, plain causal attention
     over every earlier token (positions ``0 … P+max_new_tokens−1``), which
-    raises :class:`EvaluationError` where
-    :func:`lexjax.evaluation.check_full_length` does. Tokens are sampled
+    raises :class:`EvaluationError` where :func:`check_full_mode` does. Tokens are sampled
     :data:`CHUNK` at a time; with ``progress``, more than one chunk shows the
     progress display (:mod:`lexjax.progress`) on stderr. With ``stop_token``,
     sampling ends after the first chunk by which every row has sampled it, so the
@@ -326,7 +352,7 @@ def generate(
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     max_new_tokens = int(max_new_tokens)  # numpy's too
     if mode not in MODES:
-        raise EvaluationError(f"generation mode {mode!r}: choose from {', '.join(MODES)}")
+        raise ConfigError(f"{arg('mode')}={mode!r}: generation decodes in {' or '.join(MODES)}")
     if mode == "bca":
         logits, state = prefill(model, params, prompt_BxP, block=block)
     else:
@@ -377,7 +403,7 @@ def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_token
     if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
         raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
     length = prompt_BxP.shape[1]
-    check_full_length(model.config, length + max_new_tokens)
+    check_full_mode(model.config, length, max_new_tokens)
     if model.config.position == "learned":
         # No padding: it could stand past the table (see evaluation.full_logprobs).
         chunk = length
@@ -431,7 +457,7 @@ def complete(
         tokens[None],
         block=config.block,
         max_new_tokens=max_new_tokens,
-        rng=jax.random.key(check_seed(seed)),
+        rng=jax.random.key(check_seed(seed, name=arg("seed"))),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

@@ -351,7 +351,7 @@ def check_settings(
     them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
     the JSON needs) and the depths sorted, without repeats. The errors name the
     Python API's arguments, or eval.py's flags within it (:func:`lexjax.errors.arg`)."""
-    seed = check_seed(seed)
+    seed = check_seed(seed, name=arg("seed"))
     trials_, filler_ = arg("trials", "--passkey_trials"), arg("filler", "--passkey_filler")
     files_ = arg("eval_files")
     trials = check_int(trials_, trials)

@@ -457,6 +457,17 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")
+    # Mode full cannot place XPOS positions that far: refused before the run loads (no
+    # mesh line), naming the flags to change; it said "length 200003 …; use BCA".
+    flags = ["--generate", "--bca=off", "--prompt=ab", "--max_new_tokens=200000"]
+    far = _run("eval.py", f"--workdir={workdir}", *flags)
+    _one_line_error(
+        far,
+        6,
+        "--max_new_tokens=200,000 after 3 prompt tokens without BCA: length 200003",
+        "generate with --bca=on, or at most 66,871 new tokens",
+    )
+    assert "mesh" not in far.stdout
     huge = _run("eval.py", f"--workdir={workdir}", "--passkey", f"--lengths=64,{10**11}")
     _one_line_error(huge, 2, "passkey length=100000000000 must be at most 16,777,216 tokens")
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal

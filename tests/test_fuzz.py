@@ -366,7 +366,12 @@ def test_every_eval_flag(program, capsys):
         (["train.py", "--config.optim.b2=1.5"], "error: optim.b2=1.5 must be in [0, 1)"),
         (["train.py", "--lease_timeout_s=abc"], "error: flag --lease_timeout_s=abc:"),
         (["eval.py", "--max_doc=3"], "error: Unknown command line flag 'max_doc'"),
-        (["eval.py", "--generate", "--top_p=1.5"], "error: top_p must be in (0, 1], got 1.5"),
+        (["eval.py", "--generate", "--top_p=1.5"], "error: --top_p must be in (0, 1], got 1.5"),
+        # Named by its flag, with the range --help gives (it was "[1, 16777217)").
+        (
+            ["eval.py", "--generate", "--max_new_tokens=0"],
+            "error: --max_new_tokens=0 must be an integer in [1, 16,777,216]",
+        ),
     ],
 )
 def test_real_programs_spot_checks(tmp_path, program_args, expected):

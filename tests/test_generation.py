@@ -1,6 +1,7 @@
 """Generation: token-by-token decoding over the bounded cache equals the block scan."""
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -155,7 +156,10 @@ def test_dense_generation_is_greedy_decoding_by_causal_forwards(position, prompt
 def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
     model = Decoder(dataclasses.replace(CONFIG, position="learned"))
     prompt = jnp.ones((1, TRAIN_LEN - 2), jnp.int32)
-    with pytest.raises(EvaluationError, match="table of 16"):
+    # 14 prompt tokens + 3 > 16: the message says what fits.
+    said = "max_new_tokens=3 after 14 prompt tokens without BCA: learned absolute positions "
+    said += "have a table of 16; generate with mode='bca', or at most 2 new tokens"
+    with pytest.raises(EvaluationError, match=re.escape(said)):
         generation.generate(
             model,
             None,
@@ -166,7 +170,8 @@ def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
             temperature=0.0,
             mode="full",
         )
-    with pytest.raises(EvaluationError, match="generation mode 'sinks'"):
+    # A bad argument, as every other bad argument of generate is.
+    with pytest.raises(ConfigError, match="mode='sinks': generation decodes in bca or full"):
         generation.generate(
             *model_params, prompt, block=W, max_new_tokens=3, rng=jax.random.key(0), mode="sinks"
         )
