@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -363,6 +364,33 @@ def test_damaged_latest_falls_back(two_steps, tmp_path, caplog, damage, why):
     assert len(lines) == 1 and "step 2 " in lines[0] and "falling back to step 1" in lines[0]
     assert why in lines[0]
     assert ckpt.all_steps() == [1, 2]  # fallback deletes nothing
+    ckpt.close()
+
+
+def test_every_arrays_checksum_is_compared(two_steps, tmp_path):
+    """Damage found in one array only: step 2's record is given a wrong digest for
+    each array in turn (and sealed again, as a writer would), so the restore must
+    compare that array's bytes with it, whichever array it is."""
+    path = fresh_copy(two_steps, tmp_path)
+    mesh = mesh_of(8)
+    state2 = make_state(mesh, seed=2)
+    record_path = path / "2" / "integrity" / "metadata"
+    original = record_path.read_text()
+    names = sorted(json.loads(original)["leaves"])
+    assert len(names) == len(jax.tree_util.tree_leaves(state2)) > 4
+    for name in names:
+        integrity = json.loads(original)
+        integrity["leaves"][name]["sha256"] = hashlib.sha256(name.encode()).hexdigest()
+        integrity["self_sha256"] = _record_sha256(integrity)
+        record_path.write_text(json.dumps(integrity))
+        ckpt = Checkpointer(path, on_corrupt="error")
+        said = f"damaged: checksum mismatch in 1 array(s), first {name}"
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            ckpt.restore(abstract_state=abstract(state2, mesh))
+        ckpt.close()
+    record_path.write_text(original)
+    ckpt = Checkpointer(path, on_corrupt="error")
+    assert ckpt.restore(abstract_state=abstract(state2, mesh))[2] == 2
     ckpt.close()
 
 

@@ -249,6 +249,19 @@ def test_a_length_gives_the_same_number_whatever_other_lengths_are_asked(models)
         assert a.perplexity == pytest.approx(b.perplexity, rel=1e-6)
 
 
+def test_a_last_batch_filled_with_padding_rows_gives_the_same_numbers(models):
+    """6 segments of length w in batches of 4: the second batch holds 2 segments and 2
+    rows of padding, which must not count; in one batch of 6 there is none."""
+    model, params = models["xpos"]
+    docs = _documents(3, 2 * W + 1, seed=2)
+    run = lambda per_batch: evaluation.perplexity(
+        model, params, docs, [W], block=W, max_length=2 * W, tokens_per_batch=per_batch
+    )
+    for padded, whole in zip(run(4 * W), run(6 * W), strict=True):
+        assert padded.tokens == whole.tokens == 6 * W
+        assert padded.perplexity == pytest.approx(whole.perplexity, rel=1e-6)
+
+
 def test_every_cell_of_a_table_scores_the_same_tokens(models):
     """Learned positions cannot go past their table without BCA, and 12 does not
     divide the budget: those cells are missing, the others score the same tokens."""
@@ -308,24 +321,29 @@ def test_bca_gives_absolute_encodings_window_relative_positions(position):
         np.testing.assert_allclose(scanned[t], by_hand, rtol=1e-5, atol=1e-5, err_msg=f"t={t}")
 
 
-def test_bits_per_byte_is_the_nll_over_the_bytes_of_the_scored_text(models):
+@pytest.mark.parametrize("scored", [None, 10])
+def test_bits_per_byte_is_the_nll_over_the_bytes_of_the_scored_text(scored):
     """Bits per byte by hand: the summed NLL in nats over ln 2 and over the UTF-8 bytes
-    of the text whose tokens are scored, counted here from the text itself."""
+    of the text whose tokens are scored, counted here from the text itself. A model
+    with the byte tokenizer's whole vocabulary, so that begin-of-text keeps its id
+    (no bytes): counting the inputs' bytes instead of the targets' is one byte short."""
     from lexjax.data.tokenizer import BYTES
 
-    model, params = models["xpos"]
+    config = dataclasses.replace(BASE, vocab_size=264)
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
     text = "naïve café — 12 bytes more".encode()  # multi-byte characters count as bytes
-    doc = BYTES.encode_document(text)  # BOS, the bytes, EOS; ids < 258 but the model has 40
-    doc = np.asarray(doc % BASE.vocab_size, np.int32)
-    budget = len(text)  # targets: every byte of the text (tokens 1 … len), not EOS
+    doc = np.asarray(BYTES.encode_document(text), np.int32)  # BOS, the bytes, EOS
+    # Targets: every byte of the text (tokens 1 … len), not EOS; or its first 10 bytes.
+    budget = scored or len(text)
     (r,) = evaluation.perplexity(
         model, params, [doc], [budget], block=W, max_length=budget, modes=["bca"], tokenizer=BYTES
     )
     logprobs = evaluation.block_scan_logprobs(model, params, doc[None, : budget + 1], W)
     nats = -float(np.sum(np.asarray(logprobs, np.float64)))
-    assert r.bytes == len(text)
-    assert r.bits_per_byte == pytest.approx(nats / (np.log(2) * len(text)), rel=1e-5)
-    assert r.bits_per_byte == pytest.approx(r.nll * r.tokens / (np.log(2) * len(text)), rel=1e-6)
+    assert r.bytes == len(text[:budget])
+    assert r.bits_per_byte == pytest.approx(nats / (np.log(2) * budget), rel=1e-5)
+    assert r.bits_per_byte == pytest.approx(r.nll * r.tokens / (np.log(2) * budget), rel=1e-6)
 
 
 def test_eval_files_skip_empty_and_binary_files_as_the_corpus_build_does(tmp_path):

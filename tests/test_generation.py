@@ -70,6 +70,45 @@ def test_sampling_filters():
     assert len(set(draw(temperature=1.0).ravel())) >= 3
 
 
+def _sampling_oracle(probs, temperature=1.0, top_k=0, top_p=1.0):
+    """The distribution sampling draws from, by its definitions, in float64: the
+    softmax of logits/temperature, cut to the top_k most likely ids, then to the
+    smallest set of most likely ids whose mass reaches top_p (nucleus sampling,
+    Holtzman et al. 2020), renormalized after each cut."""
+    p = np.asarray(probs, np.float64) ** (1.0 / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    if top_k:
+        p[order[top_k:]] = 0.0
+        p /= p.sum()
+    mass_before = np.cumsum(p[order]) - p[order]
+    p[order[mass_before >= top_p]] = 0.0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=2.0, top_p=0.7),  # the temperature first: 3 ids reach 0.7, not 2
+        dict(temperature=0.5, top_k=3, top_p=0.9),
+        dict(temperature=1.5, top_k=2),
+        dict(temperature=0.7),
+    ],
+)
+def test_sampled_frequencies_follow_the_definitions(settings):
+    """4,000 draws per setting: the ids drawn are exactly the oracle's support and each
+    frequency is within 4.5 standard errors of its probability."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    keys = jax.random.split(jax.random.key(1), 4000)
+    drawn = np.asarray(jax.vmap(lambda k: generation.sample_logits(logits, k, **settings))(keys))
+    want = _sampling_oracle(probs, **settings)
+    assert set(drawn.ravel()) == set(np.flatnonzero(want))
+    got = np.bincount(drawn.ravel(), minlength=len(probs)) / drawn.size
+    tolerance = 4.5 * np.sqrt(want * (1 - want) / drawn.size) + 1e-12
+    assert np.all(np.abs(got - want) <= tolerance), (got, want)
+
+
 def test_a_prompt_samples_the_same_tokens_whatever_shares_its_batch(model_params):
     """Sampling at temperature 1: a row's tokens depend on the seed, the row's index
     and its prompt, not on how many rows follow it or what they hold. (JAX's

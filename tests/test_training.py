@@ -45,6 +45,36 @@ def test_tiny_model_overfits_one_batch():
     assert losses[-1] < 0.25 * losses[0], losses[::10]
 
 
+def test_the_loss_is_the_mean_over_real_tokens_and_padding_changes_nothing():
+    """loss_fn against numpy float64: the cross-entropy of each target under the
+    model's logits, averaged over tokens whose segment id is > 0 (the padding at row
+    ends, segment 0, is not text). Other targets on the padding change neither the
+    loss nor a gradient."""
+    from lexjax.model import Decoder
+    from lexjax.steps import loss_fn
+
+    config = small_config()
+    model = Decoder(config.model)
+    batch = packed_batch(np.random.default_rng(3), 4, 16, vocab=config.model.vocab_size)
+    batch["segment_ids"][:, -3:] = 0  # a padded tail in every row
+    params = model.init(jax.random.key(0), batch["inputs"][:1])["params"]
+    logits, _ = model.apply(
+        {"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"]
+    )
+    logits = np.asarray(logits, np.float64)
+    log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    nll = log_z - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    real = batch["segment_ids"] > 0
+    loss, weight = loss_fn(params, model, batch)
+    assert float(weight) == real.sum()
+    np.testing.assert_allclose(float(loss), nll[real].mean(), rtol=1e-5)
+
+    other = dict(batch, targets=np.where(real, batch["targets"], 1 + batch["targets"] % 7))
+    grad = jax.grad(lambda p, b: loss_fn(p, model, b)[0])
+    assert float(loss_fn(params, model, other)[0]) == float(loss)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, grad(params, other), grad(params, batch))
+
+
 def test_gradient_accumulation_equals_one_big_batch():
     """2 micro-batches of 4 rows == one batch of 8: token-weighted, so equal up to float32
     summation order (1e-5)."""
