@@ -972,6 +972,14 @@ def test_sentencepiece_learns_with_the_parents_path_and_needs_a_runnable_python(
         tokenizer_lib.train_sentencepiece(["some text"], 300)
 
 
+def test_a_train_split_of_blank_lines_gives_sentencepiece_nothing_and_says_so():
+    """It was SentencePiece's "INTERNAL: src/trainer_interface.cc(467)
+    [!sentences_.empty()]"; the byte tokenizer trains on such a corpus."""
+    lines = tokenizer_lib.sample_lines([b"\n" * 1000, b"", b"\n\n"])
+    with pytest.raises(DataError, match="^sentencepiece has nothing to learn from: the train"):
+        tokenizer_lib.train_sentencepiece(lines, 261)
+
+
 def test_byte_tokenizer_counts_bytes_and_round_trips_through_json():
     tok = data.BYTES
     # Hand count: BOS + "é!" (2 + 1 bytes) + EOS cover 3 bytes.

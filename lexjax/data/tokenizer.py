@@ -319,6 +319,11 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceT
         minloglevel=2,
     )
     text = "\n".join(lines).encode("utf-8", "surrogatepass")
+    if not text:  # SentencePiece's own words: "INTERNAL: … [!sentences_.empty()]"
+        raise DataError(
+            "sentencepiece has nothing to learn from: the train split holds no line with "
+            "text; add text, or use data.tokenizer=bytes"
+        )
     path = os.pathsep.join(p for p in sys.path if p)  # not "": the working directory
     env = dict(os.environ, PYTHONPATH=path)
     with tempfile.TemporaryDirectory(prefix="lexjax-sentencepiece-") as scratch:
