@@ -35,7 +35,10 @@ Packed rows pass through a shuffle window of `shuffle_rows` rows before
 they are batched: first-fit packing emits a long document's chunks one after
 another, so in packing order most batches of a small batch size held rows of
 a single document (measured on the standard library at batch 16), a poorly
-mixed gradient.
+mixed gradient. The window spans ``shuffle_rows × seq_len`` tokens: a document
+longer than that (a book-length file) still fills whole windows by itself, so
+its batches hold its rows only; such a corpus needs a larger ``shuffle_rows``
+(host memory: one window of rows).
 
 Data order changes, for the record (`STREAM_VERSION`): per-process document
 shards (process i read documents i, i + n, ... and packed its own rows) gave
