@@ -467,8 +467,14 @@ def _sharding_rules(value) -> tuple:
         ) from None
     for logical, axes in table.items():
         _known_name("sharding_rules: logical axis", logical, LOGICAL_AXES)
-        for axis in axes if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]:
+        named = list(axes) if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]
+        for axis in named:
             _known_name(f"sharding_rules[{logical!r}]: mesh axis", axis, MESH_AXES)
+        if twice := next((a for a in named if named.count(a) > 1), None):
+            raise ConfigError(
+                f"sharding_rules[{logical!r}]={axes!r} names mesh axis {twice!r} twice; "
+                "name each axis once"
+            )
     return tuple(table.items())
 
 

@@ -99,6 +99,11 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
+def split_axes(axes) -> tuple[str, ...]:
+    """A rule's mesh axes (a name, a sequence of names, or None) as a tuple."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def check_mesh(
     config: Config, num_devices: int, num_processes: int = 1, *, check_batch: bool = True
 ) -> tuple[int, int, int]:
@@ -108,8 +113,7 @@ def check_mesh(
     table = dict(rules(config))
 
     def split(logical: str) -> tuple[tuple[str, ...], int]:
-        axes = table.get(logical)
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = split_axes(table.get(logical))
         return axes, math.prod(shape[MESH_AXES.index(a)] for a in axes)
 
     batch_axes, batch_shards = split("batch")
@@ -123,8 +127,18 @@ def check_mesh(
         )
     if per_step % num_processes:
         raise ConfigError(
-            f"batch_size={config.batch_size} is not divisible by the {num_processes} processes"
+            f"batch_size/grad_accum_steps = {per_step} is not divisible by the "
+            f"{num_processes} processes; change batch_size or grad_accum_steps"
         )
+    if check_batch:  # a training mesh: every device does its own share of the work
+        used = {a for _, axes in table.items() for a in split_axes(axes)}
+        for axis, size in zip(MESH_AXES, shape):
+            if size > 1 and axis not in used:
+                raise ConfigError(
+                    f"mesh.{axis}={size} under sharding={config.sharding!r} shards nothing (no "
+                    f"rule names {axis!r}), so {size} copies of every step would run; set "
+                    f"mesh.{axis}=1, or choose a sharding that uses it"
+                )
     for logical, size in _model_sizes(config.model).items():
         axes, n = split(logical)
         if size % n:
@@ -209,7 +223,14 @@ def eval_mesh(config: Config, devices=None) -> Mesh:
         return True
 
     fitted = fit_mesh(config.mesh, len(devices), fits)
-    return make_mesh(dataclasses.replace(config, mesh=fitted), devices, check_batch=False)
+    try:
+        return make_mesh(dataclasses.replace(config, mesh=fitted), devices, check_batch=False)
+    except ConfigError as e:  # eval.py has no mesh to change: the devices are what can
+        why = str(e).split("; change")[0]
+        raise ConfigError(
+            f"this run's mesh does not fit {len(devices)} devices ({why}); evaluate it on a "
+            "device count that its sharding divides"
+        ) from None
 
 
 def model_param_shardings(config: Config, mesh: Mesh):
@@ -222,8 +243,7 @@ def model_param_shardings(config: Config, mesh: Mesh):
 
 def batch_shards(sharding: NamedSharding) -> int:
     """How many parts a ``[batch, ...]`` array is split into by ``sharding``."""
-    axes = sharding.spec[0] if len(sharding.spec) else None
-    axes = (axes,) if isinstance(axes, str) else (axes or ())
+    axes = split_axes(sharding.spec[0] if len(sharding.spec) else None)
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 

@@ -329,6 +329,11 @@ def test_rules_are_the_preset_with_overrides():
         ({"mpl": "tensor"}, "sharding_rules: logical axis 'mpl' is unknown; did you mean 'mlp'?"),
         ({"embed": ["data", "x"]}, "mesh axis 'x' is unknown; use one of data, fsdp, tensor"),
         (5, "sharding_rules=5: expected a table such as {'mlp': 'tensor'}"),
+        # A JAX DuplicateSpecError traceback when the parameters were sharded.
+        (
+            {"heads": ["tensor", "tensor"]},
+            "sharding_rules['heads']=['tensor', 'tensor'] names mesh axis 'tensor' twice",
+        ),
     ],
 )
 def test_sharding_rules_name_known_axes(rules, message):
@@ -360,6 +365,29 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     )
     with pytest.raises(cfg.ConfigError, match=r"= 4 is not divisible by mesh tensor = 8"):
         sharding.check_mesh(config, 8)
+    # Per process, the batch a step takes (it said "batch_size=8 is not divisible by the 4
+    # processes", of a batch_size 4 divides).
+    config = cfg.from_configdict(
+        {"batch_size": 8, "optim": {"grad_accum_steps": 4}, "mesh": {"data": 1, "tensor": 4}}
+        | {"model": {"d_model": 32, "num_heads": 4, "mlp_dim": 64}, "sharding": "tensor"}
+    )
+    said = "batch_size/grad_accum_steps = 2 is not divisible by the 4 processes"
+    with pytest.raises(cfg.ConfigError, match=re.escape(said)):
+        sharding.check_mesh(config, 4, num_processes=4)
+
+
+@pytest.mark.parametrize("preset", ["data", "fsdp"])
+def test_a_training_mesh_axis_no_rule_uses_is_refused(preset):
+    """mesh.tensor=2 under a preset that shards nothing over tensor trained, exit 0, with
+    half the devices repeating the other half's work. Evaluation re-fits a stored mesh
+    without this check (a run may have trained so)."""
+    config = cfg.from_configdict({"sharding": preset, "mesh": {"data": -1, "tensor": 2}})
+    said = f"mesh.tensor=2 under sharding='{preset}' shards nothing (no rule names 'tensor')"
+    with pytest.raises(cfg.ConfigError, match=re.escape(said)):
+        sharding.check_mesh(config, 8)
+    assert sharding.check_mesh(config, 8, check_batch=False) == (4, 1, 2)
+    tensor = cfg.from_configdict({"sharding": "tensor", "mesh": {"data": -1, "tensor": 2}})
+    assert sharding.check_mesh(tensor, 8) == (4, 1, 2)
 
 
 def test_a_changed_model_is_named_by_the_field_the_user_sets():

@@ -5,6 +5,7 @@ Run with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (as CI does).
 """
 
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -14,7 +15,7 @@ import pytest
 
 from lexjax import evaluation, generation, passkey
 from lexjax import sharding as shard_lib
-from lexjax.config import MeshConfig
+from lexjax.config import ConfigError, MeshConfig
 from lexjax.model import Decoder
 from tests.helpers import small_config
 
@@ -50,6 +51,13 @@ def test_an_fsdp_run_evaluates_on_devices_its_fill_axis_cannot_divide():
         "tensor": 1,
     }
     assert dict(shard_lib.eval_mesh(config, jax.devices()[:4]).shape)["fsdp"] == 4
+    # A rule that shards weights over data, which takes every device left: 6 cannot
+    # divide d_model 32, and eval.py has no mesh flag to change (it said "change the
+    # model or the mesh"), so the message names the devices.
+    config = small_config(**{"sharding_rules": {"embed": "data"}, "mesh.data": -1})
+    said = "this run's mesh does not fit 6 devices (model embed size 32 is not divisible by "
+    with pytest.raises(ConfigError, match=re.escape(said) + ".*a device count that its"):
+        shard_lib.eval_mesh(config, jax.devices()[:6])
 
 
 def _perplexities(config, params, documents, devices):
