@@ -110,7 +110,7 @@ def context(
     if position not in get_args(PositionKind):
         known = ", ".join(get_args(PositionKind))
         raise ValueError(f"position={position!r} is unknown; use one of {known}")
-    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    q_positions, k_positions = jnp.atleast_1d(q_positions), jnp.atleast_1d(k_positions)
     q_rotary = k_rotary = bias = None
     if position in ("xpos", "rope", "xpos_norotate"):
         extension, decay_base = {}, scale_base

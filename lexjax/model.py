@@ -276,11 +276,14 @@ class Decoder(nn.Module):
                     f"{c.max_len}; pass at most {c.max_len} tokens or explicit positions"
                 )
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        elif jnp.shape(positions_BxT) != (B, T):
-            raise ValueError(
-                f"positions of shape {jnp.shape(positions_BxT)} must match tokens' [batch, seq] "
-                f"= {(B, T)}"
-            )
+        else:
+            try:  # [T] or [1, T] serve every row
+                positions_BxT = jnp.broadcast_to(positions_BxT, (B, T))
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"positions of shape {jnp.shape(positions_BxT)} do not broadcast to tokens' "
+                    f"[batch, seq] = {(B, T)}"
+                ) from None
 
         embed = nn.Embed(
             c.vocab_size,

@@ -127,6 +127,19 @@ class MultiheadAttentionTest(chex.TestCase):
             self.assertTrue(np.all(np.isfinite(got)))
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
+    @parameterized.parameters("xpos", "rope")
+    def test_a_scalar_query_position_is_one_position(self, position):
+        # One decoding query at position 5 against keys 0 … 5 (the per-row centring
+        # took axis −1 of a 0-d array).
+        one = attention.context(
+            jnp.int32(5), jnp.arange(6), num_heads=H, head_dim=D, position=position
+        )
+        many = attention.context(
+            jnp.asarray([5]), jnp.arange(6), num_heads=H, head_dim=D, position=position
+        )
+        chex.assert_trees_all_equal(one.q_rotary, many.q_rotary)
+        chex.assert_trees_all_equal(one.k_rotary, many.k_rotary)
+
     def test_shape_mismatches_are_value_errors_naming_the_shapes(self):
         q, k, v = _qkv(7)
         pos = np.arange(TK, dtype=np.int32)

@@ -201,10 +201,16 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
     for tokens, positions, message in (
         (jnp.zeros((8,), jnp.int32), None, r"tokens must be integer ids of shape \[batch, seq\]"),
         (jnp.zeros((1, 8)), None, r"got \(1, 8\) float32"),
-        (jnp.zeros((1, 8), jnp.int32), jnp.arange(7)[None], r"positions of shape \(1, 7\)"),
+        (jnp.zeros((1, 8), jnp.int32), jnp.arange(7)[None], r"positions of shape \(1, 7\) do"),
         (jnp.zeros((1, 17), jnp.int32), None, "17 tokens need positions beyond the learned"),
     ):
         with pytest.raises(ValueError, match=message):
             model.apply(variables, tokens, positions)
     logits, _ = model.apply(variables, jnp.zeros((1, 16), jnp.int32))
     assert np.all(np.isfinite(logits))
+    # Positions of one row serve every row, as [T] or [1, T].
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 8)), jnp.int32)
+    positions = jnp.arange(3, 11, dtype=jnp.int32)
+    want, _ = model.apply(variables, tokens, jnp.broadcast_to(positions, (2, 8)))
+    for shared in (positions, positions[None]):
+        np.testing.assert_array_equal(model.apply(variables, tokens, shared)[0], want)
