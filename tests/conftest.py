@@ -32,16 +32,18 @@ if _QUIET not in os.environ.get("PYTHONWARNINGS", ""):
 # running a long file alone at the end. Measured on 2 cores with --durations; a stale
 # entry costs only time.
 _LONGEST_FIRST = (
-    "test_eval_cli.py",
-    "test_training.py",
-    "test_multihost.py",
-    "test_bench.py",
-    "test_experiments.py",
-    "test_evaluation.py",
     "test_faults.py",
-    "test_docs.py",
+    "test_eval_cli.py",
+    "test_experiments.py",
+    "test_multihost.py",
+    "test_training.py",
+    "test_bench.py",
+    "test_evaluation.py",
     "test_eval_mesh.py",
-    "test_model.py",
+    "test_generation.py",
+    "test_passkey.py",
+    "test_api.py",
+    "test_data.py",
 )
 
 
