@@ -255,6 +255,11 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit", sinks=None):
     first in ``logits`` (``[B, H, Tq, S + Tk]``). Always explicit: a fused
     kernel encodes each query once.
     """
+    if ctx.bias is not None and ctx.bias.shape[-3] != q.shape[2]:
+        raise ValueError(
+            f"the context's ALiBi bias has {ctx.bias.shape[-3]} heads and q "
+            f"{q.shape} has {q.shape[2]}; build the context with num_heads={q.shape[2]}"
+        )
     if sinks is not None:
         return _attention_with_sinks(q, k, v, ctx, *sinks)
     q, k = encode(q, k, ctx)

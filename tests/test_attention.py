@@ -152,6 +152,13 @@ class MultiheadAttentionTest(chex.TestCase):
         ):
             with self.assertRaisesRegex(ValueError, re.escape(said)):
                 run(*args)
+        # A context built by hand for another head count (a broadcasting TypeError).
+        ctx = attention.context(
+            pos, pos, num_heads=H + 1, head_dim=D, position="alibi", mask=masks.causal(TK)
+        )
+        said = f"the context's ALiBi bias has {H + 1} heads and q {k.shape} has {H}"
+        with self.assertRaisesRegex(ValueError, re.escape(said)):
+            attention.attention(k, k, v, ctx)
 
     def test_alibi_bias_enters_the_logits(self):
         # The ALiBi logits are the plain logits plus −m_h·(i − j), head by head.
