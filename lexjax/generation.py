@@ -263,10 +263,12 @@ def check_full_mode(config: ModelConfig, prompt_tokens: int, max_new_tokens: int
 
 def check_stored_run(config: Config, prompt: str, max_new_tokens: int, mode: str) -> None:
     """What :func:`check_full_mode` refuses, checked on a run's stored config before
-    its parameters load: exact for the byte tokenizer (one id per UTF-8 byte, after
-    begin-of-text); another tokenizer's count is known, and checked, once it loads."""
+    its parameters load: exact for the byte tokenizer, which needs no loading (the
+    prompt's ids after begin-of-text, as :func:`complete` makes them); another
+    tokenizer's count is known, and checked, once it loads."""
     if mode == "full" and config.data.tokenizer == "bytes":
-        check_full_mode(config.model, 1 + len(prompt.encode("utf-8")), max_new_tokens)
+        prompt_tokens = 1 + len(data_lib.BYTES.encode(prompt))
+        check_full_mode(config.model, prompt_tokens, max_new_tokens)
 
 
 MAX_NEW_TOKENS = 1 << 24

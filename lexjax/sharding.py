@@ -131,7 +131,7 @@ def check_mesh(
             f"{num_processes} processes; change batch_size or grad_accum_steps"
         )
     if check_batch:  # a training mesh: every device does its own share of the work
-        used = {a for _, axes in table.items() for a in split_axes(axes)}
+        used = {a for axes in table.values() for a in split_axes(axes)}
         for axis, size in zip(MESH_AXES, shape):
             if size > 1 and axis not in used:
                 raise ConfigError(
