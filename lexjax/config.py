@@ -154,6 +154,9 @@ class DataConfig:
     copy_fraction: float = 0.0
     # Packed rows are shuffled in windows of this many rows before batching (0: off).
     shuffle_rows: int = 1024
+    # Chunks are taken in turn from this many documents read at once (1: one document's
+    # chunks after another), so a book-length file shares its batches with others.
+    open_documents: int = 16
 
     def corpus(self) -> dict[str, typing.Any]:
         """The keyword arguments naming this corpus for ``data.load_source`` and
@@ -701,6 +704,10 @@ def _validated(config: Config) -> Config:
         )
     if d.shuffle_rows < 0:
         raise ConfigError(f"data.shuffle_rows={d.shuffle_rows} must be ≥ 0 (0: packing order)")
+    if d.open_documents < 1:
+        raise ConfigError(
+            f"data.open_documents={d.open_documents} must be ≥ 1 (1: one document after another)"
+        )
     if not 0 <= d.passkey_fraction < 1:
         raise ConfigError(f"data.passkey_fraction={d.passkey_fraction} must be in [0, 1) (0: none)")
     if not 0 <= d.copy_fraction < 1 or d.passkey_fraction + d.copy_fraction >= 1:

@@ -174,6 +174,7 @@ def _iterator(config: Config, source, tokenizer, setup: TrainSetup, seed: int, w
         shard_count=shard_count,
         worker_count=worker_count,
         shuffle_rows=config.data.shuffle_rows,
+        open_documents=config.data.open_documents,
     )
 
 
@@ -185,7 +186,8 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
     their text and the passkey/copy mix) with ``seed``, which also seeds the
     packing and the row shuffle; ``batch_size`` is the packing's bins,
     ``train_len`` its row length,
-    ``data.shuffle_rows`` the window (0 and 1 are both off) and
+    ``data.shuffle_rows`` the window (0 and 1 are both off),
+    ``data.open_documents`` how many documents take turns and
     ``data.worker_count`` where packing runs. The process and device counts are
     not among them (elastic resume)."""
     d, documents = config.data, getattr(source, "source", source)  # before the mix
@@ -199,6 +201,7 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
         "batch_size": config.batch_size,
         "train_len": config.train_len,
         "data.shuffle_rows": d.shuffle_rows if d.shuffle_rows > 1 else 0,
+        "data.open_documents": d.open_documents,
         "data.worker_count": d.worker_count,
     }
 

@@ -206,10 +206,11 @@ def _iterator_records(tmp_path):
     return tmp_path / "ckpt" / "3", abstract(state, mesh), [next(it).tolist() for _ in range(2)]
 
 
-def _as_if_saved_by(step_dir, process_count, shared):
+def _as_if_saved_by(step_dir, process_count, shared, stream=None):
     """Rewrites step_dir's iterator record as a writer with ``process_count`` processes
     would have left it: every process's file, its digest, and ``shared`` (None: the key
-    absent, as lexjax wrote it before the stream was one for any process count)."""
+    absent, as lexjax wrote it before the stream was one for any process count), and
+    ``stream`` the stream version it wrote (None: this lexjax's)."""
     path = step_dir / "integrity" / "metadata"
     integrity = json.loads(path.read_text())
     record = integrity["data_iter"]
@@ -226,6 +227,8 @@ def _as_if_saved_by(step_dir, process_count, shared):
         del record["shared"], record["stream"]
     else:
         record["shared"] = shared
+    if stream is not None:
+        record["stream"] = stream
     if shared is None:  # nor a digest of the record itself
         integrity.pop("self_sha256")
     else:  # as the writer sealed it
@@ -234,24 +237,26 @@ def _as_if_saved_by(step_dir, process_count, shared):
 
 
 @pytest.mark.parametrize(
-    "process_count, shared, note",
+    "process_count, shared, stream, note",
     [
         # one process, older lexjax: packing order, before the row shuffle
-        (1, None, "a position in the data stream of an older lexjax (stream 1, now 2"),
-        (2, True, None),  # the global stream saved by two processes
-        (2, None, "a position in the data stream of an older lexjax (stream 1, now 2"),
+        (1, None, None, "a position in the data stream of an older lexjax (stream 1, now 3"),
+        (2, True, None, None),  # the global stream saved by two processes
+        (2, None, None, "a position in the data stream of an older lexjax (stream 1, now 3"),
         # per-process positions of another process count
-        (2, False, "holds per-process data positions of 2 processes (this run has 1)"),
+        (2, False, None, "holds per-process data positions of 2 processes (this run has 1)"),
+        # the row shuffle, before chunks were taken in turn from open documents
+        (1, True, 2, "a position in the data stream of an older lexjax (stream 2, now 3"),
     ],
-    ids=["old-one-process", "shared-two", "old-two-processes", "per-process-two"],
+    ids=["old-one-process", "shared-two", "old-two-processes", "per-process-two", "stream-2"],
 )
 def test_iterator_state_of_other_process_counts_and_older_lexjax(
-    tmp_path, caplog, process_count, shared, note
+    tmp_path, caplog, process_count, shared, stream, note
 ):
     """A position restores wherever it means the same; otherwise the stream restarts
     from its beginning with a one-line note (and the train state still restores)."""
     step_dir, target, expected = _iterator_records(tmp_path)
-    _as_if_saved_by(step_dir, process_count, shared)
+    _as_if_saved_by(step_dir, process_count, shared, stream)
     ckpt = Checkpointer(tmp_path / "ckpt")
     resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
     with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
@@ -290,7 +295,7 @@ def test_the_committed_older_checkpoint_restarts_its_data_stream(caplog):
     ckpt.close()
     assert step == 6 and saved and not hasattr(position, "state")
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"]
-    assert "older lexjax (stream 1, now 2" in warning
+    assert "older lexjax (stream 1, now 3" in warning
 
 
 def test_a_position_is_refused_by_an_iterator_of_other_stream_settings(tmp_path):

@@ -493,6 +493,7 @@ def test_row_shuffle_mixes_documents_into_batches_and_keeps_every_row():
             seed=1,
             num_epochs=1,
             shuffle_rows=shuffle_rows,
+            open_documents=1,  # The row shuffle alone.
         )
         return [batch["targets"][:, 1:] for batch in it]
 
@@ -505,6 +506,74 @@ def test_row_shuffle_mixes_documents_into_batches_and_keeps_every_row():
     )
     assert np.mean(letters_per_batch(plain)) < 1.5  # mostly one document per batch
     assert np.mean(letters_per_batch(shuffled)) > 2.5
+
+
+def _book_and_pages(book_rows=64, pages=40):
+    """One document of `book_rows` full rows ("B" * ...) and `pages` documents of
+    one full row each (other letters): d = [BOS, text, EOS] has SEQ_LEN pairs
+    per row when the text has rows * SEQ_LEN - 1 bytes."""
+    pages = [chr(ord("a") + i % 26) * (SEQ_LEN - 1) for i in range(pages)]
+    return ["B" * (book_rows * SEQ_LEN - 1)] + pages
+
+
+def _row_letters(iterator, batches):
+    """The letter each row of the next `batches` batches is made of (its second target)."""
+    return [chr(row[1]) for batch in _take(iterator, batches) for row in batch["targets"]]
+
+
+def test_open_documents_spread_a_book_longer_than_the_shuffle_window():
+    """A book longer than the row shuffle window filled whole windows, so whole
+    batches, by itself; with chunks taken in turn from four open documents the
+    book gives one row in four while pages remain to take turns (the packer's
+    four bins may swap neighbours: runs of two)."""
+
+    def book_runs(open_documents):
+        it = data.make_train_iterator(
+            _book_and_pages(book_rows=64, pages=400),
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            seed=1,
+            shuffle_rows=0,
+            open_documents=open_documents,
+        )
+        letters = "".join(_row_letters(it, 116))  # 464 rows: one pass over the data
+        assert letters.count("B") == 64
+        return max(len(run) for run in re.findall("B+", letters))
+
+    assert book_runs(1) >= 48
+    assert book_runs(4) <= 2
+
+
+@pytest.mark.parametrize("taken", [9, 17])
+def test_resume_inside_open_documents_equals_uninterrupted(taken):
+    """A state saved while the book and pages are half read restores them."""
+    make = lambda: data.make_train_iterator(
+        _book_and_pages(book_rows=20, pages=12),
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        seed=7,
+        shuffle_rows=3,
+        open_documents=3,
+    )
+    iterator = make()
+    _take(iterator, taken)
+    state = json.loads(json.dumps(iterator.get_state()))
+    assert any(slot and slot[1] for slot in _find(state, "slots")), "no half-read document"
+    uninterrupted = _take(iterator, 12)
+    resumed = make()
+    resumed.set_state(state)
+    _assert_batches_equal(_take(resumed, 12), uninterrupted)
+
+
+def _find(state, key):
+    """The value under `key` anywhere in a nested iterator state."""
+    if isinstance(state, dict):
+        if key in state:
+            return state[key]
+        for value in state.values():
+            if (found := _find(value, key)) is not None:
+                return found
+    return None
 
 
 def _shards(count, worker_count=0):
@@ -603,6 +672,8 @@ def test_bad_pipeline_arguments():
         )
     with pytest.raises(DataError, match="no documents"):
         data.make_train_iterator([], seq_len=8, batch_size=2, seed=0)
+    with pytest.raises(DataError, match="open_documents must be >= 1"):
+        data.make_train_iterator(_documents(), seq_len=8, batch_size=2, seed=0, open_documents=0)
 
 
 def test_pipeline_reads_a_prepared_dataset(corpus):

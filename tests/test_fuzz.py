@@ -43,6 +43,7 @@ FIELDS = {
     "data.passkey_fraction": (["0.2", "0"], ["1.0", "-0.1", "nan"]),
     "data.copy_fraction": (["0.3", "0"], ["1.0", "-0.1", "nan"]),
     "data.shuffle_rows": (["0", "4096"], ["-1"]),
+    "data.open_documents": (["1", "64"], ["0", "-3"]),
     "data.tokenizer": (["sentencepiece"], ["words", ""]),
     "data.vocab_size": (
         ["4096 --config.data.tokenizer=sentencepiece"],

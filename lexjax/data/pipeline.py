@@ -23,26 +23,28 @@ rows its devices hold, `lexjax.sharding.process_rows`). The global batches,
 their order and the iterator's state are therefore the same for any process
 count, equal on every process, and a state saved by n processes restores on
 m: an elastic resume neither repeats nor skips a document. (They do depend
-on the source's documents, `seq_len`, `batch_size`, `seed`, `shuffle_rows`
-and `worker_count`: a state saved under other ones means another position,
+on the source's documents, `seq_len`, `batch_size`, `seed`, `shuffle_rows`,
+`open_documents` and `worker_count`: a state saved under other ones means another position,
 and training refuses to resume from it, `lexjax.training._stream_settings`.)
 The price is that every
 process reads, tokenizes and packs every document, n times the host work of
 a pipeline that shards documents by process; per process it is the work of
 a one-process run, and `worker_count` moves it to worker processes.
 
-Packed rows pass through a shuffle window of `shuffle_rows` rows before
-they are batched: first-fit packing emits a long document's chunks one after
-another, so in packing order most batches of a small batch size held rows of
-a single document (measured on the standard library at batch 16), a poorly
-mixed gradient. The window spans ``shuffle_rows × seq_len`` tokens: a document
-longer than that (a book-length file) still fills whole windows by itself, so
-its batches hold its rows only; such a corpus needs a larger ``shuffle_rows``
-(host memory: one window of rows).
+Two steps mix the stream. Chunks are taken in turn from `open_documents`
+documents read at once, so a long document's chunks are spread over the
+stream (one in `open_documents` while it lasts) instead of following one
+another: without it a book-length file, longer than the shuffle window below,
+filled whole windows by itself and its batches held its rows only. Then packed
+rows pass through a shuffle window of `shuffle_rows` rows before they are
+batched: in packing order most batches of a small batch size held rows of a
+few neighbouring documents (measured on the standard library at batch 16), a
+poorly mixed gradient. Host memory: the open documents and one window of rows.
 
 Data order changes, for the record (`STREAM_VERSION`): per-process document
 shards (process i read documents i, i + n, ... and packed its own rows) gave
-way to the global stream, and then packing order to the row shuffle. A
+way to the global stream, then packing order to the row shuffle, then one
+document's chunks after another to chunks in turn from open documents. A
 checkpoint whose iterator state belongs to an older stream restarts the
 stream from its beginning with a one-line note (`lexjax.checkpoint`).
 """
@@ -59,14 +61,13 @@ from lexjax.errors import DataError
 
 # Rows of the shuffle window between packing and batching (make_train_iterator).
 SHUFFLE_ROWS = 1024
+# Documents whose chunks are taken in turn before packing (make_train_iterator).
+OPEN_DOCUMENTS = 16
 # Bumped when the stream for the same source, seed and settings changes, so a checkpoint's
 # iterator state of another layout restarts the stream instead of failing (lexjax.checkpoint).
 # 2: packed rows shuffled in windows of shuffle_rows before batching.
-STREAM_VERSION = 2
-
-# Bounded so that set_state() and a 2-core machine do not pay for hundreds of
-# prefetched documents; reading and tokenizing a document is cheap.
-_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)
+# 3: chunks taken in turn from open_documents documents before packing.
+STREAM_VERSION = 3
 
 
 def as_document(
@@ -87,20 +88,83 @@ class _Tokenize(grain.transforms.Map):
         return as_document(document, self.tokenizer)
 
 
-class _ChunkPairs(grain.experimental.FlatMapTransform):
-    """Splits a document into {'inputs', 'targets'} chunks of at most seq_len tokens."""
+class _InterleavedChunks(grain.IterDataset):
+    """{'inputs', 'targets'} chunks of at most seq_len tokens, taken in turn
+    from `open_documents` documents of `documents` read at once.
 
-    max_fan_out = 2**31 - 1  # Only bounds FlatMapMapDataset; unused on an IterDataset.
+    Documents are opened in order into `open_documents` slots; each turn goes
+    to the next slot, which yields its document's next chunk (a finished
+    document's slot opens the next document). A document longer than the
+    others yields one chunk in `open_documents` while it lasts, so a book's
+    rows are spread over the stream instead of filling it by themselves. With
+    one slot this is each document's chunks one after another.
+    """
 
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
+    def __init__(self, documents: grain.MapDataset, seq_len: int, open_documents: int):
+        super().__init__(documents)  # A parent, so grain's worker processes slice it.
+        self.seq_len, self.open_documents = seq_len, open_documents
 
-    def flat_map(self, document):
-        inputs, targets = document[:-1], document[1:]
-        return [
-            {"inputs": inputs[i : i + self.seq_len], "targets": targets[i : i + self.seq_len]}
-            for i in range(0, len(inputs), self.seq_len)
-        ]
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's worker processes: worker i of n reads documents i, i + n, ..."""
+        if sequential_slice:
+            raise NotImplementedError("open documents are sliced by stride, not in runs")
+        self._parents = (self._parent.slice(sl),)
+
+    def __iter__(self):
+        return _InterleavedChunksIterator(self._parent, self.seq_len, self.open_documents)
+
+
+class _InterleavedChunksIterator(grain.DatasetIterator):
+    """State: the next document to open, the turn, and each slot's
+    [document index, offset of its next chunk] (None: empty). Restoring
+    re-reads the open documents."""
+
+    def __init__(self, documents: grain.MapDataset, seq_len: int, open_documents: int):
+        super().__init__()
+        self._documents, self._seq_len = documents, seq_len
+        self._next_document, self._turn = 0, 0
+        self._slots: list[list[int] | None] = [None] * open_documents
+        self._read: list[np.ndarray | None] = [None] * open_documents
+
+    def __next__(self):
+        while True:
+            more = self._next_document < len(self._documents)
+            if not more and all(slot is None for slot in self._slots):
+                raise StopIteration
+            turn = self._turn
+            self._turn = (turn + 1) % len(self._slots)
+            if self._slots[turn] is None:
+                if not more:
+                    continue
+                self._slots[turn] = [self._next_document, 0]
+                self._read[turn] = self._documents[self._next_document]
+                self._next_document += 1
+            start, document = self._slots[turn][1], self._read[turn]
+            length = len(document) - 1  # (input, target) pairs in the document
+            stop = min(start + self._seq_len, length)
+            if stop == length:
+                self._slots[turn] = self._read[turn] = None
+            else:
+                self._slots[turn][1] = stop
+            if start < length:  # (a document of ids may have no pair at all)
+                return {"inputs": document[start:stop], "targets": document[start + 1 : stop + 1]}
+
+    def get_state(self):
+        return {
+            "next_document": self._next_document,
+            "turn": self._turn,
+            "slots": [None if slot is None else list(slot) for slot in self._slots],
+        }
+
+    def set_state(self, state):
+        if len(state["slots"]) != len(self._slots):
+            raise DataError(
+                f"the saved stream read {len(state['slots'])} documents at once, this one "
+                f"{len(self._slots)}"
+            )
+        self._next_document, self._turn = state["next_document"], state["turn"]
+        self._slots = [None if slot is None else list(slot) for slot in state["slots"]]
+        self._read = [None if slot is None else self._documents[slot[0]] for slot in self._slots]
 
 
 class _Rows(grain.transforms.Map):
@@ -137,6 +201,7 @@ def make_train_iterator(
     worker_count: int = 0,
     tokenizer: tokenizer_lib.Tokenizer = tokenizer_lib.BYTES,
     shuffle_rows: int = SHUFFLE_ROWS,
+    open_documents: int = OPEN_DOCUMENTS,
 ) -> grain.DatasetIterator:
     """Returns a checkpointable iterator of this shard's rows of the global
     stream of packed batches (see module docstring).
@@ -164,6 +229,9 @@ def make_train_iterator(
         windows of this many rows before they are batched (0 or 1: in packing
         order). Packing emits a long document's chunks one after another, so
         without it a batch often holds rows of one document only.
+      open_documents: chunks are taken in turn from this many documents read
+        at once (1: each document's chunks one after another), so a document
+        longer than the shuffle window (a book) still shares its batches.
 
     `it.get_state()` / `it.set_state(state)` resume exactly: a restored
     iterator yields the batches an uninterrupted one would. The state is the
@@ -184,11 +252,12 @@ def make_train_iterator(
         raise DataError(f"num_epochs must be >= 1 or None, got {num_epochs}")
     if shuffle_rows < 0:
         raise DataError(f"shuffle_rows must be >= 0, got {shuffle_rows}")
+    if open_documents < 1:
+        raise DataError(f"open_documents must be >= 1, got {open_documents}")
     if len(source) == 0:
         raise DataError("the source has no documents; use a larger split")
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
-    ds = ds.map(_Tokenize(tokenizer)).to_iter_dataset(_READ_OPTIONS)
-    ds = grain.experimental.FlatMapIterDataset(ds, _ChunkPairs(seq_len))
+    ds = _InterleavedChunks(ds.map(_Tokenize(tokenizer)), seq_len, open_documents)
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
         length_struct={"inputs": seq_len, "targets": seq_len},
