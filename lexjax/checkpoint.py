@@ -275,11 +275,11 @@ class Checkpointer:
                     raise
 
     def all_steps(self) -> list[int]:
-        """Complete steps (finalized by orbax, integrity present), ascending."""
+        """Complete steps (finalized by orbax: every item was written), ascending.
+        A step whose items have gone since is damaged, not incomplete: reading
+        it reports what is missing (`_read_integrity`, `_read_config`)."""
         self._listing(self._manager.reload)
-        return sorted(
-            s for s in self._manager.all_steps() if (self._step_dir(s) / _INTEGRITY).is_dir()
-        )
+        return sorted(self._manager.all_steps())
 
     def _gone(self, step: int) -> bool:
         """Whether `step` was deleted since it was listed (its directory is gone)."""
@@ -497,6 +497,8 @@ class Checkpointer:
     # -- restore ---------------------------------------------------------------
 
     def _read_integrity(self, step: int) -> dict[str, Any]:
+        if not self._has_item(step, _INTEGRITY):
+            raise _Damaged("integrity record missing")
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(**{_INTEGRITY: ocp.args.JsonRestore()})
@@ -537,7 +539,10 @@ class Checkpointer:
     def _read_config(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
         """The config record of ``step``, checked against the ``integrity`` record
         (None: read here)."""
+        integrity = self._read_integrity(step) if integrity is None else integrity
         if not self._has_item(step, _CONFIG):
+            if "config_sha256" in integrity:  # It was written with the step.
+                raise _Damaged("config record missing")
             return None
         try:
             restored = self._manager.restore(
@@ -545,7 +550,6 @@ class Checkpointer:
             )
         except Exception as e:
             raise _Damaged(f"config record unreadable ({one_line(e, innermost=True)})") from e
-        integrity = self._read_integrity(step) if integrity is None else integrity
         config, want = restored[_CONFIG], integrity.get("config_sha256")
         if want is not None and (not isinstance(config, dict) or _record_sha256(config) != want):
             raise _Damaged("config record fails its checksum")
@@ -558,13 +562,15 @@ class Checkpointer:
 
     def _read_tokenizer(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
         """The tokenizer record of ``step``, checked as :meth:`_read_config` checks."""
+        integrity = self._read_integrity(step) if integrity is None else integrity
         if not self._has_item(step, _TOKENIZER):
+            if "tokenizer_sha256" in integrity:  # It was written with the step.
+                raise _Damaged("tokenizer record missing")
             return None
         try:
             record = self._manager.restore(
                 step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
             )[_TOKENIZER]
-            integrity = self._read_integrity(step) if integrity is None else integrity
             ok = _record_sha256(record) == integrity.get("tokenizer_sha256")
             error = None if ok else "tokenizer record fails its checksum"
         except _Damaged as e:

@@ -119,11 +119,17 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
 
     ``innermost`` follows ``__cause__``/``__context__`` to the deepest error
     first: for library failures (orbax, tensorstore) that is where the
-    operating system's reason is.
+    operating system's reason is. A context its raiser suppressed (``raise ...
+    from None``, as json's decode error does over a StopIteration) is not followed.
     """
     if innermost:
         seen = {id(error)}
-        while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+        while True:
+            cause = error.__cause__
+            if cause is None and not error.__suppress_context__:
+                cause = error.__context__
+            if cause is None or id(cause) in seen:
+                break
             seen.add(id(cause))
             error = cause
     lines = str(error).strip().splitlines()

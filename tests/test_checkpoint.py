@@ -85,7 +85,12 @@ def two_steps(tmp_path_factory):
     mesh = mesh_of(8)
     ckpt = Checkpointer(path, keep=None)
     for step in (1, 2):
-        ckpt.save(step, make_state(mesh, seed=step), config={"seed": step})
+        ckpt.save(
+            step,
+            make_state(mesh, seed=step),
+            config={"seed": step},
+            tokenizer={"kind": "test", "step": step},
+        )
     ckpt.close()
     return path
 
@@ -442,13 +447,38 @@ def test_bad_directories_are_reported(tmp_path):
     ckpt.close()
 
 
-def test_steps_without_commit_or_integrity_are_incomplete(two_steps, tmp_path):
+def test_a_save_cut_short_is_not_listed(two_steps, tmp_path):
     path = fresh_copy(two_steps, tmp_path)
-    shutil.rmtree(path / "2" / "integrity")
-    shutil.copytree(path / "1", path / "3.orbax-checkpoint-tmp-1234")  # a save cut short
+    shutil.copytree(path / "1", path / "3.orbax-checkpoint-tmp-1234")
     ckpt = Checkpointer(path, read_only=True)
-    assert ckpt.all_steps() == [1]
-    assert ckpt.latest_step() == 1
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
+@pytest.mark.parametrize("record", ["integrity", "config", "tokenizer"])
+def test_a_step_missing_a_record_it_was_saved_with_is_damaged(two_steps, tmp_path, caplog, record):
+    """orbax lists a step once every item is written, so a step without one of its
+    records lost it since. It used to be skipped without a word (integrity), or
+    read as an older lexjax's step without that record: a resume skipped the model
+    check of a missing config, and eval.py stopped instead of falling back."""
+    path = fresh_copy(two_steps, tmp_path)
+    mesh = mesh_of(8)
+    shutil.rmtree(path / "2" / record)
+    target = abstract(make_state(mesh, seed=2), mesh)
+    ckpt = Checkpointer(path, keep=None)
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        restored, config, step = ckpt.restore(abstract_state=target)
+    assert (step, config) == (1, {"seed": 1})
+    assert_same(restored, make_state(mesh, seed=1))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"]
+    assert lines == [
+        f"checkpoint step 2 in {path} is damaged: {record} record missing; falling back to step 1"
+    ]
+    ckpt.close()
+    ckpt = Checkpointer(path, on_corrupt="error")
+    with pytest.raises(CheckpointError, match=f"step 2 .*damaged: {record} record missing"):
+        ckpt.restore(abstract_state=target)
     ckpt.close()
 
 
@@ -468,6 +498,13 @@ def test_damaged_iterator_state_falls_back(tmp_path, caplog):
         _, _, step = ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
     assert step == 1 and next(resumed).tolist() == [4, 5, 6, 7]
     assert "step 2 " in caplog.text and "data iterator state checksum mismatch" in caplog.text
+    # An empty file names json's reason, not the StopIteration json raised it over.
+    saved.write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
+    assert "data iterator state unreadable (JSONDecodeError: Expecting value" in caplog.text
+    assert "StopIteration" not in caplog.text
     ckpt.close()
 
 
