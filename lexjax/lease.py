@@ -9,7 +9,9 @@ A lease is stale when its holder is gone: on this host (the same boot and PID
 namespace, which the lease records) its pid no longer exists or is now another
 process (pids are reused: the lease records when its holder process started), or
 (any host, e.g. a shared or network filesystem) its heartbeat is older than
-the holder's own timeout. A holder on this host in another PID namespace (a
+the holder's own timeout. A lease on this host that names another directory
+(device and inode numbers) was copied with its workdir: its holder trains the
+original, so it is stale here. A holder on this host in another PID namespace (a
 restarted container's job, or one in a container sharing the hostname) cannot
 be checked by pid: the newcomer watches its heartbeat, for at most its timeout.
 A stale lease is taken over with a one-line notice. A thread rewrites the
@@ -171,8 +173,18 @@ class WorkdirLease:
         except (OSError, ValueError):
             return {}  # half-written by a holder killed mid-write: judged by its mtime
 
+    def _directory(self) -> list[int] | None:
+        """The workdir's device and inode numbers: a copied workdir (``cp -a``) holds
+        the lease of the original's job, which renews the original's file only."""
+        try:
+            stat = os.stat(os.path.dirname(self.path))
+        except OSError:
+            return None
+        return [stat.st_dev, stat.st_ino]
+
     def _content(self) -> bytes:
-        return json.dumps({**self._record, "heartbeat": time.time()}).encode()
+        record = {**self._record, "directory": self._directory(), "heartbeat": time.time()}
+        return json.dumps(record).encode()
 
     def _write(self, *, replace: bool) -> bool:
         """Puts our lease, complete, at its path (written aside, then renamed or
@@ -204,6 +216,10 @@ class WorkdirLease:
     def _stale_reason(self, record: dict) -> str | None:
         """Why the holder of ``record`` is gone, or None if it may be alive."""
         pid = record.get("pid")
+        if self._pids_comparable(record) and record.get("directory", self._directory()) != (
+            self._directory()
+        ):  # (device and inode numbers compare on one host, not across a network)
+            return f"it was copied from another workdir, which pid {pid} trains"
         if self._pids_comparable(record) and isinstance(pid, int):
             reused = "(the holder is gone and its pid was reused)"
             if pid == os.getpid() and record.get("token") not in _HELD:

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -206,6 +207,30 @@ def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     with lease_lib.WorkdirLease(tmp_path, log=notes.append):
         pass
     assert len(notes) == 1 and re.search(r"no heartbeat for 7\d s \(timeout 60 s\)$", notes[0])
+
+
+def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path):
+    """``cp -a`` of a workdir a job trains copies its lease too: the copy was "in use by"
+    the original's job, which renews only its own file, until the copy's heartbeat
+    timed out. The lease records which directory it belongs to; another host's lease
+    is still judged by its heartbeat (device numbers differ between hosts)."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    with lease_lib.WorkdirLease(original):
+        shutil.copytree(original, copy)
+        notes = []
+        with lease_lib.WorkdirLease(copy, log=notes.append):
+            assert lease_record(copy)["directory"] != lease_record(original)["directory"]
+        assert notes == [
+            f"note: took over the stale lease of host {HOST} pid {os.getpid()} (started "
+            f"{lease_record(original)['started']}): it was copied from another workdir, "
+            f"which pid {os.getpid()} trains"
+        ]
+        (copy / lease_lib.LEASE_FILE).write_text(
+            json.dumps(lease_record(original) | {"host": "elsewhere"})
+        )
+        with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
+            lease_lib.WorkdirLease(copy).acquire()
 
 
 def test_an_unreadable_lease_says_so_and_when_it_is_taken_over(tmp_path):
