@@ -11,6 +11,7 @@ import sys
 
 import jax
 from absl import flags as absl_flags
+from absl import logging as absl_logging
 
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
 from lexjax.config import ConfigError, check_rope_scaling, from_configdict
@@ -27,7 +28,19 @@ def main(program, *args, **kwargs) -> int:
     """
     checkpoint.quiet_background_errors()
     signals.redeliver_swallowed_interrupts()
+    absl_logging.get_absl_handler().setFormatter(_PlainOwnLines())
     return report(program, *args, **kwargs)
+
+
+class _PlainOwnLines(absl_logging.PythonFormatter):
+    """lexjax's notes (a damaged step skipped, a step moved aside) print as the
+    one line they are; absl's prefix (level, time, thread, file:line) stays on
+    the libraries' lines."""
+
+    def format(self, record):
+        if record.name.split(".")[0] == "lexjax":
+            return record.getMessage()
+        return super().format(record)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
