@@ -14,7 +14,8 @@ status  kind                                           class
 2       configuration, flags, a missing config file     :class:`ConfigError`
 3       data: corpus, files, documents                  :class:`DataError`
 4       checkpoint or workdir                           :class:`CheckpointError`
-5       training stopped (a non-finite loss)            :class:`TrainingError`
+5       training stopped (a non-finite loss, out of     :class:`TrainingError`
+        memory)
 6       evaluation or generation cannot be done as      :class:`EvaluationError`
         asked
 7       the processes of a multi-host run cannot join   :class:`DistributedError`
@@ -45,6 +46,7 @@ __all__ = [
     "EvaluationError",
     "DistributedError",
     "one_line",
+    "out_of_memory",
     "arg",
     "naming_flags",
     "report",
@@ -112,6 +114,14 @@ def naming_flags():
         yield
     finally:
         _IN_EVAL_PY.reset(token)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is XLA's report of an allocation that failed (device
+    memory, or host memory on CPU)."""
+    if type(error).__name__ != "JaxRuntimeError":  # (jax is not imported here)
+        return False
+    return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
 
 
 def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300) -> str:

@@ -37,7 +37,7 @@ from lexjax.config import (
     model_differences,
     to_dict,
 )
-from lexjax.errors import CheckpointError, ConfigError, TrainingError
+from lexjax.errors import CheckpointError, ConfigError, TrainingError, one_line, out_of_memory
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -284,6 +284,12 @@ def train(
         except BaseException as e:
             if created and is_main:
                 _remove_if_no_files(workdir)
+            if out_of_memory(e):
+                raise TrainingError(
+                    f"out of memory ({one_line(e)}); lower batch_size (or raise "
+                    "optim.grad_accum_steps), train_len or the model's size (model.*), or "
+                    "set model.remat_policy=full"
+                ) from None
             if not isinstance(e, _Stopped):
                 raise
         checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")

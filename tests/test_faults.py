@@ -733,6 +733,22 @@ def test_eval_falls_back_from_a_step_that_lost_its_config_record(reference, tmp_
     ]
 
 
+def test_a_model_too_big_for_memory_is_one_line(ctx, tmp_path):
+    """XLA's failed allocation was a traceback with exit 1, a bug in the exit scheme.
+    A 51 G-parameter model under a 15 GiB address space: its allocations fail at
+    once, with no memory taken from the machine."""
+    limit = 15 * 2**30
+    result = P.run(
+        args(ctx, tmp_path / "huge", num_train_steps=1, **{"model.d_model": 65536}),
+        ctx[3],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    line = one_error_line(result)
+    assert result.returncode == 5, result.stderr[-2000:]
+    assert line.startswith("error: out of memory (") and "lower batch_size" in line, line
+    assert line.endswith("or set model.remat_policy=full"), line
+
+
 def test_checkpoints_of_another_model_shape(ctx, reference):
     workdir = ctx[0] / "other-shape"
     shutil.copytree(reference[0], workdir)
