@@ -14,7 +14,7 @@ from absl import flags as absl_flags
 from absl import logging as absl_logging
 
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
-from lexjax.config import ConfigError, check_rope_scaling, from_configdict
+from lexjax.config import ConfigError, check_rope_scaling, exit_if_help, from_configdict
 from lexjax.errors import StdoutClosed, one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
@@ -46,6 +46,7 @@ class _PlainOwnLines(absl_logging.PythonFormatter):
 def parse_flags(argv: list[str]) -> list[str]:
     """absl ``flags_parser`` of a program without ``--config`` (eval.py): a bad flag is a
     one-line ConfigError (exit status 2), as :func:`lexjax.config.flags_parser` makes it."""
+    exit_if_help(argv)
     try:
         return absl_flags.FLAGS(argv)
     except absl_flags.Error as e:

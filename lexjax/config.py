@@ -277,12 +277,28 @@ def flags_parser(default_file: str):
             f"--config=FILE[:PRESET]: get_config() of FILE (default {default_file})",
             sys_argv=rest,  # without --config=FILE, which names no flag of its own here
         )
+        exit_if_help(rest)
         try:
             return flags.FLAGS(rest)
         except flags.Error as e:
             raise ConfigError(one_line(e)) from None
 
     return parse
+
+
+_HELP = {"-h": True, "-help": True, "--help": True, "--helpshort": True, "--helpfull": False}
+
+
+def exit_if_help(argv: list[str]) -> None:
+    """Prints the program's help and exits 0 if ``argv`` asks for it: ``-h``,
+    ``--help`` or ``--helpshort`` (this program's flags), ``--helpfull`` (every
+    module's). absl exits 1 after help, which the exit statuses reserve for a
+    bug, and knows no ``-h``."""
+    from absl import app
+
+    asked = [_HELP[arg] for arg in argv[1:] if arg in _HELP]
+    if asked:
+        app.usage(shorthelp=all(asked), writeto_stdout=True, exitcode=0)
 
 
 def _load_file(path: str):

@@ -362,6 +362,26 @@ def test_every_eval_flag(program, capsys):
 
 
 @pytest.mark.parametrize(
+    "argv, own_only",
+    [
+        (["train.py", "--help"], True),
+        (["train.py", "-h"], True),
+        (["eval.py", "--helpfull"], False),
+    ],
+)
+def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
+    """absl exited 1 after --help (1: a bug, in the exit statuses) and refused -h."""
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
+    assert "--workdir" in done.stdout
+    assert ("absl.flags:" not in done.stdout) == own_only  # other modules' flags
+    if argv[0] == "train.py":
+        assert "--config=FILE[:PRESET]" in done.stdout
+
+
+@pytest.mark.parametrize(
     "program_args,expected",
     [
         (["train.py", "--config.optim.b2=1.5"], "error: optim.b2=1.5 must be in [0, 1)"),
