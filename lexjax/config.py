@@ -50,6 +50,8 @@ __all__ = [
     "TOKENIZER_VOCAB_SIZE",
     "TOKENIZERS",
     "MESH_AXES",
+    "SHARDINGS",
+    "check_mesh_sizes",
     "LOGICAL_AXES",
     "tokenizer_vocab_size",
     "ConfigError",
@@ -97,6 +99,8 @@ REMOVED_FIELDS = ("poison_step",)
 # The device mesh's axes (lexjax.sharding builds the mesh) and the logical axes the
 # model names, weights' and activations' (act_*), that config.sharding_rules maps to them.
 MESH_AXES = ("data", "fsdp", "tensor")
+# The names of lexjax.sharding.SHARDING_PRESETS (checked there), for validation here.
+SHARDINGS = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("embed", "heads", "kv", "mlp", "vocab", "layers", "positions", "batch")
 LOGICAL_AXES += ("length", "act_embed", "act_heads", "act_kv", "act_mlp", "act_vocab")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -582,9 +586,25 @@ def tokenizer_vocab_size(data: DataConfig) -> int:
     return TOKENIZER_VOCAB_SIZE if data.tokenizer == "bytes" else data.vocab_size
 
 
+def check_mesh_sizes(mesh: MeshConfig) -> None:
+    """Refuses mesh axis sizes that fit no device count: each axis positive or -1
+    (the devices left), at most one -1 (``lexjax.sharding.mesh_shape`` fits the rest)."""
+    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+    for axis, size in zip(MESH_AXES, sizes):
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: use a positive size or -1")
+    if sizes.count(-1) > 1:
+        raise ConfigError(
+            "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining devices)"
+        )
+
+
 def _validated(config: Config) -> Config:
     """Checks every value a user can get wrong; resolves ``model.max_len`` and
     ``model.vocab_size`` = None, and makes the data paths absolute."""
+    if config.sharding not in SHARDINGS:
+        raise ConfigError(f"sharding={config.sharding!r}: choose one of {', '.join(SHARDINGS)}")
+    check_mesh_sizes(config.mesh)
     d = config.data
     if d.tokenizer not in TOKENIZERS:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r}: use {' or '.join(TOKENIZERS)}")

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lexjax.config import MESH_AXES, Config, ConfigError, MeshConfig
+from lexjax.config import MESH_AXES, SHARDINGS, Config, ConfigError, MeshConfig, check_mesh_sizes
 
 __all__ = [
     "MESH_AXES",
@@ -58,6 +58,7 @@ SHARDING_PRESETS: dict[str, dict[str, Any]] = {
     | {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
     | {"act_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor"},
 }
+assert tuple(SHARDING_PRESETS) == SHARDINGS, "lexjax.config.SHARDINGS names these presets"
 
 
 def rules(config: Config) -> tuple[tuple[str, Any], ...]:
@@ -73,15 +74,9 @@ def rules(config: Config) -> tuple[tuple[str, Any], ...]:
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """The (data, fsdp, tensor) sizes: a single −1 becomes the devices left."""
+    check_mesh_sizes(mesh)
     sizes = [mesh.data, mesh.fsdp, mesh.tensor]
     fill = [i for i, s in enumerate(sizes) if s == -1]
-    if len(fill) > 1:
-        raise ConfigError(
-            "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining devices)"
-        )
-    for axis, s in zip(MESH_AXES, sizes):
-        if s == 0 or s < -1:
-            raise ConfigError(f"mesh.{axis}={s}: use a positive size or -1")
     known = math.prod(s for s in sizes if s != -1)
     if fill:
         if num_devices % known:

@@ -216,6 +216,10 @@ def test_unknown_field_in_a_dict_names_the_closest():
         ({"optim": {"grad_clip": float("nan")}}, "optim.grad_clip=nan: expected a finite number"),
         ({"learning_rate": float("inf")}, "learning_rate=inf: expected a finite number"),
         ({"peak_flops": float("nan")}, "peak_flops=nan: expected a finite number"),
+        # Refused by make_config, not only once training builds the mesh.
+        ({"sharding": "bogus"}, "sharding='bogus': choose one of data, fsdp, tensor"),
+        ({"mesh": {"data": -5}}, "mesh.data=-5: use a positive size or -1"),
+        ({"mesh": {"data": -1, "fsdp": -1}}, "at most one of mesh.data/fsdp/tensor may be -1"),
     ],
 )
 def test_bad_values_are_rejected(values, message):
