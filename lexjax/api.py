@@ -31,6 +31,7 @@ from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, from_configdict, is_real
 from lexjax.data import Tokenizer
+from lexjax.errors import EvaluationError, arg, one_line, out_of_memory
 from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
 
@@ -69,6 +70,23 @@ def _quiet_orbax_notices():
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _on_mesh(mesh, lower: str):
+    """``jax.set_mesh(mesh)``; an allocation that fails inside is one
+    :class:`EvaluationError` that says to lower ``lower`` or use BCA."""
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        bca = arg("mode 'bca'", "--bca=on")
+        raise EvaluationError(
+            f"out of memory ({one_line(e)}); lower {lower}, or use {bca}, whose memory does "
+            "not grow with the length"
+        ) from None
 
 
 def _listed(value):
@@ -150,7 +168,7 @@ class Run:
         Arguments eval.py would refuse raise :class:`lexjax.errors.ConfigError`
         (:func:`lexjax.evaluation.check_settings`); numpy integers are integers.
         """
-        with jax.set_mesh(self.mesh):
+        with _on_mesh(self.mesh, f"{arg('lengths')} and {arg('max_length')}"):
             results, _ = evaluation.evaluate_run(
                 self.config,
                 self.params,
@@ -191,7 +209,7 @@ class Run:
         ``max_docs`` held-out documents, or ``eval_files``). Prints the tables and
         writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
         (:func:`lexjax.passkey.evaluate_passkey`)."""
-        with jax.set_mesh(self.mesh):
+        with _on_mesh(self.mesh, arg("lengths")):
             results, _ = passkey.evaluate_passkey(
                 self.config,
                 self.params,
@@ -238,7 +256,7 @@ class Run:
         (on every process of a multi-process run); where it returns true, on any
         process, the writing ends there (every process stops after that chunk).
         """
-        with jax.set_mesh(self.mesh):
+        with _on_mesh(self.mesh, arg("max_new_tokens")):
             return generation.complete(
                 self.config,
                 self.params,

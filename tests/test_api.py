@@ -270,6 +270,40 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     assert code == 0 and "filler: 1 documents of" in capfd.readouterr().out
 
 
+def test_running_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch):
+    """An allocation XLA cannot make (a long length without BCA) was its traceback,
+    and eval.py's exit 1. The failure is injected where the work runs: the message
+    XLA gives (RESOURCE_EXHAUSTED on GPU/TPU, "Out of memory" on CPU)."""
+    from lexjax import api, evaluation, generation, passkey
+    from lexjax.errors import EvaluationError, naming_flags
+
+    config = lexjax.make_config({**TINY, "data": {**TINY["data"], "files": "/none/*.txt"}})
+    run = api.Run("run", config, None, 1, None, jax.make_mesh((1,), ("data",)))
+
+    def fail(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2^40 B")
+
+    monkeypatch.setattr(evaluation, "evaluate_run", fail)
+    monkeypatch.setattr(passkey, "evaluate_passkey", fail)
+    monkeypatch.setattr(generation, "complete", fail)
+    said = "out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 2^40 B); lower "
+    for call, lower in [
+        (run.evaluate, "lengths and max_length, or use mode 'bca'"),
+        (run.passkey, "lengths, or use mode 'bca'"),
+        (run.generate, "max_new_tokens, or use mode 'bca'"),
+    ]:
+        with pytest.raises(EvaluationError, match=f"^{re.escape(said + lower)}, whose memory"):
+            call()
+    with (
+        naming_flags(),
+        pytest.raises(EvaluationError, match="lower --max_new_tokens, or use --bca=on"),
+    ):
+        run.generate()
+    monkeypatch.setattr(generation, "complete", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # any other failure passes through
+        run.generate()
+
+
 def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkeypatch):
     """Arguments as a notebook passes them: numpy numbers, paths, a relative workdir
     and a %cd after load, a corpus changed since training, extreme sampling values.
