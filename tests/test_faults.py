@@ -747,6 +747,7 @@ def test_a_model_too_big_for_memory_is_one_line(ctx, tmp_path):
     assert result.returncode == 5, result.stderr[-2000:]
     assert line.startswith("error: out of memory (") and "lower batch_size" in line, line
     assert line.endswith("or set model.remat_policy=full"), line
+    assert not (tmp_path / "huge").exists()  # the run created it and wrote no file
 
 
 def test_checkpoints_of_another_model_shape(ctx, reference):
