@@ -321,7 +321,7 @@ class Checkpointer:
                 "checkpoint step %d was already saved to %s; not saved again", step, self.directory
             )
             return False
-        later = [s for s in self._all_step_dirs() if s >= step]
+        later = [s for s in self.all_steps() if s >= step]
         if later:
             self._supersede(later)
         self._collect_garbage()
@@ -394,11 +394,6 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._manager.close()
-
-    def _all_step_dirs(self) -> list[int]:
-        """Every finalized step directory, complete or not."""
-        self._listing(self._manager.reload)
-        return sorted(self._manager.all_steps())
 
     def _supersede(self, steps: list[int]) -> None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
