@@ -33,8 +33,9 @@ a one-process run, and `worker_count` moves it to worker processes.
 
 Two steps mix the stream. Chunks are taken in turn from `open_documents`
 documents read at once, so a long document's chunks are spread over the
-stream (one in `open_documents` while it lasts) instead of following one
-another: without it a book-length file, longer than the shuffle window below,
+stream (one in `open_documents` while other documents remain to take turns;
+a document's share of the rows is still its share of the tokens) instead of
+following one another: without it a book-length file, longer than the shuffle window below,
 filled whole windows by itself and its batches held its rows only. Then packed
 rows pass through a shuffle window of `shuffle_rows` rows before they are
 batched: in packing order most batches of a small batch size held rows of a
@@ -227,11 +228,15 @@ def make_train_iterator(
       tokenizer: encodes raw-text documents (default bytes).
       shuffle_rows: packed rows are drawn in random order from consecutive
         windows of this many rows before they are batched (0 or 1: in packing
-        order). Packing emits a long document's chunks one after another, so
-        without it a batch often holds rows of one document only.
+        order). Packing emits rows in the order chunks come, so without it
+        neighbouring rows of a few documents share a batch.
       open_documents: chunks are taken in turn from this many documents read
         at once (1: each document's chunks one after another), so a document
-        longer than the shuffle window (a book) still shares its batches.
+        longer than the shuffle window (a book) still shares its batches. A
+        document's share of the rows is its share of the tokens: a book is
+        spread while other documents remain to take turns, and a book that is
+        most of the corpus still fills most rows (with copies from two passes
+        open at once near the end of a pass).
 
     `it.get_state()` / `it.set_state(state)` resume exactly: a restored
     iterator yields the batches an uninterrupted one would. The state is the
