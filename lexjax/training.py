@@ -233,9 +233,11 @@ def train(
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
 
     ``config``: a :class:`Config`, or the overrides :func:`lexjax.make_config` takes.
-    ``log``: called with each line of the run's own (the model, notes, the logged
-    steps; process 0 only); the progress lines of a corpus build or a tokenizer
-    learned go to stdout.
+    ``log``: called with each line of the run's own (process 0 only): the model,
+    notes, and with ``progress=False`` each logged step's ``step N/T loss …``,
+    which ``progress`` (the default) shows on stdout instead (a bar on a terminal,
+    a line per logged step elsewhere); the progress lines of a corpus build or a
+    tokenizer learned go to stdout.
 
     The job holds the workdir's lease (:mod:`lexjax.lease`) throughout and
     releases it on every exit: a second job on the same workdir raises
@@ -620,6 +622,8 @@ class _Loop:
         self.writer.write(step, record)
         self.summary.update(record)
         self.bar.update(step, shown)
+        if not self.bar.enabled:  # the display shows it otherwise
+            self.say(f"step {step}/{config.num_train_steps} {shown}")
 
     def _validate(self, params, step: int, val_batches) -> None:
         setup = self.setup

@@ -277,8 +277,13 @@ def test_resume_equals_uninterrupted(tmp_path):
     config = _train_config(tmp_path)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train(config, straight, log=lambda _: None, progress=False)
-    first = train(config, resumed, log=lambda _: None, progress=False, stop_after=3)
+    lines = []
+    first = train(config, resumed, log=lines.append, progress=False, stop_after=3)
     assert first["step"] == 3
+    # Without the progress display, the logged steps go to log (they went nowhere).
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/6", "2/6", "3/6"], lines
+    assert all(re.fullmatch(r"step \d/6 loss \d+\.\d{3}( [\d,]+ tok/s)?", s) for s in steps)
     second = train(config, resumed, log=lambda _: None, progress=False)
     assert second["start_step"] == 3 and second["step"] == 6
     assert _losses(straight) == _losses(resumed)
