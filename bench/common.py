@@ -330,6 +330,41 @@ def any_shared(a: bool | None, b: bool | None) -> bool | None:
     return None if a is None or b is None else False
 
 
+class Provenance:
+    """How a benchmark ran, for its JSON: started at construction (a load check
+    first, with a warning on stderr when other processes share the cores), then
+    :meth:`record`: the command, that check, what other processes used during
+    the run, and ``shared_cores`` (None: not measured, not "idle")."""
+
+    def __init__(self):
+        self.check = load_check()
+        if self.check["shared"]:
+            print(
+                f"warning: other processes keep {self.check['other_cores_busy']:.2f} cores "
+                "busy; this run will be flagged shared_cores",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.check["shared"] is None:
+            print(
+                "warning: cannot measure other processes' load here (no /proc); "
+                "shared_cores will be null",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.command = " ".join(["python"] + sys.argv)
+        self._before = cpu_snapshot()
+
+    def record(self) -> dict:
+        busy = other_cores_busy(self._before, cpu_snapshot())
+        return {
+            "command": self.command,
+            "load_check": self.check,
+            "other_cores_busy": busy,
+            "shared_cores": any_shared(self.check["shared"], shared_cores(busy)),
+        }
+
+
 def load_check(seconds: float = 3.0) -> dict:
     """Samples what other processes use for ``seconds`` (this process and its
     children do not count); ``shared`` when that exceeds SHARED_THRESHOLD_CORES."""

@@ -122,7 +122,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.files, args.vocab_size, args.rounds, args.batches, args.steps = 60, 512, 1, 2, 1
+    started = common.Provenance()
     entry = run(args)
+    entry.update(started.record())
     text = json.dumps({"pipeline_throughput": entry}, indent=2)
     if args.json:
         pathlib.Path(args.json).write_text(text + "\n")

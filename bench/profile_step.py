@@ -94,6 +94,7 @@ def main(argv=None) -> int:
         config = common.tiny_config(dtype=args.dtype, position=args.position)
     except ConfigError as e:  # --position=bogus: was a traceback
         p.error(str(e))
+    started = common.Provenance()
     batches = common.train_batches(config.batch_size, config.train_len, 2)
     setup, timer = common.train_timer(config, batches, args.steps)
     with jax.set_mesh(setup.mesh):
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
                     "steps": args.steps,
                     "by_kind": dict(by_kind),
                     "by_name": dict(sorted(leaves.items(), key=lambda kv: -kv[1])),
+                    **started.record(),
                 },
                 indent=1,
             )

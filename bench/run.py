@@ -132,27 +132,14 @@ def main(argv=None) -> int:
     # ignored in: _xla_gc_callback") and the benchmarks went on. Raise it again instead.
     signals.redeliver_swallowed_interrupts()
     args = parse(argv)
-    check = common.load_check()
-    if check["shared"]:
-        print(
-            f"warning: other processes keep {check['other_cores_busy']:.2f} cores busy; "
-            "this run will be flagged shared_cores",
-            file=sys.stderr,
-            flush=True,
-        )
-    elif check["shared"] is None:
-        print(
-            "warning: cannot measure other processes' load here (no /proc); "
-            "shared_cores will be null",
-            file=sys.stderr,
-            flush=True,
-        )
+    started = common.Provenance()
+    check = started.check
     results: dict = {
         "machine": dict(
             common.machine(),
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             quick=args.quick,
-            command=" ".join(["python"] + sys.argv),
+            command=started.command,
             load_check=check,
         ),
         "shared_cores": check["shared"],  # None: not measured (no /proc), not "idle"

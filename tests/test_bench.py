@@ -377,6 +377,21 @@ def test_load_check_does_not_count_this_process():
     assert set(check) >= {"other_cores_busy", "shared", "threshold_cores"}
 
 
+def test_a_standalone_benchmarks_json_records_its_command_and_load(tmp_path):
+    """pipeline_throughput.py and profile_step.py wrote no load check: their JSONs
+    could only say "idle cores" in a typed note. Each records what run.py does."""
+    proc = _run(["bench/profile_step.py", "--steps=1", f"--json={tmp_path / 'p.json'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((tmp_path / "p.json").read_text())
+    assert record["command"].startswith("python bench/profile_step.py --steps=1 --json=")
+    assert set(record["load_check"]) >= {"other_cores_busy", "shared", "threshold_cores"}
+    assert record["other_cores_busy"] >= 0 and record["shared_cores"] in (True, False)
+    assert record["shared_cores"] == (
+        record["load_check"]["shared"]
+        or record["other_cores_busy"] > record["load_check"]["threshold_cores"]
+    )
+
+
 def test_the_quartiles_of_two_rounds_lie_between_them():
     """--quick runs 2 rounds, whose quartiles fell outside their min-max."""
     from bench import common
