@@ -7,6 +7,7 @@ table in :mod:`lexjax.errors`), never as a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -14,7 +15,7 @@ from absl import flags as absl_flags
 from absl import logging as absl_logging
 
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
-from lexjax.config import ConfigError, check_rope_scaling, exit_if_help, from_configdict
+from lexjax.config import ConfigError, check_rope_scaling, exit_if_help, from_configdict, to_dict
 from lexjax.errors import StdoutClosed, one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
@@ -63,6 +64,8 @@ def run_training(
     _check_workdir_flag(workdir)
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
+    settings = {"--workdir": os.path.abspath(workdir), **_dotted(to_dict(config))}
+    distributed.check_same_settings(settings, "train.py")
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0:
         return 0
@@ -114,6 +117,18 @@ def parse_lengths(values) -> list[int] | None:
 
 
 @errors.naming_flags()  # the library's messages name eval.py's flags
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """``{"model": {"d_model": 64}}`` as ``{"model.d_model": 64}``: config fields as
+    ``--config.FIELD`` names them."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def run_eval(
     workdir: str,
     *,
@@ -182,6 +197,13 @@ def run_eval(
     depths = passkey.parse_depths(passkey_depths)
     passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
+    flags = dict(lengths=lengths, max_length=max_length, bca=bca, modes=modes, sinks=sinks)
+    flags.update(eval_files=eval_files, max_docs=max_docs, resolution=resolution, figure=figure)
+    flags.update(generate=generate, prompt=prompt, rope_scaling=rope_scaling)
+    flags.update(rope_factor=rope_factor, passkey=passkey_run, passkey_depths=passkey_depths)
+    flags.update(passkey_trials=passkey_trials, passkey_filler=passkey_filler, **sampling)
+    flags = {f"--{name}": value for name, value in flags.items()}
+    distributed.check_same_settings({"--workdir": os.path.abspath(workdir), **flags}, "eval.py")
     with distributed.first_process_speaks(), errors.stdout_failures():
         check = None
         if "sinks" in modes and not (generate or passkey_run):  # refused before loading

@@ -35,9 +35,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import hashlib
+import json
 import os
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,6 +56,7 @@ __all__ = [
     "initialize",
     "any_process",
     "all_processes",
+    "check_same_settings",
     "first_process_speaks",
 ]
 
@@ -195,7 +200,9 @@ def _check_port_free(address: str) -> None:
     except OSError as e:
         raise DistributedError(
             f"process 0 cannot serve --coordinator_address={address}: port {port} "
-            f"({os.strerror(e.errno) if e.errno else e}); give every process a free port"
+            f"({os.strerror(e.errno) if e.errno else e}); give every process a free port "
+            "(a process already started with --process_id=0 holds it: give each process "
+            "its own --process_id)"
         ) from e
 
 
@@ -232,16 +239,61 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     except Exception as e:  # jaxlib raises its own runtime errors; report any in one line
         lines = str(e).strip().splitlines()
         reason = lines[0] if lines else type(e).__name__
-        where = options.coordinator_address or how or "the detected cluster"
+        if how is None:  # --distributed=on with no flags, and no launcher detected here
+            raise DistributedError(
+                f"could not join a multi-process run ({reason}): no --coordinator_address "
+                "was given and no cluster launcher was detected; give --coordinator_address, "
+                "--num_processes and --process_id, or leave --distributed at auto"
+            ) from e
+        where = options.coordinator_address or how
+        timed_out = any(w in reason.lower() for w in ("deadline", "timed out", "timeout"))
+        within = f" within {options.initialization_timeout_s}s" if timed_out else ""
         raise DistributedError(
-            f"could not join the multi-process run via {where} within "
-            f"{options.initialization_timeout_s}s ({reason}); start every process with the "
-            "same --coordinator_address and --num_processes, and distinct --process_id"
+            f"could not join the multi-process run via {where}{within} ({reason}); start "
+            "every process with the same --coordinator_address and --num_processes, and "
+            "distinct --process_id"
         ) from e
     # One collective while every process is here: CPU (gloo) contexts are set up on
     # first use and give up after 30 s if a peer is late, e.g. still building data.
     any_process(False)
     return how or "jax auto-detection"
+
+
+def check_same_settings(settings: Mapping[str, Any], started: str) -> None:
+    """Raises :class:`DistributedError` on every process unless every process was
+    given the same ``settings`` (name → JSON-able value; a collective: call it on
+    every process). Processes started with other values (a step count, a seed, a
+    length) ran other programs in lockstep: a collective that never matches (a
+    hang no heartbeat ends), silently different data, or an abort inside gloo.
+    ``started``: what to start alike, for the message (e.g. "train.py")."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(settings)
+
+    def digest(text: str) -> np.ndarray:
+        return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint8)
+
+    # The names first, in a fixed shape: differing shapes would abort inside gloo.
+    header = np.concatenate(
+        [digest(json.dumps(names)), np.array([len(names)], np.int64).view(np.uint8)]
+    )
+    headers = np.asarray(multihost_utils.process_allgather(header[None], tiled=True))
+    if not (headers == headers[0]).all():
+        raise DistributedError(
+            f"the processes were started with different lexjax versions or settings; start "
+            f"every process of {started} with the same code and flags"
+        )
+    rows = np.stack([digest(json.dumps(settings[n], sort_keys=True, default=str)) for n in names])
+    gathered = np.asarray(multihost_utils.process_allgather(rows[None], tiled=True))
+    differ = [n for i, n in enumerate(names) if not (gathered[:, i] == gathered[0, i]).all()]
+    if differ:
+        which = [str(p) for p in range(len(gathered)) if not (gathered[p] == gathered[0]).all()]
+        raise DistributedError(
+            f"{', '.join(differ)} differ between processes (process {', '.join(which)} from "
+            f"process 0); start every process of {started} with the same flags"
+        )
 
 
 def _gather_flags(flag: bool) -> np.ndarray:

@@ -434,3 +434,87 @@ def test_unreachable_coordinator_or_taken_port_ends_in_one_line_and_status_7(ctx
             assert done.returncode == 7, done.stderr[-3000:]
             assert lines[-1].startswith("error: ") and address in lines[-1], lines
             assert "Traceback" not in done.stderr and "stack trace" not in done.stderr
+
+
+def test_processes_started_with_different_settings_stop_in_one_line_naming_them(
+    ctx, two_process_run
+):
+    """Other step counts hung both processes in a collective no heartbeat ends (and
+    SIGTERM did not stop them); another seed trained silently on another data order
+    than the checkpoint records; other eval lengths aborted inside gloo. Every
+    process now compares what it was given before any work: one line, status 7."""
+    base, files, data_dir, environ = ctx
+    port = P.free_port()
+    cluster = {"-coordinator_address": f"127.0.0.1:{port}", "-num_processes": 2}
+    cluster |= {"-initialization_timeout_s": 60}
+    differ = [{"num_train_steps": 3, "seed": 0}, {"num_train_steps": 5, "seed": 7}]
+    procs = [
+        P.start(
+            P.train_args(
+                base / "differ",
+                files,
+                data_dir,
+                **MESH,
+                **differ[i],
+                **cluster,
+                **{"-process_id": i},
+            ),
+            environ,
+        )
+        for i in range(2)
+    ]
+    said = (
+        "error: num_train_steps, seed differ between processes (process 1 from process 0); "
+        "start every process of train.py with the same flags"
+    )
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 7, err[-3000:]
+            assert said in err.splitlines() and "Traceback" not in err, err[-3000:]
+    finally:
+        for p in procs:  # (they hung, before: leave none behind)
+            p.kill()
+    assert not (base / "differ" / "checkpoints").exists()
+
+    workdir = two_process_run[0]
+    port = P.free_port()
+    procs = [
+        P.start(
+            [
+                f"--workdir={workdir}",
+                f"--lengths={lengths}",
+                "--max_docs=1",
+                "--modes=bca",
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                "--initialization_timeout_s=60",
+            ],
+            environ,
+            program="eval.py",
+        )
+        for i, lengths in enumerate(["32,64", "32"])
+    ]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 7, err[-3000:]
+            assert "error: --lengths differ between processes (process 1 from process 0); " in err
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_distributed_on_with_no_coordinator_and_no_cluster_says_so(ctx):
+    """It said "could not join ... within 30s (coordinator_address should be defined.)"
+    after 2 s: no wait happened and no cluster was detected."""
+    base, files, data_dir, environ = ctx
+    flags = {"-distributed": "on", "-num_processes": 2, "-process_id": 1}
+    flags["-initialization_timeout_s"] = 30
+    environ = {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+    done = P.run(P.train_args(base / "nothing", files, data_dir, **flags), environ, timeout=120)
+    assert done.returncode == 7, done.stderr[-3000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
+    assert "no --coordinator_address was given and no cluster launcher was detected" in line
+    assert "within" not in line, line
