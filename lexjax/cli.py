@@ -116,7 +116,6 @@ def parse_lengths(values) -> list[int] | None:
     return None if values is None else [int(value) for value in values]
 
 
-@errors.naming_flags()  # the library's messages name eval.py's flags
 def _dotted(tree: dict, prefix: str = "") -> dict:
     """``{"model": {"d_model": 64}}`` as ``{"model.d_model": 64}``: config fields as
     ``--config.FIELD`` names them."""
@@ -129,6 +128,7 @@ def _dotted(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+@errors.naming_flags()  # the library's messages name eval.py's flags
 def run_eval(
     workdir: str,
     *,
