@@ -509,7 +509,13 @@ class Checkpointer:
         return integrity
 
     def restore_config(self, step: int | None = None) -> dict[str, Any] | None:
-        """The config dict saved with `step` (default: latest), or None if none was."""
+        """The config dict saved with `step`, or None if none was. Default: the
+        newest step whose records are good (a damaged one is reported and
+        skipped, as `restore` does; a named step that is damaged raises)."""
+        if step is None:
+            return self._newest_good(lambda s: (self._read_tokenizer(s), self._read_config(s)))[1][
+                1
+            ]
         return self._read_one(self._read_config, self._pick_step(step))
 
     def _read_one(self, read: Any, step: int) -> Any:
@@ -991,13 +997,16 @@ def _tokenizer_of(
 
 def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> data_lib.Tokenizer:
     """The tokenizer a training workdir's model was trained with, as saved with
-    checkpoint ``step`` (default the newest complete one; pass the step
-    :func:`load_params` returned to pair them)."""
+    checkpoint ``step`` (default the newest good one, as :func:`load_params`
+    picks it; pass the step it returned to pair them)."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint in {workdir} ({directory} does not exist)")
     checkpointer = Checkpointer(directory, read_only=True)
     try:
+        if step is None:
+            records = lambda s: (checkpointer._read_config(s), checkpointer._read_tokenizer(s))
+            step, _ = checkpointer._newest_good(records)
         step = checkpointer._pick_step(step)
         return stored_tokenizer(checkpointer, step, checkpointer.restore_config(step))
     finally:

@@ -475,6 +475,7 @@ def test_a_step_missing_a_record_it_was_saved_with_is_damaged(two_steps, tmp_pat
     assert lines == [
         f"checkpoint step 2 in {path} is damaged: {record} record missing; falling back to step 1"
     ]
+    assert ckpt.restore_config() == {"seed": 1}  # the step restore picks, not the newest
     ckpt.close()
     ckpt = Checkpointer(path, on_corrupt="error")
     with pytest.raises(CheckpointError, match=f"step 2 .*damaged: {record} record missing"):

@@ -218,10 +218,11 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
         # A sink count the block cannot hold: refused after the first run's training.
         ("--config.sinks=100", "sinks must be an integer in [0, 8] (train_len/2), got 100"),
-        # A passkey length below the format: a note and no passkey table after every training.
+        # Every passkey length below the format: no passkey table, after every training.
         (
-            "--config.passkey_multipliers=1.5,8",
-            "passkey_multipliers=1.5,8: length 24 is below the 69 tokens of a passkey sample",
+            "--config.passkey_multipliers=1.5,2",
+            "passkey_multipliers=1.5,2: no length reaches the 69 tokens of a passkey sample "
+            "(the longest is 32); add a larger multiplier",
         ),
         # No length reaches train_len for the extensions: an error after every training.
         (

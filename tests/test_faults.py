@@ -716,21 +716,23 @@ def test_a_flipped_byte_in_the_config_or_integrity_record_falls_back(reference, 
         assert said in damaged[0] and damaged[0].endswith(f"falling back to step {N - 2}")
 
 
-def test_eval_falls_back_from_a_step_that_lost_its_config_record(reference, tmp_path, caplog):
+@pytest.mark.parametrize("record", ["config", "integrity"])
+def test_eval_falls_back_from_a_step_that_lost_a_record(reference, tmp_path, caplog, record):
     """A step whose config record is gone was read as an older lexjax's step without
     one: eval.py and lexjax.load stopped ("has no config; it was not written by
-    train.py") with an intact step before it."""
+    train.py") with an intact step before it. load_tokenizer picks the same step."""
     workdir = tmp_path / "run"
     shutil.copytree(reference[0], workdir)
-    shutil.rmtree(workdir / "checkpoints" / str(N) / "config")
+    shutil.rmtree(workdir / "checkpoints" / str(N) / record)
     with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
         _, _, step = ckpt_lib.load_params(workdir)
     assert step == N - 2
     damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert damaged == [
-        f"checkpoint step {N} in {workdir / 'checkpoints'} is damaged: config record missing; "
+        f"checkpoint step {N} in {workdir / 'checkpoints'} is damaged: {record} record missing; "
         f"falling back to step {N - 2}"
     ]
+    assert ckpt_lib.load_tokenizer(workdir) is data.BYTES
 
 
 def test_a_model_too_big_for_memory_is_one_line(ctx, tmp_path):
