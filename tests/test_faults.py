@@ -737,7 +737,7 @@ def test_eval_falls_back_from_a_step_that_lost_a_record(reference, tmp_path, cap
 
 def test_a_model_too_big_for_memory_is_one_line(ctx, tmp_path):
     """XLA's failed allocation was a traceback with exit 1, a bug in the exit scheme.
-    A 51 G-parameter model under a 15 GiB address space: its allocations fail at
+    A 17 G-parameter model under a 15 GiB address space: its allocations fail at
     once, with no memory taken from the machine."""
     limit = 15 * 2**30
     result = P.run(
