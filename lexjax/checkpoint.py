@@ -513,10 +513,15 @@ class Checkpointer:
         newest step whose records are good (a damaged one is reported and
         skipped, as `restore` does; a named step that is damaged raises)."""
         if step is None:
-            return self._newest_good(lambda s: (self._read_tokenizer(s), self._read_config(s)))[1][
-                1
-            ]
+            return self._newest_good(self._read_records)[1][0]
         return self._read_one(self._read_config, self._pick_step(step))
+
+    def _read_records(self, step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """``(config, tokenizer record)`` of ``step``, each checked against its
+        integrity record (read once): what picks the step a reader of the records
+        without the parameters uses, as `load_params` picks it."""
+        integrity = self._read_integrity(step)
+        return self._read_config(step, integrity), self._read_tokenizer(step, integrity)
 
     def _read_one(self, read: Any, step: int) -> Any:
         """``read(step)`` of a step named by the caller (no other to fall back to):
@@ -1005,8 +1010,8 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
     checkpointer = Checkpointer(directory, read_only=True)
     try:
         if step is None:
-            records = lambda s: (checkpointer._read_config(s), checkpointer._read_tokenizer(s))
-            step, _ = checkpointer._newest_good(records)
+            step, (config, record) = checkpointer._newest_good(checkpointer._read_records)
+            return _tokenizer_of(checkpointer, step, config, record)
         step = checkpointer._pick_step(step)
         return stored_tokenizer(checkpointer, step, checkpointer.restore_config(step))
     finally:
