@@ -101,6 +101,7 @@ __all__ = [
     "check_modes",
     "full_logprobs",
     "check_full_length",
+    "full_length_problem",
     "full_length_limit",
     "segments",
     "PerplexityResult",
@@ -268,7 +269,15 @@ def sinks_logprobs(model: Decoder, params, tokens_BxL, block: int, sinks: int = 
 
 def check_full_length(config: ModelConfig, length: int) -> None:
     """Raises :class:`EvaluationError` when plain causal attention over ``length``
-    positions cannot be evaluated faithfully.
+    positions cannot be evaluated faithfully (:func:`full_length_problem`)."""
+    if problem := full_length_problem(config, length):
+        raise EvaluationError("; ".join(problem))
+
+
+def full_length_problem(config: ModelConfig, length: int) -> tuple[str, str] | None:
+    """``(why, what to do)`` when plain causal attention over ``length`` positions
+    cannot be evaluated faithfully, else None; callers that offer other remedies
+    (generation) give the reason with their own.
 
     - learned absolute positions: only ``max_len`` positions exist;
     - XPOS (and its decay alone): positions are centred
@@ -276,20 +285,20 @@ def check_full_length(config: ModelConfig, length: int) -> None:
       ``length/2``; it must stay within :func:`lexjax.positions.max_safe_position`
       for the compute dtype (PI's decay sees p/s: the check stays conservative).
     """
-    if config.position == "learned" and config.max_len < length:
-        raise EvaluationError(
-            f"learned absolute positions have a table of {config.max_len}; length {length} "
-            "without BCA would need positions beyond it (evaluate it with BCA, whose "
-            "window-relative positions stay below train_len)"
+    if full_length_limit(config) >= length:
+        return None
+    if config.position == "learned":
+        return (
+            f"learned absolute positions have a table of {config.max_len}",
+            f"length {length} without BCA would need positions beyond it (evaluate it with "
+            "BCA, whose window-relative positions stay below train_len)",
         )
-    if config.position in ("xpos", "xpos_norotate"):
-        limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
-        if full_length_limit(config) < length:
-            raise EvaluationError(
-                f"length {length} without BCA puts XPOS positions at ±{length // 2}, beyond "
-                f"the {config.dtype} safe range ±{int(limit)} for scale_base "
-                f"{config.scale_base:g}; use BCA or a shorter length"
-            )
+    limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
+    return (
+        f"length {length} without BCA puts XPOS positions at ±{length // 2}, beyond the "
+        f"{config.dtype} safe range ±{int(limit)} for scale_base {config.scale_base:g}",
+        "use BCA or a shorter length",
+    )
 
 
 def full_length_limit(config: ModelConfig) -> float:

@@ -39,7 +39,7 @@ from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
 from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError, arg
-from lexjax.evaluation import check_full_length, full_length_limit
+from lexjax.evaluation import full_length_limit, full_length_problem
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -246,19 +246,16 @@ def check_sampling(
 def check_full_mode(config: ModelConfig, prompt_tokens: int, max_new_tokens: int) -> None:
     """Raises :class:`EvaluationError` when mode ``"full"`` cannot generate
     ``max_new_tokens`` after ``prompt_tokens`` (its begin-of-text included), where
-    :func:`lexjax.evaluation.check_full_length` refuses their sum: the message
-    says how many new tokens fit."""
-    length = prompt_tokens + max_new_tokens
-    try:
-        check_full_length(config, length)
-    except EvaluationError as e:
+    :func:`lexjax.evaluation.full_length_problem` finds one with their sum: the
+    message says how many new tokens fit."""
+    if problem := full_length_problem(config, prompt_tokens + max_new_tokens):
         fits = full_length_limit(config) - prompt_tokens
         instead = f"at most {fits:,} new tokens" if fits > 0 else "a shorter prompt"
         bca = arg("mode='bca'", "--bca=on")
         raise EvaluationError(
             f"{arg('max_new_tokens')}={max_new_tokens:,} after {prompt_tokens:,} prompt tokens "
-            f"without BCA: {str(e).split('; ')[0]}; generate with {bca}, or {instead}"
-        ) from None
+            f"without BCA: {problem[0]}; generate with {bca}, or {instead}"
+        )
 
 
 def check_stored_run(config: Config, prompt: str, max_new_tokens: int, mode: str) -> None:
