@@ -81,7 +81,7 @@ from lexjax.config import (
     check_int,
     check_rope_scaling,
 )
-from lexjax.data.builders import decode_text, distinct_files, glob_files, text_files_of
+from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -718,11 +718,15 @@ def held_out_documents(
     splits=("test", "validation"),
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     corpus: str | None = None,
+    max_tokens: int | None = None,
 ):
     """``(where, documents)``: the held-out text as int32 token arrays of
     ``tokenizer`` (the run's: :func:`lexjax.checkpoint.load_tokenizer`) and its
-    description — the files of ``eval_files`` (a glob), else the first of the run
-    dataset's ``splits`` it has (by default ``test``, else ``validation``).
+    description — the files of ``eval_files`` (a glob; each file one document,
+    read in a build's 4 MiB pieces), else the first of the run dataset's
+    ``splits`` it has (by default ``test``, else ``validation``). With
+    ``max_tokens``, each document is its first ``max_tokens`` tokens and a file
+    is read no further than the piece that holds them.
     Raises :class:`DataError` when the text cannot be read, when the corpus build
     of ``config.data`` is not ``corpus`` (the build the run trained on, where
     recorded: the files changed since, so its held-out split may hold text the
@@ -735,9 +739,9 @@ def held_out_documents(
             noted = []
 
             def read(index: int) -> np.ndarray:
-                with open(os.path.join(root, relpaths[index]), "rb") as f:
-                    # As a corpus build reads its files: every tokenizer the same text.
-                    text, invalid = decode_text(f.read())
+                # As a corpus build reads its files: every tokenizer the same text.
+                path = os.path.join(root, relpaths[index])
+                document, invalid = file_document(path, tokenizer, max_tokens)
                 if invalid and not noted:  # one note for them all
                     noted.append(relpaths[index])
                     say(
@@ -745,7 +749,7 @@ def held_out_documents(
                         f"{relpaths[index]}) are read with U+FFFD in its place, as in a corpus "
                         "build (bits per byte counts its 3 bytes)"
                     )
-                return tokenizer.encode_document(text)
+                return document
 
             return f"{len(relpaths)} files of {eval_files}", _Documents(len(relpaths), read)
         d = config.data
@@ -772,7 +776,9 @@ def held_out_documents(
                 f"the {tokenizer.describe(built)} one this run was trained with; evaluate with "
                 f"{arg('eval_files')} or rebuild the corpus the run was trained on"
             )
-        docs = _Documents(len(source), lambda i: data_lib.as_document(source[i], tokenizer))
+        docs = _Documents(
+            len(source), lambda i: data_lib.as_document(source[i], tokenizer)[:max_tokens]
+        )
         return f"{d.name} {split} split", docs
     except data_lib.NoFiles as e:
         if eval_files:
@@ -1033,8 +1039,11 @@ def evaluate_run(
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
     max_length = budget(train_len, lengths, max_length)
+    # Read no further than scored: the budget and the token after it, and the 2×
+    # train_len tokens resolution measures.
+    needed = max(max_length + 1, 2 * train_len if resolution else 0)
     where, documents = held_out_documents(
-        config, eval_files, say, tokenizer=tokenizer, corpus=corpus
+        config, eval_files, say, tokenizer=tokenizer, corpus=corpus, max_tokens=needed
     )
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     if resolution:  # refused before the perplexity run, not after it

@@ -195,7 +195,14 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     assert not os.path.exists(os.path.join(workdir, "eval"))
     numpy = dict(max_length=np.int64(64), max_docs=np.int32(2))  # numpy integers are integers
     twice = ("bca", "full", "bca")  # a mode given twice is evaluated once
+    from lexjax import evaluation
+
+    read_up_to, read = [], evaluation.file_document
+    monkeypatch.setattr(
+        evaluation, "file_document", lambda *a: read_up_to.append(a[-1]) or read(*a)
+    )
     results = run.evaluate(np.array([16, 32]), eval_files=str(docs / "*.txt"), modes=twice, **numpy)
+    assert set(read_up_to) == {64 + 1}  # each file read no further than the budget + 1
     assert sorted((r.mode, r.length) for r in results) == [
         (m, n) for m in ("bca", "full") for n in (16, 32)
     ]

@@ -907,6 +907,16 @@ def test_a_window_without_a_character_start_still_advances(tmp_path, monkeypatch
     assert len(chunks) == 3
 
 
+def test_a_file_that_shrinks_while_read_is_a_one_line_error(tmp_path):
+    """A file cut shorter after its size was taken stopped a build or an evaluation
+    with "IndexError: index out of range"."""
+    (tmp_path / "a.txt").write_bytes(b"line\n" * 10)
+    with pytest.raises(
+        DataError, match="a.txt changed while it was read .*ends at byte 50, not 80"
+    ):
+        list(builders.documents(builders.Piece(str(tmp_path), "a.txt", 0, 80)))
+
+
 def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):
     _book(tmp_path / "good.txt", 200)
     (tmp_path / "empty.txt").write_bytes(b"")

@@ -398,9 +398,9 @@ def test_eval_files_are_each_one_document_and_read_only_as_far_as_needed(tmp_pat
     encoded = []
 
     class Counting(type(data_lib.BYTES)):
-        def encode_document(self, text):
+        def encode(self, text):
             encoded.append(text)
-            return super().encode_document(text)
+            return super().encode(text)
 
     where, docs = evaluation.held_out_documents(
         small_config(), str(tmp_path / "**" / "*.txt"), tokenizer=Counting()
@@ -411,3 +411,34 @@ def test_eval_files_are_each_one_document_and_read_only_as_far_as_needed(tmp_pat
     chosen = evaluation.select_documents(docs, 40, max_docs=2, where=where)
     assert [len(d) for d in chosen] == [len("doc 6 " * 7) + 2, len("doc 8 " * 9) + 2]
     assert len(encoded) == 5  # d00 … d08, and no further
+
+
+def test_a_large_eval_file_is_read_no_further_than_the_tokens_scored(tmp_path):
+    """Each file of --eval_files was read whole and tokenized whole, though only the
+    first max_length + 1 tokens are scored: memory grew with the largest file."""
+    from lexjax import data as data_lib
+    from lexjax.data.builders import _MAX_DOCUMENT_BYTES
+    from tests.helpers import small_config
+
+    raw = b"".join(b"line %d of a long held-out file\n" % i for i in range(300_000))
+    assert len(raw) > 2 * _MAX_DOCUMENT_BYTES  # three pieces
+    (tmp_path / "big.txt").write_bytes(raw)
+    encoded = []
+
+    class Counting(type(data_lib.BYTES)):
+        def encode(self, text):
+            encoded.append(len(text))
+            return super().encode(text)
+
+    bos, eos = data_lib.BYTES.bos, data_lib.BYTES.eos
+    every_byte = np.frombuffer(raw, np.uint8).astype(np.int32)
+    glob = str(tmp_path / "*.txt")
+    _, docs = evaluation.held_out_documents(
+        small_config(), glob, tokenizer=Counting(), max_tokens=1000
+    )
+    np.testing.assert_array_equal(docs[0], np.concatenate([[bos], every_byte[:999]]))
+    assert len(encoded) == 1 and encoded[0] <= _MAX_DOCUMENT_BYTES  # one piece, not three
+    encoded.clear()
+    _, docs = evaluation.held_out_documents(small_config(), glob, tokenizer=Counting())
+    np.testing.assert_array_equal(docs[0], np.concatenate([[bos], every_byte, [eos]]))
+    assert len(encoded) == 3 and sum(encoded) == len(raw)

@@ -71,6 +71,7 @@ import sysconfig
 import time
 from pathlib import PurePath
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
@@ -510,6 +511,11 @@ def documents(piece: Piece):
         while start < piece.end:
             f.seek(start)
             chunk = f.read(min(_MAX_DOCUMENT_BYTES, piece.end - start))
+            if not chunk:  # the file shrank since its size was taken
+                raise DataError(
+                    f"{piece.path} changed while it was read (it ends at byte {start}, "
+                    f"not {piece.end}); read it again when nothing writes to it"
+                )
             if start + len(chunk) < piece.end:
                 newline = chunk.rfind(b"\n")
                 if newline != -1:
@@ -526,6 +532,29 @@ def documents(piece: Piece):
                     chunk = chunk[:cut] if cut > 0 else chunk
             yield start, chunk
             start += len(chunk)
+
+
+def file_document(path: str, tokenizer, max_tokens: int | None = None):
+    """``(ids, replaced)``: the file at ``path`` as one document of ``tokenizer``'s
+    int32 ids ``[BOS, ..., EOS]``, read and tokenized in the pieces of at most
+    4 MiB that a build reads (cut at line starts), the ids of each piece joined.
+    ``replaced``: invalid UTF-8 was read as U+FFFD. With ``max_tokens``, reading
+    stops at the piece that reaches that many ids and the document is its first
+    ``max_tokens`` ids (no EOS where the file was cut): a file of hundreds of MB
+    costs one piece when a few thousand tokens of it are scored."""
+    ids, held, replaced = [np.array([tokenizer.bos], np.int32)], 1, False
+    whole = Piece(os.path.dirname(path), os.path.basename(path), 0, os.path.getsize(path))
+    for _, raw in documents(whole):
+        text, invalid = decode_text(raw)
+        replaced |= invalid
+        ids.append(np.asarray(tokenizer.encode(text), np.int32))
+        held += len(ids[-1])
+        if max_tokens is not None and held >= max_tokens:
+            break
+    else:
+        ids.append(np.array([tokenizer.eos], np.int32))
+    document = np.concatenate(ids)
+    return (document if max_tokens is None else document[:max_tokens]), replaced
 
 
 # ---------------------------------------------------------------- TFDS builders
