@@ -26,6 +26,7 @@ from lexjax.config import MESH_AXES, SHARDINGS, Config, ConfigError, MeshConfig,
 
 __all__ = [
     "MESH_AXES",
+    "MeshMismatch",
     "SHARDING_PRESETS",
     "rules",
     "mesh_shape",
@@ -72,6 +73,18 @@ def rules(config: Config) -> tuple[tuple[str, Any], ...]:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in table.items())
 
 
+class MeshMismatch(ConfigError):
+    """A mesh that does not fit the devices, the batch or the model: ``reason``, and
+    ``remedy`` for a program that chooses its mesh (train.py); the message is both."""
+
+    def __init__(self, reason: str, remedy: str):
+        super().__init__(f"{reason}; {remedy}")
+        self.reason, self.remedy = reason, remedy
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.remedy)
+
+
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """The (data, fsdp, tensor) sizes: a single −1 becomes the devices left."""
     check_mesh_sizes(mesh)
@@ -80,16 +93,17 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     known = math.prod(s for s in sizes if s != -1)
     if fill:
         if num_devices % known:
-            raise ConfigError(
+            raise MeshMismatch(
                 f"mesh {tuple(sizes)} cannot fill {num_devices} devices: "
-                f"{known} does not divide {num_devices}; change mesh.data, mesh.fsdp or mesh.tensor"
+                f"{known} does not divide {num_devices}",
+                "change mesh.data, mesh.fsdp or mesh.tensor",
             )
         sizes[fill[0]] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ConfigError(
+        raise MeshMismatch(
             f"mesh data×fsdp×tensor = {'×'.join(map(str, sizes))} = "
-            f"{math.prod(sizes)} but there are {num_devices} devices; set "
-            "one axis to -1 or make the product match"
+            f"{math.prod(sizes)} but there are {num_devices} devices",
+            "set one axis to -1 or make the product match",
         )
     return tuple(sizes)
 
@@ -116,30 +130,32 @@ def check_mesh(
     if not check_batch:
         per_step = batch_shards * num_processes
     if per_step % batch_shards:
-        raise ConfigError(
+        raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
-            f"mesh {'×'.join(batch_axes)} = {batch_shards}; change batch_size or the mesh"
+            f"mesh {'×'.join(batch_axes)} = {batch_shards}",
+            "change batch_size or the mesh",
         )
     if per_step % num_processes:
-        raise ConfigError(
+        raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by the "
-            f"{num_processes} processes; change batch_size or grad_accum_steps"
+            f"{num_processes} processes",
+            "change batch_size or grad_accum_steps",
         )
     if check_batch:  # a training mesh: every device does its own share of the work
         used = {a for axes in table.values() for a in split_axes(axes)}
         for axis, size in zip(MESH_AXES, shape):
             if size > 1 and axis not in used:
-                raise ConfigError(
+                raise MeshMismatch(
                     f"mesh.{axis}={size} under sharding={config.sharding!r} shards nothing (no "
-                    f"rule names {axis!r}), so {size} copies of every step would run; set "
-                    f"mesh.{axis}=1, or choose a sharding that uses it"
+                    f"rule names {axis!r}), so {size} copies of every step would run",
+                    f"set mesh.{axis}=1, or choose a sharding that uses it",
                 )
     for logical, size in _model_sizes(config.model).items():
         axes, n = split(logical)
         if size % n:
-            raise ConfigError(
-                f"model {logical} size {size} is not divisible by its mesh "
-                f"axes {axes} of size {n}; change the model or the mesh"
+            raise MeshMismatch(
+                f"model {logical} size {size} is not divisible by its mesh axes {axes} of size {n}",
+                "change the model or the mesh",
             )
     return shape
 
@@ -220,10 +236,9 @@ def eval_mesh(config: Config, devices=None) -> Mesh:
     fitted = fit_mesh(config.mesh, len(devices), fits)
     try:
         return make_mesh(dataclasses.replace(config, mesh=fitted), devices, check_batch=False)
-    except ConfigError as e:  # eval.py has no mesh to change: the devices are what can
-        why = str(e).split("; change")[0]
+    except MeshMismatch as e:  # eval.py has no mesh to change: the devices are what can
         raise ConfigError(
-            f"this run's mesh does not fit {len(devices)} devices ({why}); evaluate it on a "
+            f"this run's mesh does not fit {len(devices)} devices ({e.reason}); evaluate it on a "
             "device count that its sharding divides"
         ) from None
 
