@@ -12,11 +12,17 @@ import sys
 
 import jax
 from absl import flags as absl_flags
-from absl import logging as absl_logging
 
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
-from lexjax.config import ConfigError, check_rope_scaling, exit_if_help, from_configdict, to_dict
-from lexjax.errors import StdoutClosed, one_line, report
+from lexjax.config import (
+    ConfigError,
+    check_rope_scaling,
+    dotted,
+    exit_if_help,
+    from_configdict,
+    to_dict,
+)
+from lexjax.errors import one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
 
@@ -29,19 +35,8 @@ def main(program, *args, **kwargs) -> int:
     """
     checkpoint.quiet_background_errors()
     signals.redeliver_swallowed_interrupts()
-    absl_logging.get_absl_handler().setFormatter(_PlainOwnLines())
+    errors.plain_own_log_lines()
     return report(program, *args, **kwargs)
-
-
-class _PlainOwnLines(absl_logging.PythonFormatter):
-    """lexjax's notes (a damaged step skipped, a step moved aside) print as the
-    one line they are; absl's prefix (level, time, thread, file:line) stays on
-    the libraries' lines."""
-
-    def format(self, record):
-        if record.name.split(".")[0] == "lexjax":
-            return record.getMessage()
-        return super().format(record)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -64,7 +59,7 @@ def run_training(
     _check_workdir_flag(workdir)
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
-    settings = {"--workdir": os.path.abspath(workdir), **_dotted(to_dict(config))}
+    settings = {"--workdir": os.path.abspath(workdir), **dotted(to_dict(config))}
     distributed.check_same_settings(settings, "train.py")
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0:
@@ -114,18 +109,6 @@ def parse_lengths(values) -> list[int] | None:
             message = f"--lengths={','.join(values)}: {value!r} is not an integer"
             raise ConfigError(message) from None
     return None if values is None else [int(value) for value in values]
-
-
-def _dotted(tree: dict, prefix: str = "") -> dict:
-    """``{"model": {"d_model": 64}}`` as ``{"model.d_model": 64}``: config fields as
-    ``--config.FIELD`` names them."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 @errors.naming_flags()  # the library's messages name eval.py's flags
@@ -217,29 +200,10 @@ def run_eval(
             f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
         )
         if generate:  # the text as it comes; on a terminal it shows the progress itself
-            # The prompt waits for the first text: by then the processes have connected,
-            # and the C++ lines that gloo prints then on stdout come before it.
-            waiting, closed = [prompt], []
-
-            def show(text) -> bool:
-                """Whether stdout's reader went away (`eval.py --generate | head`): then
-                every process stops after this chunk, and this one exits quietly."""
-                try:
-                    if not closed:
-                        print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
-                except StdoutClosed:
-                    closed.append(True)
-                return bool(closed)
-
-            try:
-                sampling.update(on_text=show, progress=not sys.stdout.isatty())
-                run.generate(prompt, mode=modes[0], **sampling)
-                show("")  # the prompt, when no text came
-            finally:
-                if not waiting:
-                    show("\n")  # the text's end, also after a Ctrl-C
-            if closed:
-                raise StdoutClosed
+            sampling.update(progress=not sys.stdout.isatty())
+            generation.print_continuation(
+                prompt, lambda show: run.generate(prompt, mode=modes[0], on_text=show, **sampling)
+            )
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)

@@ -66,6 +66,7 @@ __all__ = [
     "REMOVED_FIELDS",
     "unknown_field",
     "to_dict",
+    "dotted",
 ]
 
 # xpos_norotate: XPOS's decay without its rotation (θ_i = 0), the paper's Table 4 ablation.
@@ -384,6 +385,18 @@ def to_dict(config: Config) -> dict:
     out = dataclasses.asdict(config)
     out["sharding_rules"] = dict(config.sharding_rules)
     return out
+
+
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested config dict (:func:`to_dict`) as ``{"model.d_model": 64, ...}``, the
+    fields as ``--config.FIELD`` names them; an empty dict is a field of its own."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 # The user-level fields a model field follows when left unset (see _validated).

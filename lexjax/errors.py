@@ -37,6 +37,8 @@ import contextvars
 import os
 import sys
 
+from absl import logging as absl_logging
+
 __all__ = [
     "LexjaxError",
     "ConfigError",
@@ -50,6 +52,7 @@ __all__ = [
     "arg",
     "naming_flags",
     "report",
+    "plain_own_log_lines",
     "stdout_failures",
 ]
 
@@ -196,6 +199,22 @@ def stdout_failures():
         sys.stdout.flush()
     finally:
         sys.stdout = real
+
+
+class _PlainOwnLines(absl_logging.PythonFormatter):
+    """lexjax's logged notes (a damaged step skipped, a step moved aside) print as
+    the one line they are; absl's prefix (level, time, thread, file:line) stays on
+    the libraries' lines."""
+
+    def format(self, record):
+        if record.name.split(".")[0] == "lexjax":
+            return record.getMessage()
+        return super().format(record)
+
+
+def plain_own_log_lines() -> None:
+    """A program's choice, made at its start: :class:`_PlainOwnLines` on absl's handler."""
+    absl_logging.get_absl_handler().setFormatter(_PlainOwnLines())
 
 
 def report(program, *args, **kwargs) -> int:

@@ -27,6 +27,7 @@ appended; memory grows with the sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,13 +39,14 @@ from lexjax import distributed
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
 from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
-from lexjax.errors import ConfigError, EvaluationError, arg
+from lexjax.errors import ConfigError, EvaluationError, StdoutClosed, arg
 from lexjax.evaluation import full_length_limit, full_length_problem
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
 __all__ = [
     "MODES",
+    "print_continuation",
     "prefill",
     "decode_step",
     "sample_logits",
@@ -529,3 +531,31 @@ class TextStream:
     def flush(self) -> str:
         text, self.waiting = self.tokenizer.decode(self.waiting), self.waiting[:0]
         return text
+
+
+def print_continuation(prompt: str, generate: Callable[[Callable[[str], bool]], Any]) -> None:
+    """eval.py --generate's output: ``prompt``, then the text that ``generate(show)``
+    passes to ``show`` as it comes, on stdout, and a newline after it (also after a
+    Ctrl-C). The prompt waits for the first text: by then the processes have
+    connected, and the C++ lines gloo prints then on stdout come before it. ``show``
+    says whether stdout's reader went away (``eval.py --generate | head``): every
+    process then stops after this chunk, and this one raises
+    :class:`lexjax.errors.StdoutClosed` (a quiet exit)."""
+    waiting, closed = [prompt], []
+
+    def show(text: str) -> bool:
+        try:
+            if not closed:
+                print(waiting.pop() if waiting else "", text, sep="", end="", flush=True)
+        except StdoutClosed:
+            closed.append(True)
+        return bool(closed)
+
+    try:
+        generate(show)
+        show("")  # the prompt, when no text came
+    finally:
+        if not waiting:
+            show("\n")  # the text's end, also after a Ctrl-C
+    if closed:
+        raise StdoutClosed

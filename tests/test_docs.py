@@ -83,3 +83,17 @@ def test_every_test_the_docs_cite_exists():
         if not any(d == name or (family and d.startswith(name)) for d in defined):
             missing.append(f"{file}::{name}{family}")
     assert missing == []
+
+
+def test_the_cli_stays_a_thin_boundary():
+    """The redesign's limits: cli.py at most 220 lines (it had grown to 252), and
+    no library module imports it (the experiments once drove eval.py's helpers)."""
+    with open(os.path.join(ROOT, "lexjax", "cli.py"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 220
+    for folder, _, names in os.walk(os.path.join(ROOT, "lexjax")):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and name != "cli.py":
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                assert not re.search(r"lexjax\.cli|import cli", text), path

@@ -64,6 +64,7 @@ from lexjax.config import (
     ROTARY_ENCODINGS,
     Config,
     ConfigError,
+    dotted,
     from_configdict,
     to_dict,
 )
@@ -191,7 +192,7 @@ def _stage_done(
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
         theirs = _plain(to_dict(from_configdict(theirs)))
     if theirs != ours:
-        ours_flat, theirs_flat = _dotted(ours), _dotted(theirs)
+        ours_flat, theirs_flat = dotted(ours), dotted(theirs)
         keys = set(ours_flat) | set(theirs_flat)
         diff = sorted(k for k in keys if ours_flat.get(k) != theirs_flat.get(k))
         raise ExperimentError(
@@ -203,17 +204,6 @@ def _stage_done(
     if measured is not None and _plain(_recorded(stored, measured)) != _plain(measured):
         return None
     return stored
-
-
-def _dotted(config: dict, prefix: str = "") -> dict:
-    """A nested config as ``{"model.scale_base": 8, ...}``: a difference names its field."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            flat.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _recorded(stored: dict, measured: dict) -> dict:
@@ -828,8 +818,8 @@ _OUT = None
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The program on ``argv`` (default ``sys.argv``), as ``lexjax.cli.main`` runs
-    train.py's (this module does not import the CLI): orbax's background failures
+    """The program on ``argv`` (default ``sys.argv``), run as train.py's main runs
+    it (this module does not import the command-line boundary): orbax's background failures
     kept off stderr, a Ctrl-C that a callback swallowed delivered again, and a user's
     error one line with the exit status of its kind. Raises SystemExit like ``app.run``."""
     global _OUT
