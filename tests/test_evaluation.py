@@ -2,6 +2,7 @@
 chunked dense path equals one dense forward, memory does not grow with the length."""
 
 import dataclasses
+import os
 
 import flax.linen as nn
 import jax
@@ -442,3 +443,20 @@ def test_a_large_eval_file_is_read_no_further_than_the_tokens_scored(tmp_path):
     _, docs = evaluation.held_out_documents(small_config(), glob, tokenizer=Counting())
     np.testing.assert_array_equal(docs[0], np.concatenate([[bos], every_byte, [eos]]))
     assert len(encoded) == 3 and sum(encoded) == len(raw)
+
+
+def test_an_eval_file_whose_size_says_nothing_of_its_contents_is_read_to_its_end():
+    """A /sys file reports 4096 bytes and holds a few: reading in pieces up to the
+    reported size stopped with "changed while it was read" (f.read() had read it)."""
+    from lexjax import data as data_lib
+    from lexjax.data.builders import file_document
+
+    path = "/sys/devices/system/cpu/online"
+    if not os.path.exists(path):
+        pytest.skip("no sysfs here")
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert os.path.getsize(path) != len(raw)  # the case this covers
+    document, replaced = file_document(path, data_lib.BYTES)
+    expected = [data_lib.BYTES.bos, *raw, data_lib.BYTES.eos]
+    assert document.tolist() == expected and not replaced

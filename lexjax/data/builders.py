@@ -503,20 +503,29 @@ def _no_text(what: str, skipped: dict[str, int]) -> str:
     )
 
 
-def documents(piece: Piece):
+def documents(piece: Piece, *, to_end_of_file: bool = False):
     """Yields (start offset, bytes) of the documents of a piece: at most
-    _MAX_DOCUMENT_BYTES each, cut at line starts where possible, read streaming."""
+    _MAX_DOCUMENT_BYTES each, cut at line starts where possible, read streaming.
+    With ``to_end_of_file``, the piece's end is not known (a file whose size
+    says nothing of its contents, as in /proc and /sys): it ends where reads do."""
     with open(piece.path, "rb") as f:
         start = piece.start
-        while start < piece.end:
+        while to_end_of_file or start < piece.end:
             f.seek(start)
-            chunk = f.read(min(_MAX_DOCUMENT_BYTES, piece.end - start))
+            want = (
+                _MAX_DOCUMENT_BYTES
+                if to_end_of_file
+                else min(_MAX_DOCUMENT_BYTES, piece.end - start)
+            )
+            chunk = f.read(want)
+            if not chunk and to_end_of_file:
+                return
             if not chunk:  # the file shrank since its size was taken
                 raise DataError(
                     f"{piece.path} changed while it was read (it ends at byte {start}, "
                     f"not {piece.end}); read it again when nothing writes to it"
                 )
-            if start + len(chunk) < piece.end:
+            if len(chunk) == want and (to_end_of_file or start + want < piece.end):
                 newline = chunk.rfind(b"\n")
                 if newline != -1:
                     chunk = chunk[: newline + 1]
@@ -543,8 +552,8 @@ def file_document(path: str, tokenizer, max_tokens: int | None = None):
     ``max_tokens`` ids (no EOS where the file was cut): a file of hundreds of MB
     costs one piece when a few thousand tokens of it are scored."""
     ids, held, replaced = [np.array([tokenizer.bos], np.int32)], 1, False
-    whole = Piece(os.path.dirname(path), os.path.basename(path), 0, os.path.getsize(path))
-    for _, raw in documents(whole):
+    whole = Piece(os.path.dirname(path), os.path.basename(path), 0, -1)
+    for _, raw in documents(whole, to_end_of_file=True):
         text, invalid = decode_text(raw)
         replaced |= invalid
         ids.append(np.asarray(tokenizer.encode(text), np.int32))
