@@ -820,13 +820,14 @@ _OUT = None
 def run(argv: list[str] | None = None) -> int:
     """The program on ``argv`` (default ``sys.argv``), run as train.py's main runs
     it (this module does not import the command-line boundary): orbax's background failures
-    kept off stderr, a Ctrl-C that a callback swallowed delivered again, and a user's
-    error one line with the exit status of its kind. Raises SystemExit like ``app.run``."""
+    kept off stderr, a Ctrl-C that a callback swallowed delivered again, lexjax's logged
+    notes without absl's prefix, and a user's error one line with the exit status of its
+    kind. Raises SystemExit like ``app.run``."""
     global _OUT
     from absl import app, flags
 
     from lexjax.config import flags_parser
-    from lexjax.errors import report
+    from lexjax.errors import plain_own_log_lines, report
 
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)  # configs/*.py import each other
@@ -841,6 +842,7 @@ def run(argv: list[str] | None = None) -> int:
     parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"))
     checkpoint.quiet_background_errors()
     signals.redeliver_swallowed_interrupts()
+    plain_own_log_lines()
     return report(app.run, main, argv=argv, flags_parser=parse)
 
 
