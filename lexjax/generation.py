@@ -439,7 +439,8 @@ def complete(
     ``on_text``, if given, is called with the text as it is written, in pieces
     (one per chunk of :func:`generate`, a character split between chunks held
     back until it is whole): joined, they are the returned text. Where it returns
-    true (on any process), the writing ends there and the text so far is returned.
+    ``True`` (on any process), the writing ends there and the text so far is
+    returned; any other value goes on (a writer's ``write`` returns a count).
     ``progress``: the progress display on stderr of more than one chunk.
     """
     check_sampling(prompt=prompt)
@@ -449,7 +450,7 @@ def complete(
 
     def show(tokens_BxC) -> bool:
         piece = stream.add(tokens_BxC[0])
-        return bool(piece and on_text(piece))
+        return bool(piece) and on_text(piece) is True
 
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(

@@ -1,6 +1,7 @@
 """Generation: token-by-token decoding over the bounded cache equals the block scan."""
 
 import dataclasses
+import io
 import re
 
 import flax.linen as nn
@@ -408,6 +409,11 @@ def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
     cut = generation.complete(config, params, "ab", on_text=went_away, **sampled)
     assert cut == "".join(calls) and text.startswith(cut), (cut, text)
     assert len(cut.encode()) <= 2 * 8 < len(text.encode()), (cut, text)  # a piece, a flush
+    # A writer's count is not a stop: sys.stdout.write or a file's write streamed only
+    # the first chunk and returned it as the whole text.
+    written = io.StringIO()
+    assert generation.complete(config, params, "ab", on_text=written.write, **sampled) == text
+    assert written.getvalue() == text
 
 
 @pytest.mark.parametrize("mode", ["bca", "full"])
