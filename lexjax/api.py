@@ -26,12 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, check_path, from_configdict, is_real
 from lexjax.data import Tokenizer
-from lexjax.errors import EvaluationError, arg, one_line, out_of_memory
+from lexjax.errors import ConfigError, EvaluationError, arg, one_line, out_of_memory
 from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
 
@@ -89,9 +90,15 @@ def _on_mesh(mesh, lower: str):
         ) from None
 
 
+def _one(value):
+    """A 0-d numpy array (``np.array(256)``, ``x.sum()`` of arrays) as its one value."""
+    return value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
 def _listed(value):
     """One value where a sequence is expected (``lengths=256``, ``modes="bca"``) as a
     list of it; a string is one mode, not a sequence of letters."""
+    value = _one(value)
     one = isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool)
     return [value] if one else value
 
@@ -199,14 +206,14 @@ class Run:
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
         filler: str = "repeat",
         eval_files: str | None = None,
-        max_docs: int = evaluation.DEFAULT_MAX_DOCS,
+        max_docs: int | None = None,
         seed: int = 0,
     ) -> list[passkey.PasskeyResult]:
         """Passkey retrieval exactly as ``eval.py --passkey`` measures it: the
         fraction of ``trials`` keys the model's greedy continuation gives, at each
         length (default 1, 2, 4, 8 × train_len), depth (default 0, 0.25, … 1) and
         mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (the first
-        ``max_docs`` held-out documents, or ``eval_files``). Prints the tables and
+        ``max_docs`` held-out documents, default 20, or ``eval_files``). Prints the tables and
         writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
         (:func:`lexjax.passkey.evaluate_passkey`)."""
         with _on_mesh(self.mesh, arg("lengths")):
@@ -216,7 +223,7 @@ class Run:
                 self.step,
                 self.workdir,
                 lengths=_listed(lengths),
-                depths=[depths] if is_real(depths) else depths,  # one depth needs no list
+                depths=[_one(depths)] if is_real(_one(depths)) else depths,  # no list for one
                 trials=trials,
                 modes=_listed(modes),
                 filler=filler,
@@ -286,6 +293,8 @@ def load(workdir: str | os.PathLike[str], *, check: Callable[[Config], None] | N
     """
     # Absolute: the run's files stay where they are after a notebook's %cd.
     workdir = os.path.abspath(check_path("workdir", workdir))
+    if check is not None and not callable(check):
+        raise ConfigError(f"check must be a function of the run's Config or None, got {check!r}")
     # A damaged step's failed reads end in one warning, not in tracebacks of orbax's
     # threads and coroutines (a kernel collects them later, while it runs).
     checkpoint.quiet_background_errors()

@@ -207,7 +207,8 @@ def run_eval(
             return 0
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
-            settings.update(eval_files=eval_files, max_docs=max_docs, seed=sampling.get("seed", 0))
+            settings.update(eval_files=eval_files, seed=sampling.get("seed", 0))
+            settings.update(max_docs=max_docs if passkey_filler == "text" else None)
             run.passkey(requested, modes=modes, **settings)
             return 0
         settings = dict(max_length=max_length, modes=modes, sinks=sinks, eval_files=eval_files)

@@ -345,23 +345,24 @@ def check_settings(
     seed: int = 0,
     depths: Sequence[float] = DEPTHS,
     eval_files: str | None = None,
+    max_docs: int | None = None,
 ) -> tuple[int, int, list[float]]:
     """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
-    of range, or held-out files given to the repeated filler (which would ignore
-    them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
+    of range, or held-out files or a document count given to the repeated filler
+    (which would ignore them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
     the JSON needs) and the depths sorted, without repeats. The errors name the
     Python API's arguments, or eval.py's flags within it (:func:`lexjax.errors.arg`)."""
     seed = check_seed(seed, name=arg("seed"))
     trials_, filler_ = arg("trials", "--passkey_trials"), arg("filler", "--passkey_filler")
-    files_ = arg("eval_files")
     trials = check_int(trials_, trials)
     if filler not in FILLERS:
         raise ConfigError(f"{filler_}={filler!r}: use {' or '.join(FILLERS)}")
-    if filler != "text" and eval_files is not None:
-        raise ConfigError(
-            f"passkey with {filler_}={filler} does not use {files_}; give "
-            f"{filler_}=text to fill the samples with those files, or leave it out"
-        )
+    for name, value in (("eval_files", eval_files), ("max_docs", max_docs)):
+        if filler != "text" and value is not None:
+            raise ConfigError(
+                f"passkey with {filler_}={filler} does not use {arg(name)}; give "
+                f"{filler_}=text to fill the samples with held-out text, or leave it out"
+            )
     return trials, seed, _sorted_depths(depths)
 
 
@@ -522,7 +523,7 @@ def evaluate_passkey(
     modes: Sequence[str] = evaluation.DEFAULT_MODES,
     filler: str = "repeat",
     eval_files: str | None = None,
-    max_docs: int = 20,
+    max_docs: int | None = None,
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     corpus: str | None = None,
@@ -533,7 +534,8 @@ def evaluate_passkey(
     train_len), depth (default :data:`DEPTHS`) and mode, ``trials`` keys each.
 
     ``filler``: ``"repeat"`` (:data:`FILLER`) or ``"text"``: the first
-    ``max_docs`` held-out documents (``eval_files``, else the run's test split).
+    ``max_docs`` (default 20) held-out documents (``eval_files``, else the run's
+    test split).
     Prints a table per mode and writes ``WORKDIR/eval/passkey.json``
     (``{"train_len", ..., "skipped", "results": [{"mode", "length", "depth",
     "accuracy", "trials"}]}``), the same under a name of its settings
@@ -549,7 +551,9 @@ def evaluate_passkey(
         seed=seed,
         depths=DEPTHS if depths is None else depths,
         eval_files=eval_files,
+        max_docs=max_docs,
     )
+    max_docs = evaluation.DEFAULT_MAX_DOCS if max_docs is None else max_docs
     train_len, position = config.train_len, config.model.position
     modes = evaluation.check_modes(modes)
     lengths = evaluation.check_settings(

@@ -345,6 +345,9 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         (run.passkey, ([80],), {"depths": "0.5"}, "depths must be a sequence of numbers"),
         (run.passkey, ([80],), {"depths": ["x"]}, "depths must be numbers in [0, 1]"),
         (run.passkey, ([80],), {"eval_files": str(docs)}, "passkey with filler=repeat does not"),
+        # eval.py refused --max_docs with the repeated filler; the API ignored it.
+        (run.passkey, ([80],), {"max_docs": 5}, "passkey with filler=repeat does not use max_docs"),
+        (lexjax.load, ("run",), {"check": 5}, "check must be a function"),  # was a TypeError
         (run.passkey, ([80],), {"trials": 1.5}, "trials=1.5 must be a positive integer"),  # no --
         (run.generate, ("x",), {"temperature": 1e39}, "temperature must be ≥ 0 (0 = greedy)"),
         (run.generate, ("x",), {"on_text": 5}, "on_text must be a function"),
@@ -371,6 +374,9 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     assert (eval_dir / "passkey-full.png").exists()
     (one,) = run.passkey([80], depths=0.5, trials=1, modes="bca")  # one depth, no list
     assert one.depth == 0.5
+    # A 0-d numpy array is one value too ("iteration over a 0-d array" before).
+    (zero_d,) = run.passkey(np.array(80), depths=np.array(0.5), trials=1, modes="bca")
+    assert (zero_d.length, zero_d.depth) == (80, 0.5)
     assert not (eval_dir / "passkey-full.png").exists()  # not of the latest run's modes
     named = sorted(p.name for p in eval_dir.glob("passkey-step*.json"))
     assert [n[: n.rindex("-")] for n in named] == [
