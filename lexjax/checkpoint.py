@@ -74,7 +74,7 @@ from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
 from lexjax.distributed import all_processes
-from lexjax.errors import CheckpointError, DataError, one_line
+from lexjax.errors import CheckpointError, DataError, arg, one_line
 from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -798,7 +798,7 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} holds a position in another "
                     f"data stream ({'; '.join(changed)}), which would repeat or skip training "
-                    "data; resume with the checkpoint's values or use a new --workdir"
+                    f"data; resume with the checkpoint's values or use a new {arg('workdir')}"
                 )
         shared = record.get("shared", saved_count == 1)
         if not shared and (saved_count != count or "shared" not in record):
@@ -883,7 +883,7 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     if not os.path.isdir(directory):
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
-            f"python train.py --workdir={workdir}"
+            + arg("lexjax.train(config, workdir)", f"python train.py --workdir={workdir}")
         )
     checkpointer = Checkpointer(directory, read_only=True)
 

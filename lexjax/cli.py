@@ -49,6 +49,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise ConfigError(one_line(e)) from None
 
 
+@errors.naming_flags()  # the library's messages name train.py's flags
 def run_training(
     configdict, workdir: str, cluster: distributed.ClusterOptions, lease_timeout_s: float = 120.0
 ) -> int:

@@ -99,24 +99,25 @@ class DistributedError(LexjaxError, RuntimeError):
     exit_code = 7
 
 
-_IN_EVAL_PY = contextvars.ContextVar("lexjax_in_eval_py", default=False)
+_NAMING_FLAGS = contextvars.ContextVar("lexjax_naming_flags", default=False)
 
 
 def arg(name: str, flag: str | None = None) -> str:
-    """How a message names an argument of the evaluation API: ``name`` (the Python
-    API's), or inside :func:`naming_flags` eval.py's flag (``flag``, default
-    ``--name``), so that one message serves both."""
-    return (flag or f"--{name}") if _IN_EVAL_PY.get() else name
+    """How a message names an argument of the API: ``name`` (the Python API's), or
+    inside :func:`naming_flags` the program's flag (``flag``, default ``--name``),
+    so that one message serves both."""
+    return (flag or f"--{name}") if _NAMING_FLAGS.get() else name
 
 
 @contextlib.contextmanager
 def naming_flags():
-    """Messages raised in the block name eval.py's flags (:func:`arg`)."""
-    token = _IN_EVAL_PY.set(True)
+    """Messages raised in the block name the program's flags (train.py's, eval.py's:
+    :func:`arg`)."""
+    token = _NAMING_FLAGS.set(True)
     try:
         yield
     finally:
-        _IN_EVAL_PY.reset(token)
+        _NAMING_FLAGS.reset(token)
 
 
 def out_of_memory(error: BaseException) -> bool:

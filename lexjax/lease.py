@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import jax
 
 from lexjax import distributed
-from lexjax.errors import CheckpointError
+from lexjax.errors import CheckpointError, arg
 
 __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held"]
 
@@ -305,7 +305,7 @@ class WorkdirLease:
     def _in_use(self, record: dict) -> CheckpointError:
         return CheckpointError(
             f"workdir {os.path.dirname(self.path)} is in use by a training job on "
-            f"{_describe(record)}; wait for it to finish or use another --workdir"
+            f"{_describe(record)}; wait for it to finish or use another {arg('workdir')}"
         )
 
     def _watch(self, record: dict) -> None:

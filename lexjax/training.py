@@ -37,7 +37,7 @@ from lexjax.config import (
     model_differences,
     to_dict,
 )
-from lexjax.errors import CheckpointError, ConfigError, TrainingError, one_line, out_of_memory
+from lexjax.errors import CheckpointError, ConfigError, TrainingError, arg, one_line, out_of_memory
 from lexjax.optim import learning_rate_schedule
 from lexjax.progress import Progress
 from lexjax.steps import TrainSetup
@@ -209,15 +209,19 @@ def _stream_settings(config: Config, source) -> dict[str, Any]:
 def _check_workdir(workdir: str) -> None:
     """Creates ``workdir`` if needed; raises CheckpointError unless it is writable."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise CheckpointError(f"workdir {workdir} is a file; choose a directory for --workdir")
+        raise CheckpointError(
+            f"workdir {workdir} is a file; choose a directory for {arg('workdir')}"
+        )
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
         raise CheckpointError(
-            f"cannot create workdir {workdir}: {e.strerror}; choose a writable --workdir"
+            f"cannot create workdir {workdir}: {e.strerror}; choose a writable {arg('workdir')}"
         ) from None
     if not os.access(workdir, os.W_OK):
-        raise CheckpointError(f"workdir {workdir} is not writable; choose a writable --workdir")
+        raise CheckpointError(
+            f"workdir {workdir} is not writable; choose a writable {arg('workdir')}"
+        )
 
 
 def train(
@@ -318,7 +322,7 @@ def _check_corpus_outside(config: Config, workdir: str) -> None:
     data dir's built corpus): they would be trained on, and every resume would see
     another corpus."""
     d = config.data
-    places = {"--workdir": workdir, "data.data_dir": data_lib.resolve_data_dir(d.data_dir)}
+    places = {arg("workdir"): workdir, "data.data_dir": data_lib.resolve_data_dir(d.data_dir)}
     for what in ("files", "validation_files", "test_files"):
         data_lib.check_outside(getattr(d, what), f"data.{what}", places)
 
@@ -404,7 +408,7 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
         if diff := model_differences(stored or {}, config):
             raise CheckpointError(
                 f"workdir {checkpointer.directory} holds checkpoints of another model "
-                f"(differs in {', '.join(diff)}); use a new --workdir or "
+                f"(differs in {', '.join(diff)}); use a new {arg('workdir')} or "
                 "the same model config"
             )
 
@@ -417,7 +421,7 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"workdir {checkpointer.directory} was trained with another tokenizer "
             f"({saved.describe(tokenizer)}) than this corpus build gives "
             f"({tokenizer.describe(saved)}); "
-            "use a new --workdir or the corpus and tokenizer it was trained with"
+            f"use a new {arg('workdir')} or the corpus and tokenizer it was trained with"
         )
     say(f"resumed from {checkpointer.directory} at step {step}, mesh {dict(setup.mesh.shape)}")
     if changed := _schedule_changes(stored or {}, config, int(step)):

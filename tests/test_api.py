@@ -108,8 +108,10 @@ def test_train_checks_a_config_built_by_hand(tmp_path):
 
 
 def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no checkpoint in"):
+    """In the API's terms: it advised "python train.py --workdir=…" in a notebook."""
+    with pytest.raises(CheckpointError, match="no checkpoint in") as e:
         lexjax.load(tmp_path)
+    assert str(e.value).endswith("; train first: lexjax.train(config, workdir)")
 
 
 def _direct_nll(run, rows_BxN):

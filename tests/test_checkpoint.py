@@ -330,7 +330,8 @@ def test_a_position_is_refused_by_an_iterator_of_other_stream_settings(tmp_path)
     with pytest.raises(CheckpointError) as e:
         ckpt.restore(3, abstract_state=target, data_iter=make_iter(seed=1, shuffle=16))
     assert "(seed is 0 there, 1 here; shuffle is 1024 there, 16 here)" in str(e.value)
-    assert "resume with the checkpoint's values or use a new --workdir" in str(e.value)
+    # The API's name for the directory (train.py's messages say --workdir).
+    assert "resume with the checkpoint's values or use a new workdir" in str(e.value)
     for resumed in (make_iter(seed=0, shuffle=1024, new=1), make_iter()):
         ckpt.restore(3, abstract_state=target, data_iter=resumed)
         assert next(resumed).tolist() == [12, 13, 14, 15]

@@ -453,7 +453,10 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     from lexjax import config as config_lib
     from lexjax.steps import TrainSetup
 
-    _one_line_error(_run("eval.py", f"--workdir={tmp_path}"), 4, "no checkpoint")
+    no_run = _run("eval.py", f"--workdir={tmp_path}")
+    _one_line_error(
+        no_run, 4, "no checkpoint", f"train first: python train.py --workdir={tmp_path}"
+    )
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
     _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")

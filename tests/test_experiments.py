@@ -382,6 +382,24 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
     assert walls[-1] < record["seconds"] <= sum(walls), (record["seconds"], walls)
 
 
+def test_a_runs_advice_on_its_workdir_names_the_studys_out(tmp_path):
+    """Training's messages name the API's workdir (train.py's say --workdir): the
+    study's runs live in OUT/runs/<run>, so the advice is about --out."""
+    from lexjax import training
+    from lexjax.errors import CheckpointError
+    from lexjax.experiments.extrapolation import RunSpec, _run_error
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError) as e:
+        training._check_workdir(str(tmp_path / "f"))
+    said = _run_error(RunSpec("rope", 8.0, 0), e.value)
+    assert type(said) is CheckpointError
+    assert (
+        str(said)
+        == f"run rope_s0: workdir {tmp_path / 'f'} is a file; choose a directory for --out"
+    )
+
+
 def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     """The documents resolution reads depend on the longest evaluated length (the
     plan keeps those that have it): with more multipliers perplexity was measured

@@ -320,7 +320,7 @@ def test_a_workdir_that_is_a_file_is_named_so(tmp_path):
     blocker.write_text("kept")
     with pytest.raises(CheckpointError) as e:
         train(_train_config(tmp_path), str(blocker), log=lambda _: None, progress=False)
-    assert str(e.value) == f"workdir {blocker} is a file; choose a directory for --workdir"
+    assert str(e.value) == f"workdir {blocker} is a file; choose a directory for workdir"
     assert blocker.read_text() == "kept"
 
 

@@ -320,8 +320,8 @@ def _run_error(spec: RunSpec, error: Exception) -> Exception:
             "wait for it to finish or use another --out"
         )
     else:
-        for what in ("another", "a new", "a writable"):
-            text = text.replace(f"{what} --workdir", f"{what} --out")
+        for what in ("another", "a new", "a writable", "a directory for"):
+            text = text.replace(f"{what} workdir", f"{what} --out")
     return type(error)(f"run {spec.name}: {text}")
 
 
