@@ -7,7 +7,8 @@ may change between versions.
 `xpos`, `rope`, `alibi_bias`, the attention masks in `masks`, and attention
 resolution and expected-score curves (Figure 1) in `resolution`.
 
-**The model**: `Decoder`, a Flax Linen module over byte tokens.
+**The model**: `Decoder`, a Flax Linen module over token ids (UTF-8 bytes, or a
+run's SentencePiece pieces).
 
 **Verbs** (what ``train.py`` and ``eval.py`` run):
 
