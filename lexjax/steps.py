@@ -54,6 +54,11 @@ def loss_fn(params, model: Decoder, batch) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(nll_BxT * weights_BxT) / jnp.maximum(total, 1.0), total
 
 
+def _micro_batches(batch, accum: int):
+    """``batch``'s ``[B, T]`` arrays as ``[accum, B / accum, T]``: micro-batches to scan."""
+    return jax.tree_util.tree_map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+
 def _loss_and_grads(params, model: Decoder, batch, accum: int):
     """The token-weighted mean loss over the batch and its gradient.
 
@@ -65,7 +70,7 @@ def _loss_and_grads(params, model: Decoder, batch, accum: int):
     if accum == 1:
         (loss, _), grads = grad_fn(params, batch)
         return loss, grads
-    micro = jax.tree_util.tree_map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+    micro = _micro_batches(batch, accum)
 
     def body(carry, mb):
         loss_sum, weight_sum, grad_sum = carry
@@ -110,10 +115,22 @@ def train_step(
     return new_state, metrics
 
 
-def eval_step(params, batch, *, model: Decoder) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token NLL over real tokens and their count (pure; float32 scalars)."""
-    loss, weight = loss_fn(params, model, batch)
-    return loss * weight, weight
+def eval_step(params, batch, *, model: Decoder, accum: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token NLL over real tokens and their count (pure; float32 scalars).
+
+    With ``accum > 1``, in ``accum`` micro-batches scanned one after another, as
+    the train step takes them: a batch that trains in micro-batches is validated
+    within the same memory (its logits alone are ``[B, T, V]``)."""
+
+    def sums(mb):
+        loss, weight = loss_fn(params, model, mb)
+        return loss * weight, weight
+
+    if accum == 1:
+        return sums(batch)
+    add = lambda total, mb: (jax.tree_util.tree_map(jnp.add, total, sums(mb)), None)
+    totals, _ = jax.lax.scan(add, (jnp.zeros(()), jnp.zeros(())), _micro_batches(batch, accum))
+    return totals
 
 
 def init_state(rng, *, model: Decoder, tx: optax.GradientTransformation, train_len: int):
@@ -199,7 +216,7 @@ class TrainSetup:
             compiler_options=self.compiler_options,
         )
         self.eval_step = jax.jit(
-            functools.partial(eval_step, model=self.model),
+            functools.partial(eval_step, model=self.model, accum=config.optim.grad_accum_steps),
             in_shardings=(self.state_shardings.params, self.batch_sharding),
             out_shardings=(repl, repl),
         )

@@ -90,6 +90,26 @@ def test_gradient_accumulation_equals_one_big_batch():
     )
 
 
+def test_validation_takes_the_batch_in_the_micro_batches_training_takes():
+    """Validation ran the whole batch in one pass whatever optim.grad_accum_steps: a
+    run that fit memory by accumulating ran out of it at its first validation, with
+    the steps since its last checkpoint. The sums equal the one-pass sums."""
+    batch = packed_batch(np.random.default_rng(0), 16, 16)
+    setups = [
+        TrainSetup(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": k}), jax.devices()[:1])
+        for k in (1, 8)
+    ]
+    params = setups[0].init_state().params
+    sums = [np.asarray(s.eval_step(params, s.global_batch(batch))) for s in setups]
+    np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5)
+    assert sums[0][1] == (batch["segment_ids"] > 0).sum()
+    temp = [
+        s.eval_step.lower(params, s.global_batch(batch)).compile().memory_analysis() for s in setups
+    ]
+    # The logits of 2 rows instead of 16 (and their softmax): at least 4× less.
+    assert temp[1].temp_size_in_bytes * 4 < temp[0].temp_size_in_bytes, temp
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_weight_decay_spares_biases_and_layernorm_with_and_without_scanned_layers(scan_layers):
     """AdamW with zero gradients moves a parameter by its weight decay alone: kernels
