@@ -47,6 +47,7 @@ newest `keep` complete steps by recency alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -837,10 +838,11 @@ class Checkpointer:
 
 
 def abstract_params(config: Config) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of every (unboxed) parameter of ``config``'s model."""
-    init = lambda: nn.unbox(
-        Decoder(config.model).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    )
+    """``jax.ShapeDtypeStruct`` of every (unboxed) parameter of ``config``'s model.
+    How attention is computed makes no parameter: the shapes are traced with the
+    explicit path, which every backend runs (splash is refused off a TPU)."""
+    model = Decoder(dataclasses.replace(config.model, attention_impl="explicit"))
+    init = lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     return jax.eval_shape(init)
 
 

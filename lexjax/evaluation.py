@@ -1167,7 +1167,25 @@ def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | N
         if check is not None:
             check(config)
         meshes.append(shard_lib.eval_mesh(config, devices))
-        return shard_lib.model_param_shardings(config, meshes[-1])
+        return shard_lib.model_param_shardings(_runnable_here(config), meshes[-1])
 
     loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
-    return loaded, meshes[-1]
+    here = _runnable_here(loaded.config)
+    if here != loaded.config:
+        _stderr(
+            f"note: this run trained with model.attention_impl=splash, a TPU kernel; on "
+            f"{jax.default_backend()} it is evaluated with {here.model.attention_impl} "
+            "(the same attention)"
+        )
+    return loaded._replace(config=here), meshes[-1]
+
+
+def _runnable_here(config: Config) -> Config:
+    """``config`` with attention this backend runs: a run trained with splash (a TPU
+    kernel) is evaluated with fused attention elsewhere; how attention is computed is
+    not part of the trained model (a resume may change it too)."""
+    if config.model.attention_impl != "splash" or jax.default_backend() == "tpu":
+        return config
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, attention_impl="fused")
+    )

@@ -126,3 +126,28 @@ def test_splash_is_refused_off_a_tpu_and_with_alibi(monkeypatch):
         Decoder(config.model).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ConfigError, match="no model.position=alibi"):
         small_config(**{"model.attention_impl": "splash", "model.position": "alibi"})
+
+
+def test_a_run_trained_with_splash_is_evaluated_off_a_tpu(tmp_path, monkeypatch, capfd):
+    """eval.py refused it ("splash is a TPU kernel … use fused or explicit") and has
+    no flag to choose either: how attention is computed is not part of the model."""
+    import lexjax
+    from tests.processes import write_corpus
+
+    files = write_corpus(tmp_path / "corpus", count=12)
+    config = {
+        "model": {"num_layers": 1, "d_model": 16, "num_heads": 2, "attention_impl": "splash"},
+        "train_len": 256,
+        "batch_size": 8,  # a row for each of the suite's 8 simulated devices
+        "num_train_steps": 1,
+        "eval_batches": 1,
+        "data": {"name": "textfiles", "files": files, "data_dir": str(tmp_path / "tfds")},
+    }
+    lexjax.train(config, str(tmp_path / "run"), progress=False)  # splash, interpreted
+    monkeypatch.undo()  # the real backend check: this CPU cannot run splash
+    capfd.readouterr()
+    run = lexjax.load(tmp_path / "run")
+    assert run.config.model.attention_impl == "fused"
+    assert "trained with model.attention_impl=splash" in capfd.readouterr().err
+    (result,) = run.evaluate([256], modes="bca", max_length=256, max_docs=1)
+    assert np.isfinite(result.perplexity)
