@@ -429,9 +429,17 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"learning-rate schedule changed: {', '.join(changed)}; "
             f"from step {step} the rate follows the new schedule"
         )
+    if changed := _changes(stored or {}, config, _OPTIMIZER_FIELDS):
+        say(
+            f"optimizer settings changed: {', '.join(changed)}; "
+            f"from step {step} the updates use the new values"
+        )
     return state, int(step)
 
 
+# Settings of the updates a resume may change (the moments keep their meaning); said
+# in one line, as the schedule's are. grad_accum_steps changes only memory.
+_OPTIMIZER_FIELDS = ("optim.b1", "optim.b2", "optim.eps", "optim.weight_decay", "optim.grad_clip")
 _SCHEDULE_FIELDS = (
     "num_train_steps",
     "learning_rate",
@@ -441,20 +449,26 @@ _SCHEDULE_FIELDS = (
 )
 
 
+def _changes(stored: dict, config: Config, names) -> list[str]:
+    """``"field old → new"`` for each of ``names`` whose value in the checkpoint's
+    config (where it has one) differs from ``config``'s."""
+    now = to_dict(config)
+    pairs = [(name, field_at(stored, name), field_at(now, name)) for name in names]
+    return [f"{name} {old} → {new}" for name, old, new in pairs if old is not None and old != new]
+
+
 def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
     """``"field old → new"`` for each schedule setting that differs from the
     checkpoint's config, if the rates from ``step`` on differ; else nothing."""
 
-    now, before = to_dict(config), to_dict(config)
-    changed = []
-    for name in _SCHEDULE_FIELDS:
-        old, new = field_at(stored, name), field_at(now, name)
-        if old is not None and old != new:
-            *parents, key = name.split(".")
-            (before[parents[0]] if parents else before)[key] = old  # one level at most
-            changed.append(f"{name} {old} → {new}")
+    before = to_dict(config)
+    changed = _changes(stored, config, _SCHEDULE_FIELDS)
     if not changed:
         return []
+    for name in _SCHEDULE_FIELDS:
+        if (old := field_at(stored, name)) is not None:
+            *parents, key = name.split(".")
+            (before[parents[0]] if parents else before)[key] = old  # one level at most
     try:
         old_config = from_configdict(before)
     except ConfigError:  # a value this version no longer takes: say what changed

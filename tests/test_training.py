@@ -403,14 +403,18 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     ]
     assert "\x1b" not in out and "\r" not in out
 
-    config = dataclasses.replace(config, num_train_steps=5)
+    # The weight decay changed too: said as the schedule is (it went unannounced).
+    optim = dataclasses.replace(config.optim, weight_decay=0.5)
+    config = dataclasses.replace(config, num_train_steps=5, optim=optim)
     lines = []
     second = train(config, workdir, log=lines.append, progress=False, peak_flops=1e9)
     assert second["start_step"] == 3 and second["step"] == 5
-    changed = [line for line in lines if "schedule" in line]
+    changed = [line for line in lines if "changed" in line]
     assert changed == [
         "learning-rate schedule changed: num_train_steps 3 → 5; "
-        "from step 3 the rate follows the new schedule"
+        "from step 3 the rate follows the new schedule",
+        "optimizer settings changed: optim.weight_decay 0.01 → 0.5; "
+        "from step 3 the updates use the new values",
     ], lines
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
