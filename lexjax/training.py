@@ -11,6 +11,7 @@ state. The step itself is :mod:`lexjax.steps`; what is measured and written is
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
 from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
+from lexjax import positions as pos_lib
 from lexjax import sharding as shard_lib
 from lexjax.config import (
     Config,
@@ -269,6 +271,7 @@ def train(
     """
     # A Config built by hand or with dataclasses.replace is checked like any other.
     config = from_configdict(config)
+    _check_xpos_range(config)
     workdir = check_path("workdir", workdir)
     if not callable(log):
         raise ConfigError(f"log={log!r} must be a function of one str, such as print")
@@ -307,6 +310,24 @@ def train(
             checkpoint_dir=checkpoint_dir,
             stopped_by=stop.signal_name,
             num_params=None,
+        )
+
+
+def _check_xpos_range(config: Config) -> None:
+    """XPOS's key scale grows as ζ^(−p/b): beyond a position set by scale_base b it
+    overflows the compute dtype. Training's positions (centred, ±train_len/2) must
+    stay within it: refused before any work, not a non-finite loss at step 1."""
+    m = config.model
+    if m.position not in ("xpos", "xpos_norotate"):
+        return
+    limit = pos_lib.max_safe_position(m.scale_base, dtype=m.dtype)
+    if config.train_len / 2 > limit:
+        least = config.train_len / 2 / pos_lib.max_safe_position(1.0, dtype=m.dtype)
+        raise ConfigError(
+            f"model.scale_base={m.scale_base:g} lets XPOS's scale overflow {m.dtype} beyond "
+            f"positions ±{int(limit)}, and train_len={config.train_len} trains at "
+            f"±{config.train_len // 2}; use model.scale_base ≥ {math.ceil(least)} or a "
+            "shorter train_len"
         )
 
 

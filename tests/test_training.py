@@ -17,7 +17,7 @@ from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
 from lexjax import data as data_lib
 from lexjax import metrics
-from lexjax.errors import CheckpointError, DataError
+from lexjax.errors import CheckpointError, ConfigError, DataError
 from lexjax.optim import learning_rate_schedule
 from lexjax.steps import TrainSetup
 from lexjax.training import train
@@ -88,6 +88,31 @@ def test_gradient_accumulation_equals_one_big_batch():
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p2, p1
     )
+
+
+def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_path, monkeypatch):
+    """It trained until "non-finite loss at step 1" (exit 5): at ±train_len/2 XPOS's
+    key scale overflowed float32."""
+    from lexjax import training
+    from lexjax.errors import TrainingError
+
+    config = _train_config(tmp_path, **{"model.scale_base": 0.1})
+    said = (
+        "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±6, and "
+        "train_len=16 trains at ±8; use model.scale_base ≥ 1 or a shorter train_len"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+        train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    assert not (tmp_path / "run").exists()
+    # Without the check, the first step is indeed not finite; 0.2 (±13) trains.
+    monkeypatch.setattr(training, "_check_xpos_range", lambda config: None)
+    with pytest.raises(TrainingError, match="step 1"):
+        train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    fits = dataclasses.replace(
+        config, num_train_steps=1, model=dataclasses.replace(config.model, scale_base=0.2)
+    )
+    monkeypatch.undo()
+    assert train(fits, str(tmp_path / "fits"), log=lambda _: None, progress=False)["step"] == 1
 
 
 def test_validation_takes_the_batch_in_the_micro_batches_training_takes():
