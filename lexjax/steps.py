@@ -55,8 +55,14 @@ def loss_fn(params, model: Decoder, batch) -> tuple[jax.Array, jax.Array]:
 
 
 def _micro_batches(batch, accum: int):
-    """``batch``'s ``[B, T]`` arrays as ``[accum, B / accum, T]``: micro-batches to scan."""
-    return jax.tree_util.tree_map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+    """``batch``'s ``[B, T]`` arrays as ``[accum, B / accum, T]``: micro-batches to
+    scan, micro-batch ``m`` the rows ``m, m + accum, …``. The batch is split over
+    the devices in contiguous blocks, so each device holds its share of every
+    micro-batch, and each step of the scan runs on every device (contiguous
+    micro-batches would give each device whole micro-batches one after another:
+    all the work, and no memory saved)."""
+    split = lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree_util.tree_map(split, batch)
 
 
 def _loss_and_grads(params, model: Decoder, batch, accum: int):

@@ -115,24 +115,31 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
     assert train(fits, str(tmp_path / "fits"), log=lambda _: None, progress=False)["step"] == 1
 
 
-def test_validation_takes_the_batch_in_the_micro_batches_training_takes():
+@pytest.mark.parametrize("devices", [1, 8])
+def test_micro_batches_take_less_memory_on_one_device_and_across_a_data_mesh(devices):
     """Validation ran the whole batch in one pass whatever optim.grad_accum_steps: a
     run that fit memory by accumulating ran out of it at its first validation, with
-    the steps since its last checkpoint. The sums equal the one-pass sums."""
-    batch = packed_batch(np.random.default_rng(0), 16, 16)
+    the steps since its last checkpoint. And on a data mesh each device took whole
+    micro-batches one after another (contiguous rows), so neither step saved memory.
+    Sums equal the one-pass sums; XLA's temporaries shrink with 8 micro-batches."""
+    batch = packed_batch(np.random.default_rng(0), 64, 16)
     setups = [
-        TrainSetup(small_config(**{"mesh.data": 1, "optim.grad_accum_steps": k}), jax.devices()[:1])
+        TrainSetup(
+            small_config(**{"mesh.data": devices, "batch_size": 64, "optim.grad_accum_steps": k}),
+            jax.devices()[:devices],
+        )
         for k in (1, 8)
     ]
-    params = setups[0].init_state().params
-    sums = [np.asarray(s.eval_step(params, s.global_batch(batch))) for s in setups]
+    state = setups[0].init_state()
+    sums = [np.asarray(s.eval_step(state.params, s.global_batch(batch))) for s in setups]
     np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5)
     assert sums[0][1] == (batch["segment_ids"] > 0).sum()
-    temp = [
-        s.eval_step.lower(params, s.global_batch(batch)).compile().memory_analysis() for s in setups
-    ]
-    # The logits of 2 rows instead of 16 (and their softmax): at least 4× less.
-    assert temp[1].temp_size_in_bytes * 4 < temp[0].temp_size_in_bytes, temp
+    memory = lambda step, *args: step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    evals = [memory(s.eval_step, state.params, s.global_batch(batch)) for s in setups]
+    trains = [memory(s.train_step, state, s.global_batch(batch)) for s in setups]
+    # The logits of an eighth of the rows (and their softmax): at least 4× less.
+    assert evals[1] * 4 < evals[0], evals
+    assert trains[1] * 2 < trains[0], trains
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
