@@ -315,19 +315,21 @@ def train(
 
 def _check_xpos_range(config: Config) -> None:
     """XPOS's key scale grows as ζ^(−p/b): beyond a position set by scale_base b it
-    overflows the compute dtype. Training's positions (centred, ±train_len/2) must
-    stay within it: refused before any work, not a non-finite loss at step 1."""
+    is itself past the compute dtype's largest number (no margin: only a certain
+    overflow is refused). Training's positions (centred, ±train_len/2) must stay
+    within it: refused before any work, not a non-finite loss at step 1. A RoPE
+    scaling stretches the positions (the decay sees p/s) and is left to training."""
     m = config.model
-    if m.position not in ("xpos", "xpos_norotate"):
+    if m.position not in ("xpos", "xpos_norotate") or m.rope_scaling != "none":
         return
-    limit = pos_lib.max_safe_position(m.scale_base, dtype=m.dtype)
-    if config.train_len / 2 > limit:
-        least = config.train_len / 2 / pos_lib.max_safe_position(1.0, dtype=m.dtype)
+    limit = pos_lib.max_safe_position(m.scale_base, dtype=m.dtype, margin=1.0)
+    if config.train_len // 2 > limit:
+        least = config.train_len // 2 / pos_lib.max_safe_position(1.0, dtype=m.dtype, margin=1.0)
         raise ConfigError(
             f"model.scale_base={m.scale_base:g} lets XPOS's scale overflow {m.dtype} beyond "
-            f"positions ±{int(limit)}, and train_len={config.train_len} trains at "
-            f"±{config.train_len // 2}; use model.scale_base ≥ {math.ceil(least)} or a "
-            "shorter train_len"
+            f"positions ±{limit:.1f}, and train_len={config.train_len} trains at "
+            f"±{config.train_len // 2}; use model.scale_base ≥ {math.ceil(least * 100) / 100:g} "
+            "or a shorter train_len"
         )
 
 

@@ -98,13 +98,19 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
 
     config = _train_config(tmp_path, **{"model.scale_base": 0.1})
     said = (
-        "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±6, and "
-        "train_len=16 trains at ±8; use model.scale_base ≥ 1 or a shorter train_len"
+        "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±7.1, and "
+        "train_len=16 trains at ±8; use model.scale_base ≥ 0.12 or a shorter train_len"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
         train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
     assert not (tmp_path / "run").exists()
-    # Without the check, the first step is indeed not finite; 0.2 (±13) trains.
+    # What trains is not refused (a review found these refused by a first version with
+    # a margin): float16 at scale_base 2 (its scale reaches 3.5^4 = 150 at ±8), and the
+    # paper's 512 at train_len 4096 in float16.
+    for dtype, scale_base, train_len in (("float16", 2.0, 16), ("float16", 512.0, 4096)):
+        model = dataclasses.replace(config.model, dtype=dtype, scale_base=scale_base)
+        training._check_xpos_range(dataclasses.replace(config, model=model, train_len=train_len))
+    # Without the check, the first step is indeed not finite; 0.2 (±14) trains.
     monkeypatch.setattr(training, "_check_xpos_range", lambda config: None)
     with pytest.raises(TrainingError, match="step 1"):
         train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
