@@ -439,8 +439,8 @@ def complete(
     ``on_text``, if given, is called with the text as it is written, in pieces
     (one per chunk of :func:`generate`, a character split between chunks held
     back until it is whole): joined, they are the returned text. Where it returns
-    ``True`` (on any process), the writing ends there and the text so far is
-    returned; any other value goes on (a writer's ``write`` returns a count).
+    ``True`` (or numpy's, on any process), the writing ends there and the text so
+    far is returned; any other value goes on (a writer's ``write`` returns a count).
     ``progress``: the progress display on stderr of more than one chunk.
     """
     check_sampling(prompt=prompt)
@@ -450,7 +450,7 @@ def complete(
 
     def show(tokens_BxC) -> bool:
         piece = stream.add(tokens_BxC[0])
-        return bool(piece) and on_text(piece) is True
+        return bool(piece) and _is_true(on_text(piece))
 
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
     out = generate(
@@ -475,6 +475,11 @@ def complete(
     if on_text is not None and (rest := stream.flush()):
         on_text(rest)
     return text
+
+
+def _is_true(value) -> bool:
+    """``True`` or numpy's; a count (``write``'s) or another truthy value is not."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
 
 
 class TextStream:

@@ -409,6 +409,12 @@ def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
     cut = generation.complete(config, params, "ab", on_text=went_away, **sampled)
     assert cut == "".join(calls) and text.startswith(cut), (cut, text)
     assert len(cut.encode()) <= 2 * 8 < len(text.encode()), (cut, text)  # a piece, a flush
+    # numpy's True stops too (a vectorised check of the text).
+    calls.clear()
+    stopped = generation.complete(
+        config, params, "ab", on_text=lambda piece: calls.append(piece) or np.True_, **sampled
+    )
+    assert stopped == cut == "".join(calls)
     # A writer's count is not a stop: sys.stdout.write or a file's write streamed only
     # the first chunk and returned it as the whole text.
     written = io.StringIO()
