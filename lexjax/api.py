@@ -261,7 +261,7 @@ class Run:
         (``progress=False``: not). ``on_text`` (e.g. ``functools.partial(print,
         end="")``) is given the text as it comes, in pieces that join to the result
         (on every process of a multi-process run), e.g. ``sys.stdout.write``; where it
-        returns ``True`` (any other value goes on), on any process, the writing ends
+        returns ``True`` (or numpy's; any other value goes on), on any process, the writing ends
         there (every process stops after that chunk).
         """
         with _on_mesh(self.mesh, arg("max_new_tokens")):

@@ -317,12 +317,16 @@ def _check_xpos_range(config: Config) -> None:
     """XPOS's key scale grows as ζ^(−p/b): beyond a position set by scale_base b it
     is itself past the compute dtype's largest number (no margin: only a certain
     overflow is refused). Training's positions (centred, ±train_len/2) must stay
-    within it: refused before any work, not a non-finite loss at step 1. A RoPE
-    scaling stretches the positions (the decay sees p/s) and is left to training."""
+    within it: refused before any work, not a non-finite loss at step 1. Under PI
+    the decay sees p/s, so its base is b·s; the other RoPE scalings keep b."""
     m = config.model
-    if m.position not in ("xpos", "xpos_norotate") or m.rope_scaling != "none":
+    if m.position not in ("xpos", "xpos_norotate"):
         return
-    limit = pos_lib.max_safe_position(m.scale_base, dtype=m.dtype, margin=1.0)
+    base = m.scale_base
+    if m.rope_scaling == "pi":  # s: rope_factor, or (0) this length / rope_train_len
+        rope_train_len = m.rope_train_len or config.train_len
+        base *= m.rope_factor or pos_lib.length_factor(config.train_len, rope_train_len)
+    limit = pos_lib.max_safe_position(base, dtype=m.dtype, margin=1.0)
     if config.train_len // 2 > limit:
         least = config.train_len // 2 / pos_lib.max_safe_position(1.0, dtype=m.dtype, margin=1.0)
         raise ConfigError(

@@ -110,6 +110,13 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
     for dtype, scale_base, train_len in (("float16", 2.0, 16), ("float16", 512.0, 4096)):
         model = dataclasses.replace(config.model, dtype=dtype, scale_base=scale_base)
         training._check_xpos_range(dataclasses.replace(config, model=model, train_len=train_len))
+    # PI with s = 2 trains at 0.1 (its decay base is b·s); the other scalings, and PI
+    # whose factor 0 means s = 1 at the training length, keep b and are refused.
+    scaled = lambda **kw: dataclasses.replace(config, model=dataclasses.replace(config.model, **kw))
+    training._check_xpos_range(scaled(rope_scaling="pi", rope_factor=2.0))
+    for scaling, factor in (("pi", 0.0), ("ntk", 2.0), ("yarn", 2.0)):
+        with pytest.raises(ConfigError, match="^model.scale_base=0.1 lets XPOS's scale"):
+            training._check_xpos_range(scaled(rope_scaling=scaling, rope_factor=factor))
     # Without the check, the first step is indeed not finite; 0.2 (±14) trains.
     monkeypatch.setattr(training, "_check_xpos_range", lambda config: None)
     with pytest.raises(TrainingError, match="step 1"):
@@ -122,12 +129,14 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-def test_micro_batches_take_less_memory_on_one_device_and_across_a_data_mesh(devices):
+def test_micro_batches_take_less_memory_and_move_no_rows_between_devices(devices):
     """Validation ran the whole batch in one pass whatever optim.grad_accum_steps: a
     run that fit memory by accumulating ran out of it at its first validation, with
-    the steps since its last checkpoint. And on a data mesh each device took whole
-    micro-batches one after another (contiguous rows), so neither step saved memory.
-    Sums equal the one-pass sums; XLA's temporaries shrink with 8 micro-batches."""
+    the steps since its last checkpoint. And on a data mesh a micro-batch was a
+    contiguous block of rows, which XLA moved between devices with all-to-alls at
+    every step (4 per step here). Compiled under the mesh, as training runs them:
+    sums equal the one-pass sums, XLA's temporaries shrink with 8 micro-batches,
+    and no row changes device."""
     batch = packed_batch(np.random.default_rng(0), 64, 16)
     setups = [
         TrainSetup(
@@ -137,15 +146,19 @@ def test_micro_batches_take_less_memory_on_one_device_and_across_a_data_mesh(dev
         for k in (1, 8)
     ]
     state = setups[0].init_state()
-    sums = [np.asarray(s.eval_step(state.params, s.global_batch(batch))) for s in setups]
-    np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5)
-    assert sums[0][1] == (batch["segment_ids"] > 0).sum()
-    memory = lambda step, *args: step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    evals = [memory(s.eval_step, state.params, s.global_batch(batch)) for s in setups]
-    trains = [memory(s.train_step, state, s.global_batch(batch)) for s in setups]
+    with jax.set_mesh(setups[0].mesh):
+        sums = [np.asarray(s.eval_step(state.params, s.global_batch(batch))) for s in setups]
+        np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5)
+        assert sums[0][1] == (batch["segment_ids"] > 0).sum()
+        compiled = [
+            (s.eval_step.lower(state.params, b).compile(), s.train_step.lower(state, b).compile())
+            for s in setups
+            for b in [s.global_batch(batch)]
+        ]
+    temp = [[c.memory_analysis().temp_size_in_bytes for c in pair] for pair in compiled]
     # The logits of an eighth of the rows (and their softmax): at least 4× less.
-    assert evals[1] * 4 < evals[0], evals
-    assert trains[1] * 2 < trains[0], trains
+    assert temp[1][0] * 4 < temp[0][0] and temp[1][1] * 2 < temp[0][1], temp
+    assert [c.as_text().count("all-to-all(") for c in compiled[1]] == [0, 0]
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
