@@ -1167,7 +1167,7 @@ def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | N
         if check is not None:
             check(config)
         meshes.append(shard_lib.eval_mesh(config, devices))
-        return shard_lib.model_param_shardings(_runnable_here(config), meshes[-1])
+        return shard_lib.model_param_shardings(config, meshes[-1])
 
     loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
     here = _runnable_here(loaded.config)

@@ -244,10 +244,13 @@ def eval_mesh(config: Config, devices=None) -> Mesh:
 
 
 def model_param_shardings(config: Config, mesh: Mesh):
-    """NamedShardings of the model's (unboxed) parameters under ``config``'s rules."""
+    """NamedShardings of the model's (unboxed) parameters under ``config``'s rules.
+    How attention is computed makes no parameter: traced with the explicit path,
+    which every backend runs (splash is refused off a TPU)."""
     from lexjax.model import Decoder  # the model is above this module
 
-    init = lambda: Decoder(config.model).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    model = Decoder(dataclasses.replace(config.model, attention_impl="explicit"))
+    init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     return param_shardings(jax.eval_shape(init)["params"], mesh, rules(config))
 
 
