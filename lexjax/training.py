@@ -328,7 +328,7 @@ def _check_xpos_range(config: Config) -> None:
         base *= m.rope_factor or pos_lib.length_factor(config.train_len, rope_train_len)
     limit = pos_lib.max_safe_position(base, dtype=m.dtype, margin=1.0)
     if config.train_len // 2 > limit:
-        least = config.train_len // 2 / pos_lib.max_safe_position(1.0, dtype=m.dtype, margin=1.0)
+        least = m.scale_base * (config.train_len // 2) / limit  # the limit grows with b
         raise ConfigError(
             f"model.scale_base={m.scale_base:g} lets XPOS's scale overflow {m.dtype} beyond "
             f"positions ±{limit:.1f}, and train_len={config.train_len} trains at "
