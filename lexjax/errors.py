@@ -39,6 +39,8 @@ import sys
 
 from absl import logging as absl_logging
 
+from lexjax.progress import end_open_line
+
 __all__ = [
     "LexjaxError",
     "ConfigError",
@@ -230,6 +232,7 @@ def report(program, *args, **kwargs) -> int:
     try:
         return program(*args, **kwargs) or 0
     except KeyboardInterrupt:
+        end_open_line()
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.excepthook = _quiet_interrupt(sys.excepthook)
         # The last word: what Python's finalization reports of the work cut short (an
@@ -244,6 +247,7 @@ def report(program, *args, **kwargs) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return STDOUT_CLOSED
     except LexjaxError as e:
+        end_open_line()
         # Whole: the message is ours, and its advice comes last, after paths that may
         # be long (a foreign reason inside it was cut already).
         print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)

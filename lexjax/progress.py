@@ -14,7 +14,10 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "end_open_line"]
+
+# The display whose line is drawn on a terminal and not yet ended (see end_open_line).
+_open: Progress | None = None
 
 
 def _redraws_lines(stream: TextIO) -> bool:
@@ -67,11 +70,23 @@ class Progress:
             bar = "#" * filled + "-" * (width - filled)
             print(f"\r[{bar}] {status} ", end="", file=self.stream, flush=True)
             self._drawn = True
+            global _open
+            _open = self
         elif now - self._last_line >= self.min_interval_s or done >= self.total:
             print(status, file=self.stream, flush=True)
             self._last_line = now
 
     def close(self) -> None:
+        global _open
         if self.tty and self._drawn:
             print(file=self.stream, flush=True)
         self._drawn = False
+        if _open is self:
+            _open = None
+
+
+def end_open_line() -> None:
+    """Ends the line of a display left drawn (a Ctrl-C or an error came between its
+    updates and its close), so what a program says next starts a line of its own."""
+    if _open is not None:
+        _open.close()

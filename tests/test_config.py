@@ -1,5 +1,6 @@
 """Configuration: one source of defaults, every field overridable, one-line errors, old configs."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -420,3 +421,42 @@ def test_an_error_line_keeps_its_advice_after_long_paths(capsys):
 
     assert errors.report(program) == 3
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_an_interrupt_or_error_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
+    """On a terminal the bar is one line redrawn in place, ended by its close: a Ctrl-C
+    or an error between two redraws printed its line after the bar's, on the same line."""
+    import io
+
+    from lexjax import errors
+    from lexjax.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # report() quiets it on Ctrl-C
+    for raised, last in (
+        (KeyboardInterrupt(), "interrupted (Ctrl-C)"),
+        (errors.DataError("the corpus is gone; build it again"), "error: the corpus is gone; "),
+    ):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+
+        def program(raised=raised):
+            Progress(10, label="tokens").update(3, "bca 16")
+            raise raised
+
+        with contextlib.suppress(KeyboardInterrupt):
+            errors.report(program)
+        lines = terminal.getvalue().split("\n")
+        assert lines[0].startswith("\r[#########") and "tokens 3/10 bca 16" in lines[0]
+        assert lines[1].startswith(last) and lines[2:] == [""], lines
+    # A bar already closed adds no empty line.
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    bar = Progress(10, label="tokens")
+    bar.update(10)
+    bar.close()
+    errors.report(lambda: (_ for _ in ()).throw(errors.DataError("gone")))
+    assert terminal.getvalue().split("\n")[1:] == ["error: gone", ""]
