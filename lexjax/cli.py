@@ -179,7 +179,8 @@ def run_eval(
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
     generation.check_sampling(prompt=prompt, **sampling)  # a bad flag is never ignored
     depths = passkey.parse_depths(passkey_depths)
-    passkey.check_settings(trials=passkey_trials, filler=passkey_filler)
+    keyed = dict(modes=modes, lengths=requested) if passkey_run else {}
+    passkey.check_settings(trials=passkey_trials, filler=passkey_filler, **keyed)
     distributed.initialize(cluster or distributed.ClusterOptions())  # before any device use
     flags = dict(lengths=lengths, max_length=max_length, bca=bca, modes=modes, sinks=sinks)
     flags.update(eval_files=eval_files, max_docs=max_docs, resolution=resolution, figure=figure)

@@ -852,18 +852,19 @@ def default_lengths(train_len: int) -> list[int]:
     return [m * train_len for m in (1, 2, 4, 8, 16)]
 
 
-def check_modes(modes, *, sinks: int = DEFAULT_SINKS) -> tuple[str, ...]:
-    """``modes`` in their order without repeats, some of :data:`MODES` (else a
+def check_modes(modes, *, sinks: int = DEFAULT_SINKS, allowed=MODES) -> tuple[str, ...]:
+    """``modes`` in their order without repeats, some of ``allowed`` (else a
     :class:`ConfigError`: none, or one unknown); a sink count other than the
     default (``sinks``) only with mode ``"sinks"``, the one that uses it. The
     message names the API's arguments, or eval.py's flags (:func:`lexjax.errors.arg`)."""
+    use = f"use some of {', '.join(allowed)}"
     if not isinstance(modes, (str, Iterable)):
-        raise ConfigError(f"{arg('modes')}={modes!r}: use some of {', '.join(MODES)}")
+        raise ConfigError(f"{arg('modes')}={modes!r}: {use}")
     modes = tuple(dict.fromkeys([modes] if isinstance(modes, str) else modes))
     if not all(isinstance(m, str) for m in modes):
-        raise ConfigError(f"{arg('modes')}={modes!r}: use some of {', '.join(MODES)}")
-    if not modes or set(modes) - set(MODES):
-        raise ConfigError(f"{arg('modes')}={','.join(modes)}: use some of {', '.join(MODES)}")
+        raise ConfigError(f"{arg('modes')}={modes!r}: {use}")
+    if not modes or set(modes) - set(allowed):
+        raise ConfigError(f"{arg('modes')}={','.join(modes)}: {use}")
     if sinks != DEFAULT_SINKS and "sinks" not in modes:
         raise ConfigError(
             f"{arg('sinks')}={sinks} is the sink count of mode sinks, which {arg('modes')}="

@@ -346,12 +346,21 @@ def check_settings(
     depths: Sequence[float] = DEPTHS,
     eval_files: str | None = None,
     max_docs: int | None = None,
-) -> tuple[int, int, list[float]]:
-    """Raises :class:`ConfigError` for a trial count, filler kind, seed or depth out
-    of range, or held-out files or a document count given to the repeated filler
-    (which would ignore them); returns ``(trials, seed, depths)``: ints (numpy's become Python's, as
-    the JSON needs) and the depths sorted, without repeats. The errors name the
+    modes: Sequence[str] = evaluation.DEFAULT_MODES,
+    lengths: Sequence[int] | None = None,
+) -> tuple[int, int, list[float], tuple[str, ...]]:
+    """Raises :class:`ConfigError` for a trial count, filler kind, seed, depth or
+    length out of range, a mode generation cannot decode in, or held-out files or a
+    document count given to the repeated filler (which would ignore them); returns
+    ``(trials, seed, depths, modes)``: ints (numpy's become Python's, as the JSON
+    needs), the depths sorted and the modes in order, without repeats. The errors name the
     Python API's arguments, or eval.py's flags within it (:func:`lexjax.errors.arg`)."""
+    modes = evaluation.check_modes(modes, allowed=generation.MODES)
+    for n in evaluation.check_settings(lengths) or ():  # a sample is built whole on the host
+        if n > MAX_LENGTH:
+            raise ConfigError(
+                f"{arg('lengths')}={n}: give passkey lengths of at most {MAX_LENGTH:,}"
+            )
     seed = check_seed(seed, name=arg("seed"))
     trials_, filler_ = arg("trials", "--passkey_trials"), arg("filler", "--passkey_filler")
     trials = check_int(trials_, trials)
@@ -363,7 +372,7 @@ def check_settings(
                 f"passkey with {filler_}={filler} does not use {arg(name)}; give "
                 f"{filler_}=text to fill the samples with held-out text, or leave it out"
             )
-    return trials, seed, _sorted_depths(depths)
+    return trials, seed, _sorted_depths(depths), modes
 
 
 def _sorted_depths(depths: Sequence[float]) -> list[float]:
@@ -545,24 +554,23 @@ def evaluate_passkey(
     the evaluation mesh (``params`` sharded on it, called under
     ``jax.set_mesh``); the samples of a batch are split over its batch axes.
     """
-    trials, seed, depths = check_settings(
+    trials, seed, depths, modes = check_settings(
         trials=trials,
         filler=filler,
         seed=seed,
         depths=DEPTHS if depths is None else depths,
         eval_files=eval_files,
         max_docs=max_docs,
+        modes=modes,
+        lengths=lengths,
     )
     max_docs = evaluation.DEFAULT_MAX_DOCS if max_docs is None else max_docs
     train_len, position = config.train_len, config.model.position
-    modes = evaluation.check_modes(modes)
     lengths = evaluation.check_settings(
         lengths, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(train_len)
     max_docs = int(max_docs)
     eval_files = None if eval_files is None else os.fspath(eval_files)
-    for n in lengths:  # a sample is built whole on the host: 8 bytes a token, and more
-        check_int("passkey length", n, 1, MAX_LENGTH + 1, f"at most {MAX_LENGTH:,} tokens")
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
         source, stream = _text_filler(config, eval_files, max_docs, tokenizer, corpus, say)

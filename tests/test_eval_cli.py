@@ -471,8 +471,13 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         "generate with --bca=on, or at most 66,871 new tokens",
     )
     assert "mesh" not in far.stdout
+    # Passkey settings generation cannot take are refused before the run loads (no mesh
+    # line): a length past the host's samples, a mode it cannot decode in (was exit 6).
     huge = _run("eval.py", f"--workdir={workdir}", "--passkey", f"--lengths=64,{10**11}")
-    _one_line_error(huge, 2, "passkey length=100000000000 must be at most 16,777,216 tokens")
+    _one_line_error(huge, 2, "--lengths=100000000000: give passkey lengths of at most 16,777,216")
+    sinks = _run("eval.py", f"--workdir={workdir}", "--passkey", "--modes=bca,sinks")
+    _one_line_error(sinks, 2, "--modes=bca,sinks: use some of bca, full")
+    assert "mesh" not in huge.stdout + sinks.stdout
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
     # that cannot show a character of the text gets "?" for it, not a traceback.
     bad = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=a\udcff")
