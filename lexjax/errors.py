@@ -166,37 +166,65 @@ class StdoutClosed(Exception):
 class _GuardedStdout:
     """stdout whose failures are the program's: a reader gone (``eval.py | head``)
     is :class:`StdoutClosed` (a quiet exit 141), any other (a full disk, ``>
-    /dev/full``) one line (EvaluationError), instead of a traceback and exit 1."""
+    /dev/full``) one line (EvaluationError), instead of a traceback and exit 1.
 
-    def __init__(self, stream):
+    With ``fallback`` (train.py: its product is the checkpoints, the log a view of
+    them) a failure says so on ``fallback`` and sends the lines since the last flush
+    and every later one there: the program goes on, and stops by Ctrl-C as it would
+    have (``train.py | tee log``: the Ctrl-C ends tee first). Should ``fallback`` fail
+    too, the lines go nowhere."""
+
+    def __init__(self, stream, fallback=None):
         self._stream = stream
-
-    def _guarded(self, method, *args):
-        try:
-            return method(*args)
-        except BrokenPipeError:
-            raise StdoutClosed from None
-        except OSError as e:
-            raise EvaluationError(
-                f"cannot write to stdout ({e.strerror or e}); send it to a file or device with room"
-            ) from None
+        self._next = None if fallback is None else [fallback, None]  # None: nowhere
+        self._unflushed: list[str] = []  # written since the last flush (the last 100)
 
     def write(self, text):
-        return self._guarded(self._stream.write, text)
+        self._unflushed = [*self._unflushed[-99:], text]
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._fail(e)
+            return len(text)
 
     def flush(self):
-        return self._guarded(self._stream.flush)
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._fail(e)
+        self._unflushed.clear()
+
+    def _fail(self, error: OSError) -> None:
+        if self._next is None and isinstance(error, BrokenPipeError):
+            raise StdoutClosed from None
+        if self._next is None:
+            raise EvaluationError(
+                f"cannot write to stdout ({error.strerror or error}); send it to a file or "
+                "device with room"
+            ) from None
+        with contextlib.suppress(OSError, ValueError):  # what it still holds goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        self._stream = self._next.pop(0) or open(os.devnull, "w")  # noqa: SIM115
+        text = "".join(self._unflushed)
+        if self._next:  # on the fallback
+            reason = error.strerror or error
+            text = f"stdout failed ({reason}); printing to stderr from here on\n{text}"
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except OSError as e:
+            self._fail(e)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
 
 @contextlib.contextmanager
-def stdout_failures():
-    """:class:`_GuardedStdout` in the block, flushed at its end (a pipe's buffer
-    fails there, not at exit)."""
+def stdout_failures(to_stderr: bool = False):
+    """:class:`_GuardedStdout` in the block (``to_stderr``: stderr its fallback),
+    flushed at its end (a pipe's buffer fails there, not at exit). Also a decorator."""
     real = sys.stdout
-    sys.stdout = _GuardedStdout(real)
+    sys.stdout = _GuardedStdout(real, sys.stderr if to_stderr else None)
     try:
         yield
         sys.stdout.flush()

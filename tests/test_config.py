@@ -423,6 +423,38 @@ def test_an_error_line_keeps_its_advice_after_long_paths(capsys):
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypatch):
+    """train.py's stdout (errors.stdout_failures(to_stderr=True)): the lines since the
+    last flush and every later one go to stderr; should stderr fail too, nowhere."""
+    import io
+
+    from lexjax import errors
+
+    def closed_pipe():
+        read, write = os.pipe()
+        os.close(read)
+        return os.fdopen(write, "w")
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", closed_pipe())
+    monkeypatch.setattr(sys, "stderr", err)
+    with errors.stdout_failures(to_stderr=True):
+        print("model: 0.02 M parameters")
+        print("step 1/2", flush=True)
+        print("step 2/2")
+    note = "stdout failed (Broken pipe); printing to stderr from here on\n"
+    assert err.getvalue() == note + "model: 0.02 M parameters\nstep 1/2\nstep 2/2\n"
+    monkeypatch.setattr(sys, "stdout", closed_pipe())
+    monkeypatch.setattr(sys, "stderr", closed_pipe())
+    with errors.stdout_failures(to_stderr=True):
+        print("step 1/2", flush=True)
+        print("step 2/2", flush=True)
+    # eval.py's stdout, whose lines are the product: a quiet exit.
+    monkeypatch.setattr(sys, "stdout", closed_pipe())
+    with pytest.raises(errors.StdoutClosed), errors.stdout_failures():
+        print("| mode | 256 |", flush=True)
+
+
 def test_an_interrupt_or_error_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
     """On a terminal the bar is one line redrawn in place, ended by its close: a Ctrl-C
     or an error between two redraws printed its line after the bar's, on the same line."""
