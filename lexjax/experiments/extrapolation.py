@@ -68,7 +68,7 @@ from lexjax.config import (
     from_configdict,
     to_dict,
 )
-from lexjax.errors import CheckpointError, TrainingError, one_line
+from lexjax.errors import CheckpointError, TrainingError, one_line, stdout_failures
 from lexjax.evaluation import MODES
 from lexjax.model import Decoder
 
@@ -787,6 +787,7 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     return collected
 
 
+@stdout_failures(to_stderr=True)  # as train.py's: a closed stdout loses no training
 def main(argv) -> int:
     """The program's body, run through :func:`lexjax.errors.report` as train.py's is."""
     import logging as py_logging
