@@ -51,7 +51,8 @@ newline; Ctrl-C stops it there (exit 130, `interrupted (Ctrl-C)` on stderr). Its
 mesh line goes to stderr.
 
 Each of the three runs (perplexity, --generate, --passkey) refuses a flag given
-that only another uses (e.g. --temperature with --passkey, which decodes greedily).
+that only another uses (e.g. --temperature with --passkey, which decodes greedily),
+and greedy --generate (--temperature=0) refuses --top_k, --top_p and --seed.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer(
     f"Tokens to generate (at most {generation.MAX_NEW_TOKENS:,}).",
 )
 _TEMPERATURE = flags.DEFINE_float(
-    "temperature", _SAMPLING["temperature"], "Sampling temperature; 0 is greedy."
+    "temperature",
+    _SAMPLING["temperature"],
+    "Sampling temperature; 0 is greedy (then --top_k, --top_p and --seed are refused).",
 )
 _TOP_K = flags.DEFINE_integer(
     "top_k", _SAMPLING["top_k"], "Sample among the k most likely tokens (0: all)."

@@ -14,14 +14,8 @@ import jax
 from absl import flags as absl_flags
 
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
-from lexjax.config import (
-    ConfigError,
-    check_rope_scaling,
-    dotted,
-    exit_if_help,
-    from_configdict,
-    to_dict,
-)
+from lexjax import config as cfg
+from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import one_line, report
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
@@ -42,7 +36,7 @@ def main(program, *args, **kwargs) -> int:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl ``flags_parser`` of a program without ``--config`` (eval.py): a bad flag is a
     one-line ConfigError (exit status 2), as :func:`lexjax.config.flags_parser` makes it."""
-    exit_if_help(argv)
+    cfg.exit_if_help(argv)
     try:
         return absl_flags.FLAGS(argv)
     except absl_flags.Error as e:
@@ -61,7 +55,7 @@ def run_training(
     _check_workdir_flag(workdir)
     config = from_configdict(configdict)
     distributed.initialize(cluster)  # before anything touches the devices
-    settings = {"--workdir": os.path.abspath(workdir), **dotted(to_dict(config))}
+    settings = {"--workdir": os.path.abspath(workdir), **cfg.dotted(cfg.to_dict(config))}
     distributed.check_same_settings(settings, "train.py")
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0:
@@ -152,7 +146,7 @@ def run_eval(
     requested = evaluation.check_settings(
         parse_lengths(lengths), max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     )
-    check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
+    cfg.check_rope_scaling(rope_scaling, rope_factor, names=("--rope_scaling", "--rope_factor"))
     # Each run refuses the flags given (not at their defaults) that it would ignore.
     given = dict(rope_scaling=rope_scaling != "none", max_length=max_length is not None)
     given.update(resolution=resolution, figure=figure, eval_files=eval_files is not None)
@@ -168,7 +162,9 @@ def run_eval(
             raise ConfigError(
                 f"--generate decodes in one mode (--bca=on or off), not {','.join(modes)}"
             )
-        verb, uses = "--generate", _SAMPLED
+        t, greedy = sampling.get("temperature", 1.0), generation.is_greedy
+        verb = f"--generate with --temperature={t:g} (greedy)" if greedy(t) else "--generate"
+        uses = _SAMPLED - ({"top_k", "top_p", "seed"} if greedy(t) else set())
     if passkey_run:  # uses --lengths, and --eval_files and --max_docs with held-out text
         text = passkey_filler == "text"
         verb = "--passkey" + ("" if text else " with --passkey_filler=repeat")

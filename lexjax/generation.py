@@ -46,6 +46,7 @@ from lexjax.progress import Progress
 
 __all__ = [
     "MODES",
+    "is_greedy",
     "print_continuation",
     "prefill",
     "decode_step",
@@ -171,14 +172,20 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     kept are kept too. A temperature below float32's smallest normal number
     (about 1.2e-38) is greedy, the limit it stands for."""
     return _sample(
-        logits_BxV, rng, temperature, top_k, top_p, greedy=_greedy(temperature), nucleus=top_p < 1.0
+        logits_BxV,
+        rng,
+        temperature,
+        top_k,
+        top_p,
+        greedy=is_greedy(temperature),
+        nucleus=top_p < 1.0,
     )
 
 
-def _greedy(temperature: float) -> bool:
+def is_greedy(temperature: float) -> bool:
     """Whether sampling at ``temperature`` is greedy: 0, or so small that logits /
     temperature would overflow float32 (its limit is the argmax)."""
-    return abs(float(np.float32(temperature))) < np.finfo(np.float32).tiny
+    return bool(abs(float(np.float32(temperature))) < np.finfo(np.float32).tiny)
 
 
 def _sample(
@@ -359,7 +366,7 @@ def generate(
     else:
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
     # Temperature and top_p are arguments: a new value compiles nothing.
-    run = _compiled_generate(model, block, _greedy(temperature), int(top_k), top_p < 1.0, mode)
+    run = _compiled_generate(model, block, is_greedy(temperature), int(top_k), top_p < 1.0, mode)
     bias_V = jnp.zeros(logits.shape[-1], jnp.float32)
     if allowed_V is not None:
         bias_V = jnp.where(jnp.asarray(allowed_V, bool), bias_V, -jnp.inf)

@@ -359,6 +359,35 @@ def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
     _one_line_error(_run("eval.py", *args, "--passkey_depths=2"), 2, "--passkey_depths")
 
 
+_GREEDY = "--generate with --temperature=0 (greedy) does not use"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Greedy decoding takes no chances: the sampling flags would change nothing.
+        (dict(generate=True, temperature=0.0, top_k=5, seed=9), f"{_GREEDY} --top_k, --seed"),
+        (dict(generate=True, temperature=0.0, top_p=0.5), f"{_GREEDY} --top_p"),
+        (dict(generate=True, resolution=True), "--generate does not use --resolution"),
+        (
+            dict(passkey_run=True, temperature=0.5),
+            "--passkey with --passkey_filler=repeat does not use --temperature",
+        ),
+        (
+            dict(lengths=["32"], prompt="ab"),
+            "eval.py without --generate or --passkey does not use --prompt",
+        ),
+    ],
+)
+def test_a_flag_the_run_would_ignore_is_refused_before_it_loads(tmp_path, flags, message):
+    from lexjax import cli, generation
+    from lexjax.errors import ConfigError
+
+    them = "them" if "," in message else "it"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}; leave {them} out$"):
+        cli.run_eval(str(tmp_path / "never-read"), **{**generation.SAMPLING, **flags})
+
+
 def _one_line_error(done, code, *fragments):
     assert done.returncode == code, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
