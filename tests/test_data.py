@@ -827,15 +827,17 @@ def test_held_out_globs_that_take_every_file_say_so(tmp_path):
     )
 
 
-def test_symlinks_are_the_file_they_point_to(tmp_path):
-    """A symlink to a file, a symlinked directory and a symlink loop under ** put no
-    file's bytes in two splits and count each file once (each path used to be a file
-    of its own, with its own path hash: the same text in train and in test)."""
+def test_symlinks_and_hard_links_are_the_file_they_name(tmp_path):
+    """A symlink to a file, a symlinked directory, a symlink loop under ** and a hard
+    link put no file's bytes in two splits and count each file once (each path used to
+    be a file of its own, with its own path hash: the same text in train and in test;
+    hard links were, until they were told apart by device and inode)."""
     real = tmp_path / "real"
     real.mkdir()
     for i in range(40):
         (real / f"doc{i}.txt").write_text(f"document {i}\n" * 3)
     (real / "copy.txt").symlink_to(real / "doc0.txt")
+    os.link(real / "doc1.txt", real / "hard.txt")
     (tmp_path / "alias").symlink_to(real)
     (real / "loop").symlink_to(real)
     plan = data.plan_corpus("textfiles", str(tmp_path / "**" / "*.txt"))
@@ -843,7 +845,7 @@ def test_symlinks_are_the_file_they_point_to(tmp_path):
     homes = collections.defaultdict(list)
     for split, pieces in plan.pieces.items():
         for piece in pieces:
-            homes[os.path.realpath(piece.path)].append(split)
+            homes[os.stat(piece.path).st_ino].append(split)
             assert re.fullmatch(r"real/doc\d+\.txt", piece.relpath)  # the path with no symlink
     assert len(homes) == 40 and all(len(splits) == 1 for splits in homes.values())
 

@@ -358,31 +358,37 @@ def _snap(f, size: int, offset: int) -> int:
     return size
 
 
-def _distinct(root: str, relpaths: list[str], taken: set[str]) -> tuple[list[str], list[str]]:
-    """(the `relpaths` (under `root`) that are distinct files not in `taken` (real
-    paths), whose real paths are then added to it; those already in `taken`).
+def _distinct(root: str, relpaths: list[str], taken: set) -> tuple[list[str], list[str]]:
+    """(the `relpaths` (under `root`) that are distinct files not in `taken` (their
+    identities: device and inode), whose identities are then added to it; those
+    already in `taken`).
 
-    A symlink to a file, or a path through a symlinked directory (or a loop of
-    them under `**`), is the file it points to, so its bytes are never in two
-    splits or counted twice. Of several paths of one file, one without a symlink
-    is kept, else the first in order."""
+    A symlink to a file, a path through a symlinked directory (or a loop of them
+    under `**`) and a hard link are the file they name, so its bytes are never in
+    two splits or counted twice. Of several paths of one file, one without a
+    symlink is kept, else the first in order."""
     real_root = os.path.realpath(root)
     paths = []
     for relpath in relpaths:
         real = os.path.realpath(os.path.join(root, relpath))
-        paths.append((real != os.path.join(real_root, relpath), relpath, real))
-    by_real: dict[str, str] = {}
-    for _, relpath, real in sorted(paths):
-        if real not in taken:
-            by_real.setdefault(real, relpath)
-    already = sorted(relpath for _, relpath, real in paths if real in taken)
-    taken.update(by_real)
-    return sorted(by_real.values()), already
+        try:
+            info = os.stat(real)
+            identity = (info.st_dev, info.st_ino)
+        except OSError:  # (read as it is, where its reading says what is wrong)
+            identity = real
+        paths.append((real != os.path.join(real_root, relpath), relpath, identity))
+    by_file: dict = {}
+    for _, relpath, identity in sorted(paths):
+        if identity not in taken:
+            by_file.setdefault(identity, relpath)
+    already = sorted(relpath for _, relpath, identity in paths if identity in taken)
+    taken.update(by_file)
+    return sorted(by_file.values()), already
 
 
 def distinct_files(root: str, relpaths: list[str]) -> list[str]:
     """``relpaths`` (under ``root``, sorted) with each file once, as a build takes
-    them: a path through a symlink is the file it points to."""
+    them: a path through a symlink, or a hard link, is the file it names."""
     return _distinct(root, relpaths, set())[0]
 
 
