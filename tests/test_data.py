@@ -196,6 +196,31 @@ def test_processes_preparing_one_corpus_at_once_build_it_once(tmp_path):
     assert sum(out.count("building dataset") for out, _ in outputs) == 1
 
 
+def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
+    """It waited in silence for as long as the other process's build took."""
+    import fcntl
+    import select
+
+    _write_corpus(str(tmp_path / "corpus"), 60)
+    files, data_dir = str(tmp_path / "corpus" / "**" / "*.txt"), tmp_path / "tfds"
+    fingerprint = data.plan_corpus("textfiles", files).fingerprint
+    (data_dir / "textfiles").mkdir(parents=True)
+    with open(data_dir / "textfiles" / f".{fingerprint[:16]}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building
+        script = "import sys; from lexjax import data; data.prepare('textfiles', *sys.argv[1:])"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(data_dir), files],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ready = select.select([proc.stdout], [], [], 60)[0]  # (silent: it never says it)
+        said = proc.stdout.readline() if ready else "nothing in 60 s"
+        assert said == f"waiting for another process's build of dataset textfiles in {data_dir}\n"
+    out, err = proc.communicate(timeout=120)  # the lock released: its own build
+    assert proc.returncode == 0 and out.startswith("building dataset textfiles"), err[-2000:]
+
+
 # A script's start: SIGTERM raises Stopped, as in train() while it sets up, and one
 # that a callback swallowed (TFDS's, a __del__) comes again, as train() has it.
 _STOP_ON_SIGTERM = """

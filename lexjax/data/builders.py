@@ -781,7 +781,13 @@ def prepare(
     except OSError as e:
         raise _unwritable(data_dir, e, e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:  # released when the file closes
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # said, or a long build elsewhere is a silent wait here
+            print(
+                f"waiting for another process's build of dataset {name} in {data_dir}", flush=True
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
         builder, prepared = builder_of_plan()
         if not prepared:
             skipped = _counts(plan.skipped)
