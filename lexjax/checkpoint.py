@@ -652,7 +652,10 @@ class Checkpointer:
         for _ in range(_RELISTS):
             candidates = list(reversed(self.all_steps()))
             if not candidates:
-                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+                raise CheckpointError(
+                    f"no complete checkpoint in {self.directory} yet; a training writing there "
+                    "saves its first at step checkpoint_every: read it then"
+                )
             for i, s in enumerate(candidates):
                 try:
                     return s, read(s)
@@ -673,7 +676,8 @@ class Checkpointer:
                         log.warning("%s", message)
             else:
                 raise CheckpointError(
-                    f"no good checkpoint in {self.directory}: every step is damaged"
+                    f"no good checkpoint in {self.directory}: every step is damaged; restore "
+                    "them from a copy, or move the directory aside to train from the start"
                 )
         raise CheckpointError(
             f"the checkpoints in {self.directory} were deleted faster than they could be read "

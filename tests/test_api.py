@@ -112,6 +112,12 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in") as e:
         lexjax.load(tmp_path)
     assert str(e.value).endswith("; train first: lexjax.train(config, workdir)")
+    # A training that has not saved yet (its directory made, a step still being written):
+    # it said only "no complete checkpoint in …".
+    (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="no complete checkpoint in .* yet") as e:
+        lexjax.load(tmp_path)
+    assert str(e.value).endswith("saves its first at step checkpoint_every: read it then")
 
 
 def _direct_nll(run, rows_BxN):

@@ -695,7 +695,7 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     # A parameter's checksum is checked: with no older step, nothing good is left.
     damaged = _fixture_copy(tmp_path / "damaged")
     _tamper_integrity(damaged, ".params")
-    with pytest.raises(checkpoint.CheckpointError, match="every step is damaged"):
+    with pytest.raises(checkpoint.CheckpointError, match="every step is damaged; restore them"):
         checkpoint.load_params(damaged)
 
 
