@@ -799,11 +799,17 @@ class Checkpointer:
                 for name in saved
                 if name in here and saved[name] != here[name]
             ]
+            # The build's name changes with its files' contents, which no setting shows.
+            restore = (
+                "the files and data.* settings its corpus was built from,"
+                if [c.split(" is ")[0] for c in changed] == ["train corpus"]
+                else "the checkpoint's values"
+            )
             if changed:
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} holds a position in another "
                     f"data stream ({'; '.join(changed)}), which would repeat or skip training "
-                    f"data; resume with the checkpoint's values or use a new {arg('workdir')}"
+                    f"data; resume with {restore} or use a new {arg('workdir')}"
                 )
         shared = record.get("shared", saved_count == 1)
         if not shared and (saved_count != count or "shared" not in record):

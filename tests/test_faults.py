@@ -838,6 +838,11 @@ def test_resume_on_another_corpus_of_as_many_documents_is_refused(ctx, reference
         r"textfiles/\w+/[\d.]+ here\)",
         line,
     ), line
+    # Not "the checkpoint's values": no setting shows a file's contents.
+    assert line.endswith(
+        "resume with the files and data.* settings its corpus was built from, or use a new "
+        "--workdir"
+    ), line
     assert tree_digest(workdir) == before
 
 
