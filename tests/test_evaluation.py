@@ -362,6 +362,10 @@ def test_eval_files_skip_empty_and_binary_files_as_the_corpus_build_does(tmp_pat
     assert notes == ["note: evaluation files: skipped 1 empty, 1 binary of 3"]
     with pytest.raises(DataError, match="no evaluation text: .* 1 binary .*all skipped"):
         evaluation.held_out_documents(small_config(), str(tmp_path / "b.txt"))
+    # Text saved as UTF-16 (a Windows export) has NULs too: the message says what to do.
+    (tmp_path / "d.txt").write_text("hello world\n", encoding="utf-16")
+    with pytest.raises(DataError, match="convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"):
+        evaluation.held_out_documents(small_config(), str(tmp_path / "d.txt"))
 
 
 def test_eval_files_with_invalid_utf8_are_read_as_the_corpus_build_reads_them(tmp_path):
