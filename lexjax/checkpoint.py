@@ -1035,16 +1035,20 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
 
 class _NoOrbaxErrors(logging.Filter):
     """Drops ERROR logs of orbax's background writes: its own, and asyncio's
-    "Task exception was never retrieved" for orbax's tasks.
+    "Task exception was never retrieved" for orbax's tasks; and orbax's warnings
+    of a step without its metadata file, which lexjax's checks report themselves.
 
     The same failure reaches the Checkpointer as an exception at the next save or
     wait, and the user sees it once, as one line.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        if orbax and record.getMessage().startswith("Metadata file does not exist"):
+            return False  # a step lexjax reports damaged, or reads without that file, in a line
         if record.levelno < logging.ERROR:
             return True
-        if f"{os.sep}orbax{os.sep}" in record.pathname:
+        if orbax:
             return False
         exc = record.exc_info[1] if record.exc_info else None
         return not (

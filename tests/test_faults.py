@@ -819,6 +819,19 @@ def test_a_corpus_glob_over_the_runs_own_workdir_is_refused(ctx):
     assert not (workdir / "checkpoints").exists()
 
 
+def test_a_step_without_its_files_is_one_line_not_orbaxs_warnings(ctx, reference):
+    """An empty step folder (a copy cut short): lexjax's line, and orbax's "Metadata file
+    does not exist" warnings (five here) no more."""
+    workdir = ctx[0] / "empty-step"
+    shutil.copytree(reference[0], workdir)
+    (workdir / "checkpoints" / str(N + 2)).mkdir()
+    result = P.run(args(ctx, workdir, num_train_steps=N + 2), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stdout + result.stderr
+    assert f"checkpoint step {N + 2} in {workdir / 'checkpoints'} is damaged: integrity " in said
+    assert "Metadata file does not exist" not in said, said[-3000:]
+
+
 def test_resume_on_another_corpus_of_as_many_documents_is_refused(ctx, reference):
     """The same number of files with other text: the saved position would index
     documents of another corpus; the two builds' names (their fingerprints) differ."""
