@@ -87,6 +87,42 @@ _TOKENIZER = "tokenizer"
 _FORMAT = 1
 
 
+def other_stream(step: int, directory, changed: list[str]) -> CheckpointError:
+    """The refusal of a resume whose data stream differs from the one step ``step``
+    in ``directory`` holds a position in (``changed``: "<setting> is A there, B here")."""
+    # The build's name changes with its files' contents, which no setting shows.
+    restore = (
+        "the files and data.* settings its corpus was built from,"
+        if [c.split(" is ")[0] for c in changed] == ["train corpus"]
+        else "the checkpoint's values"
+    )
+    return CheckpointError(
+        f"checkpoint step {step} in {directory} holds a position in another data stream "
+        f"({'; '.join(changed)}), which would repeat or skip training data; resume with "
+        f"{restore} or use a new {arg('workdir')}"
+    )
+
+
+def trained_corpus(directory: str) -> tuple[int, str] | None:
+    """``(step, build)``: the corpus build the newest complete step in ``directory``
+    trained on, from its integrity record; None where there is no such step, or it
+    is damaged or records none (its restore then says what is wrong, or falls back)."""
+    if not os.path.isdir(directory):
+        return None
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        step = checkpointer.latest_step()
+        if step is None:
+            return None
+        stream = checkpointer._read_integrity(step).get("data_iter") or {}
+    except _Damaged:
+        return None
+    finally:
+        checkpointer.close()
+    build = (stream.get("settings") or {}).get("train corpus")
+    return None if build is None else (step, build)
+
+
 class _Damaged(Exception):
     """A step is unreadable or fails verification (internal)."""
 
@@ -799,18 +835,8 @@ class Checkpointer:
                 for name in saved
                 if name in here and saved[name] != here[name]
             ]
-            # The build's name changes with its files' contents, which no setting shows.
-            restore = (
-                "the files and data.* settings its corpus was built from,"
-                if [c.split(" is ")[0] for c in changed] == ["train corpus"]
-                else "the checkpoint's values"
-            )
             if changed:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} holds a position in another "
-                    f"data stream ({'; '.join(changed)}), which would repeat or skip training "
-                    f"data; resume with {restore} or use a new {arg('workdir')}"
-                )
+                raise other_stream(step, self.directory, changed)
         shared = record.get("shared", saved_count == 1)
         if not shared and (saved_count != count or "shared" not in record):
             why = (

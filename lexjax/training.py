@@ -370,6 +370,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
     # Until the loop is set up a signal ends the call (stop.raising); in the loop it
     # stops after the current step.
     with stop.raising():
+        _check_same_corpus(config, workdir)
         if jax.process_count() > 1:
             # Process 0 builds the dataset (and its tokenizer) first, so processes sharing
             # a data_dir never write it at the same time; the others then load it. The
@@ -420,6 +421,23 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
             return loop.run(state, step, val_batches, show_progress, stop_after, stop)
         finally:
             checkpointer.close()
+
+
+def _check_same_corpus(config: Config, workdir: str) -> None:
+    """A resume on a corpus whose files changed is refused before that corpus is built
+    and its tokenizer learned (on a large corpus minutes of work, and a build left
+    behind), as the restore would refuse it after them."""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    trained = ckpt_lib.trained_corpus(directory)
+    if trained is None:
+        return
+    d = config.data
+    planned = data_lib.build_name(
+        d.name, d.files, validation_files=d.validation_files, test_files=d.test_files
+    )
+    if planned is not None and planned != trained[1]:
+        changed = [f"train corpus is {trained[1]} there, {planned} here"]
+        raise ckpt_lib.other_stream(trained[0], directory, changed)
 
 
 def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say):

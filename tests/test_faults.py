@@ -857,6 +857,11 @@ def test_resume_on_another_corpus_of_as_many_documents_is_refused(ctx, reference
         "--workdir"
     ), line
     assert tree_digest(workdir) == before
+    # Refused before the other corpus was built (on a large corpus: minutes, and a build
+    # left behind; with SentencePiece, its tokenizer learned too).
+    from lexjax import data
+
+    assert not os.path.exists(os.path.join(ctx[2], data.build_name("textfiles", files)))
 
 
 def test_corpus_edge_cases_train(ctx):
