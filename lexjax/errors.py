@@ -182,10 +182,15 @@ class _GuardedStdout:
     def write(self, text):
         self._unflushed = [*self._unflushed[-99:], text]
         try:
-            return self._stream.write(text)
+            written = self._stream.write(text)
         except OSError as e:
             self._fail(e)
             return len(text)
+        # Passed on at once (PYTHONUNBUFFERED, a terminal's lines): delivered, not pending.
+        line_buffered = getattr(self._stream, "line_buffering", False) and "\n" in text
+        if getattr(self._stream, "write_through", False) or line_buffered:
+            self._unflushed.clear()
+        return written
 
     def flush(self):
         try:
@@ -224,11 +229,13 @@ def stdout_failures(to_stderr: bool = False):
     """:class:`_GuardedStdout` in the block (``to_stderr``: stderr its fallback),
     flushed at its end (a pipe's buffer fails there, not at exit). Also a decorator."""
     real = sys.stdout
-    sys.stdout = _GuardedStdout(real, sys.stderr if to_stderr else None)
+    sys.stdout = guarded = _GuardedStdout(real, sys.stderr if to_stderr else None)
     try:
         yield
-        sys.stdout.flush()
+        guarded.flush()
     finally:
+        if to_stderr:  # also after an error: the lines it holds reach stderr (it never raises)
+            guarded.flush()
         sys.stdout = real
 
 
@@ -280,6 +287,9 @@ def report(program, *args, **kwargs) -> int:
         # be long (a foreign reason inside it was cut already).
         print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)
         return e.exit_code
+    except BaseException:  # a bug's traceback, too, starts a line of its own
+        end_open_line()
+        raise
 
 
 def _quiet_interrupt(hook):

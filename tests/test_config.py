@@ -449,6 +449,24 @@ def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypa
     with errors.stdout_failures(to_stderr=True):
         print("step 1/2", flush=True)
         print("step 2/2", flush=True)
+    # Lines a line-buffered stdout delivered before its reader went are not repeated.
+    read, write = os.pipe()
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", open(write, "w", buffering=1))  # noqa: SIM115
+    monkeypatch.setattr(sys, "stderr", err)
+    with errors.stdout_failures(to_stderr=True):
+        print("step 1/3")
+        os.close(read)
+        print("step 2/3")
+    assert err.getvalue() == note + "step 2/3\n"
+    # An error: the lines a buffer held still reach stderr, before the error's line.
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", closed_pipe())
+    monkeypatch.setattr(sys, "stderr", err)
+    with pytest.raises(errors.DataError), errors.stdout_failures(to_stderr=True):
+        print("step 1/2")
+        raise errors.DataError("the corpus is gone")
+    assert err.getvalue() == note + "step 1/2\n"
     # eval.py's stdout, whose lines are the product: a quiet exit.
     monkeypatch.setattr(sys, "stdout", closed_pipe())
     with pytest.raises(errors.StdoutClosed), errors.stdout_failures():
@@ -484,6 +502,17 @@ def test_an_interrupt_or_error_during_a_progress_bar_starts_a_line_of_its_own(mo
         lines = terminal.getvalue().split("\n")
         assert lines[0].startswith("\r[#########") and "tokens 3/10 bca 16" in lines[0]
         assert lines[1].startswith(last) and lines[2:] == [""], lines
+    # A bug's traceback (printed by Python after report() re-raises) starts a line too.
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+
+    def buggy():
+        Progress(10, label="tokens").update(3, "bca 16")
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError):
+        errors.report(buggy)
+    assert terminal.getvalue().endswith(" \n") and terminal.getvalue().count("\n") == 1
     # A bar already closed adds no empty line.
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

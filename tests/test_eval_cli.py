@@ -388,6 +388,16 @@ def test_a_flag_the_run_would_ignore_is_refused_before_it_loads(tmp_path, flags,
         cli.run_eval(str(tmp_path / "never-read"), **{**generation.SAMPLING, **flags})
 
 
+def test_passkey_modes_name_only_the_modes_passkey_decodes_in(tmp_path):
+    """`--passkey --modes=dense` suggested sinks, which passkey then refused."""
+    from lexjax import cli, generation
+    from lexjax.errors import ConfigError
+
+    for modes in (["dense"], ["sinks"]):
+        with pytest.raises(ConfigError, match=f"^--modes={modes[0]}: use some of bca, full$"):
+            cli.run_eval(str(tmp_path), passkey_run=True, modes=modes, **generation.SAMPLING)
+
+
 def _one_line_error(done, code, *fragments):
     assert done.returncode == code, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()

@@ -505,8 +505,8 @@ def _no_text(what: str, skipped: dict[str, int]) -> str:
     return (
         f"no {what} text: the files are {skipped['empty']} empty and "
         f"{skipped['binary']} binary (a NUL byte in the first 8 KiB), all skipped; "
-        "pass a glob of text files (text in UTF-16 or UTF-32 reads as binary: convert it "
-        "to UTF-8, e.g. iconv -f UTF-16 -t UTF-8)"
+        "pass a glob of text files (text in UTF-16 or UTF-32 mostly reads as binary: "
+        "convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8)"
     )
 
 
