@@ -169,10 +169,11 @@ class _GuardedStdout:
     /dev/full``) one line (EvaluationError), instead of a traceback and exit 1.
 
     With ``fallback`` (train.py: its product is the checkpoints, the log a view of
-    them) a failure says so on ``fallback`` and sends the lines since the last flush
-    and every later one there: the program goes on, and stops by Ctrl-C as it would
-    have (``train.py | tee log``: the Ctrl-C ends tee first). Should ``fallback`` fail
-    too, the lines go nowhere."""
+    them) each line is flushed as it is written, and a failure says so on
+    ``fallback`` and sends the line being written and every later one there: the
+    program goes on, and stops by Ctrl-C as it would have (``train.py | tee log``:
+    the Ctrl-C ends tee first). Should ``fallback`` fail too, the lines go nowhere.
+    (A non-blocking stdout's momentary ``EAGAIN`` counts as a failure too.)"""
 
     def __init__(self, stream, fallback=None):
         self._stream = stream
@@ -183,13 +184,11 @@ class _GuardedStdout:
         self._unflushed = [*self._unflushed[-99:], text]
         try:
             written = self._stream.write(text)
+            if self._next is not None and "\n" in text:  # what is pending: a part line at most
+                self.flush()
         except OSError as e:
             self._fail(e)
             return len(text)
-        # Passed on at once (PYTHONUNBUFFERED, a terminal's lines): delivered, not pending.
-        line_buffered = getattr(self._stream, "line_buffering", False) and "\n" in text
-        if getattr(self._stream, "write_through", False) or line_buffered:
-            self._unflushed.clear()
         return written
 
     def flush(self):

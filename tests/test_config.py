@@ -459,6 +459,22 @@ def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypa
         os.close(read)
         print("step 2/3")
     assert err.getvalue() == note + "step 2/3\n"
+    # A block-buffered pipe (train.py | tee): each line goes as it is written, so none
+    # is repeated on stderr or lost past a buffer's worth (a guess at the pending lines
+    # repeated some and lost others).
+    read, write = os.pipe()
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", open(write, "w"))  # noqa: SIM115
+    monkeypatch.setattr(sys, "stderr", err)
+    lines = [f"step {i}/401 loss 1.234 tokens/s 12,345 eta 10s".ljust(49) for i in range(401)]
+    with errors.stdout_failures(to_stderr=True):
+        for line in lines[:400]:
+            print(line)
+        got = os.read(read, 1 << 20).decode()
+        os.close(read)
+        print(lines[400])
+    assert got == "".join(f"{line}\n" for line in lines[:400])
+    assert err.getvalue() == f"{note}{lines[400]}\n"
     # An error: the lines a buffer held still reach stderr, before the error's line.
     err = io.StringIO()
     monkeypatch.setattr(sys, "stdout", closed_pipe())
