@@ -228,6 +228,9 @@ def stdout_failures(to_stderr: bool = False):
     """:class:`_GuardedStdout` in the block (``to_stderr``: stderr its fallback),
     flushed at its end (a pipe's buffer fails there, not at exit). Also a decorator."""
     real = sys.stdout
+    if real is None:  # started without one (`>&-`): print() writes nowhere, as it should
+        yield
+        return
     sys.stdout = guarded = _GuardedStdout(real, sys.stderr if to_stderr else None)
     try:
         yield

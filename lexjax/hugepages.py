@@ -92,8 +92,9 @@ def reexec_with_hugepages() -> None:
     unless :func:`reason_to_skip` finds a reason; returns only when it skips."""
     if reason_to_skip() is not None:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None where the program started without it
+        if stream is not None:
+            stream.flush()
     os.execve(
         sys.executable, [sys.executable, *sys.orig_argv[1:]], environ_with_tunable(os.environ)
     )

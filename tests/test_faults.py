@@ -22,6 +22,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -275,6 +276,23 @@ def test_a_closed_stdout_loses_no_step(ctx):
     assert proc.wait(timeout=240) == 0 and "Traceback" not in err, err[-3000:]
     stopped = re.search(r"stopped by SIGINT at step (\d+); checkpoint saved in ", err)
     assert stopped and P.complete_steps(workdir) == [int(stopped[1])], err[-3000:]
+
+
+def test_a_run_started_without_stdout_trains(ctx):
+    """`train.py >&-` (started with no stdout at all): an AttributeError on None where
+    it re-executed itself for huge pages, before any step."""
+    workdir = ctx[0] / "no-stdout"
+    argv = [sys.executable, str(P.ROOT / "train.py"), *args(ctx, workdir, num_train_steps=2)]
+    done = subprocess.run(
+        ["bash", "-c", 'exec "$@" >&-', "bash", *argv],
+        env=ctx[3],
+        cwd=P.ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert P.complete_steps(workdir) == [2]
 
 
 def test_a_signal_before_the_first_step_exits_0_and_leaves_no_lease(ctx):
