@@ -142,8 +142,7 @@ def run_eval(
     if generate and passkey_run:
         raise ConfigError("--generate and --passkey are two different runs; give one of them")
     modes_given = modes is not None or bca != "both"
-    decoding = generate or passkey_run
-    modes = parse_modes(modes, bca, generation.MODES if decoding else evaluation.MODES)
+    modes = parse_modes(modes, bca, generation.MODES if passkey_run else evaluation.MODES)
     requested = evaluation.check_settings(
         parse_lengths(lengths), max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     )
