@@ -697,11 +697,6 @@ def measure_resolution(
 # --------------------------------------------------------------------------- the protocols
 
 
-def _plan_args(data) -> dict:
-    """The arguments of :func:`lexjax.data.build_name` naming ``data``'s corpus."""
-    return {k: getattr(data, k) for k in ("files", "validation_files", "test_files")}
-
-
 def _check_same_corpus(name: str, trained: str, now: str | None, split: str) -> None:
     if now != trained:
         raise DataError(
@@ -754,7 +749,7 @@ def held_out_documents(
             return f"{len(relpaths)} files of {eval_files}", _Documents(len(relpaths), read)
         d = config.data
         # Found from the files first, so a changed corpus is refused before it is built.
-        if corpus is not None and (planned := data_lib.build_name(d.name, **_plan_args(d))):
+        if corpus is not None and (planned := data_lib.planned_build(d)):
             _check_same_corpus(d.name, corpus, planned, splits[0])
         for split, fallback in zip(splits, [*splits[1:], None]):
             try:

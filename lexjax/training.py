@@ -431,10 +431,7 @@ def _check_same_corpus(config: Config, workdir: str) -> None:
     trained = ckpt_lib.trained_corpus(directory)
     if trained is None:
         return
-    d = config.data
-    planned = data_lib.build_name(
-        d.name, d.files, validation_files=d.validation_files, test_files=d.test_files
-    )
+    planned = data_lib.planned_build(config.data)
     if planned is not None and planned != trained[1]:
         changed = [f"train corpus is {trained[1]} there, {planned} here"]
         raise ckpt_lib.other_stream(trained[0], directory, changed)

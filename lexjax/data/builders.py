@@ -733,6 +733,14 @@ def build_name(
     return f"{name}/{plan.fingerprint[:16]}/{_BUILDERS[name].VERSION}"
 
 
+def planned_build(data) -> str | None:
+    """:func:`build_name` of the corpus a data config (``lexjax.config.DataConfig``:
+    its name and file globs) makes."""
+    return build_name(
+        data.name, data.files, validation_files=data.validation_files, test_files=data.test_files
+    )
+
+
 def prepare(
     name: str,
     data_dir: str | os.PathLike | None = None,

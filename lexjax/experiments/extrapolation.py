@@ -613,9 +613,7 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
         "eval_split": exp["eval_split"],
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "sinks": sinks,
-        "corpus": data_lib.build_name(
-            d.name, d.files, validation_files=d.validation_files, test_files=d.test_files
-        ),
+        "corpus": data_lib.planned_build(d),
         "evaluations": lambda spec: evaluations(exp, spec),
         "passkey": passkey_plan,
         "longest": longest,
