@@ -114,13 +114,18 @@ def trained_corpus(directory: str) -> tuple[int, str] | None:
         step = checkpointer.latest_step()
         if step is None:
             return None
-        stream = checkpointer._read_integrity(step).get("data_iter") or {}
+        build = _recorded_corpus(checkpointer._read_integrity(step))
     except _Damaged:
         return None
     finally:
         checkpointer.close()
-    build = (stream.get("settings") or {}).get("train corpus")
     return None if build is None else (step, build)
+
+
+def _recorded_corpus(integrity: dict) -> str | None:
+    """The corpus build a step's data position is in (its integrity record's)."""
+    stream = integrity.get("data_iter") or {}
+    return (stream.get("settings") or {}).get("train corpus")
 
 
 class _Damaged(Exception):
@@ -938,8 +943,7 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
         shardings = sharding(config) if callable(sharding) else sharding
         params = _restore_params(checkpointer, step, integrity, abstract_params(config), shardings)
         tok = _tokenizer_of(checkpointer, step, stored, record) if tokenizer else None
-        stream = integrity.get("data_iter") or {}
-        return config, params, tok, (stream.get("settings") or {}).get("train corpus")
+        return config, params, tok, _recorded_corpus(integrity)
 
     try:
         step, (config, params, tok, corpus) = checkpointer._newest_good(read)
