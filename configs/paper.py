@@ -6,10 +6,11 @@
 (32768 ids) learned from the training split when the dataset is built, so
 lengths are in subword tokens as in the paper, not bytes.
 
-What still differs from the paper: the data (the paper's pre-training corpus is
-not bundled; pass yours as below), the tokenizer (a SentencePiece model
-learned from that corpus, not the paper's vocabulary), and how long it trains
-(50k steps here; match the paper's token count on your hardware). On a TPU pod
+What may differ from the paper: the data (the paper's pre-training corpus is
+not bundled; pass yours as below), the tokenizer (the paper does not name
+one; here a SentencePiece model learned from your corpus), and how long it
+trains (50k steps here; the paper states neither its step count nor its token
+count). On a TPU pod
 slice or a GPU host (``-1`` fills the fsdp axis with every device):
 
     python train.py --config=configs/paper.py --workdir=gs://BUCKET/lex-paper \
