@@ -74,7 +74,7 @@ from lexjax import sharding as shard_lib
 from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
-from lexjax.distributed import all_processes
+from lexjax.distributed import all_processes, process_0s
 from lexjax.errors import CheckpointError, DataError, arg, one_line
 from lexjax.model import Decoder
 
@@ -363,7 +363,7 @@ class Checkpointer:
                 "checkpoint step %d was already saved to %s; not saved again", step, self.directory
             )
             return False
-        later = [s for s in self.all_steps() if s >= step]
+        later = [s for s in process_0s(self.all_steps()) if s >= step]  # as in GC
         if later:
             self._supersede(later)
         self._collect_garbage()
@@ -460,7 +460,9 @@ class Checkpointer:
     def _collect_garbage(self) -> None:
         if self.keep is None:
             return
-        steps = self.all_steps()
+        # Process 0's listing: a process listing after process 0 deleted would find
+        # nothing to delete and skip the collectives below (an abort inside gloo).
+        steps = process_0s(self.all_steps())
         doomed = steps[: max(0, len(steps) - self.keep)]
         if not doomed:
             return

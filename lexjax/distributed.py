@@ -312,6 +312,20 @@ def all_processes(flag: bool) -> bool:
     return flag if jax.process_count() == 1 else bool(np.all(_gather_flags(flag)))
 
 
+def process_0s(values: list[int]) -> list[int]:
+    """Process 0's ``values`` (int32 integers) on every process (a collective): one
+    decision where each process's own view (a directory listing) may differ."""
+    if jax.process_count() == 1:
+        return list(values)
+    from jax.experimental import multihost_utils
+
+    # The length first: the broadcast array must have one shape everywhere.
+    count = int(multihost_utils.broadcast_one_to_all(np.array([len(values)], np.int32))[0])
+    mine = values if jax.process_index() == 0 else [0] * count
+    shared = multihost_utils.broadcast_one_to_all(np.array(mine, np.int32).reshape(count))
+    return [int(v) for v in np.asarray(shared)]
+
+
 @contextlib.contextmanager
 def first_process_speaks():
     """On processes other than 0, stdout and stderr go nowhere inside the block (the

@@ -45,12 +45,15 @@ def ctx(tmp_path_factory):
     return P.context(tmp_path_factory, "multihost", 4)
 
 
-def start_pair(ctx, workdir, heartbeat_s=60, record=None, **overrides):
+def start_pair(ctx, workdir, heartbeat_s=60, record=None, late_listing_s=None, **overrides):
     """Two train.py processes joined on 127.0.0.1. The heartbeat timeout is generous
     (a loaded machine can starve a process's heartbeat thread for seconds) except in
     the test of a killed peer, which measures it. With ``record`` (a path prefix) they
-    run under tests/recording_train.py, recording the batches of their steps."""
+    run under tests/recording_train.py, recording the batches of their steps, and
+    process 1 lists the checkpoints to delete ``late_listing_s`` late."""
     base, files, data_dir, environ = ctx
+    if late_listing_s is not None:
+        environ = {**environ, "LATE_LISTING_S": str(late_listing_s)}
     port = P.free_port()
     prefix = [str(record)] if record else []
     return [
@@ -279,7 +282,11 @@ def test_elastic_resume_2_to_1_to_2_processes_continues_the_token_stream(ctx, tw
     """The two-process run's 3 steps, then 3 more in one process (8 devices, same mesh),
     then 3 more in two processes again: the tokens every step consumed equal those of an
     uninterrupted one-process run exactly (no document repeated or skipped, same rows in
-    the same places), and the losses agree up to float32 summation order."""
+    the same places), and the losses agree up to float32 summation order.
+
+    The last leg keeps one checkpoint, so its first save deletes step 3, and process 1
+    lists the steps late: each process deciding from its own listing, process 1 found
+    step 3 gone and skipped the deletion's collective (an abort inside gloo)."""
     first, _, tokens_first = two_process_run
     base, files, data_dir, environ = ctx
     workdir = base / "elastic"
@@ -307,8 +314,10 @@ def test_elastic_resume_2_to_1_to_2_processes_continues_the_token_stream(ctx, tw
         ctx,
         workdir,
         record=tokens_two,
+        late_listing_s=2,
         num_train_steps=3 * STEPS,
         checkpoint_every=STEPS,
+        keep_checkpoints=1,
         **CONSTANT_LR,
     )
     outputs = [p.communicate(timeout=240) for p in procs]
@@ -316,6 +325,7 @@ def test_elastic_resume_2_to_1_to_2_processes_continues_the_token_stream(ctx, tw
         assert p.returncode == 0, err[-3000:]
         assert "restarts" not in err
     assert f"resumed from {workdir / 'checkpoints'} at step {2 * STEPS}" in outputs[0][0]
+    assert ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True).all_steps() == [3 * STEPS]
 
     consumed = _recorded(tokens_first, 2) + _recorded(tokens_one, 1) + _recorded(tokens_two, 2)
     _, ref_losses, _, ref_batches = _reference(_stored_config(workdir), 3 * STEPS)
