@@ -37,6 +37,7 @@ _EXPORTS = {
     "rope": "lexjax.positions",
     "alibi_bias": "lexjax.positions",
     "masks": None,
+    "attention": None,
     "resolution": None,
     "Decoder": "lexjax.model",
     "Config": "lexjax.config",

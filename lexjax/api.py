@@ -26,11 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, check_path, from_configdict, is_real
+from lexjax.config import Config, as_python, check_path, from_configdict, is_real
 from lexjax.data import Tokenizer
 from lexjax.errors import ConfigError, EvaluationError, arg, one_line, out_of_memory
 from lexjax.metrics import read_metrics
@@ -90,15 +89,10 @@ def _on_mesh(mesh, lower: str):
         ) from None
 
 
-def _one(value):
-    """A 0-d numpy array (``np.array(256)``, ``x.sum()`` of arrays) as its one value."""
-    return value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
-
-
 def _listed(value):
     """One value where a sequence is expected (``lengths=256``, ``modes="bca"``) as a
     list of it; a string is one mode, not a sequence of letters."""
-    value = _one(value)
+    value = as_python(value)
     one = isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool)
     return [value] if one else value
 
@@ -175,6 +169,10 @@ class Run:
         Arguments eval.py would refuse raise :class:`lexjax.errors.ConfigError`
         (:func:`lexjax.evaluation.check_settings`); numpy integers are integers.
         """
+        # JAX's and NumPy's scalars (jnp.int32(8), x.sum()) as Python numbers.
+        max_length, sinks, max_docs, rope_factor = map(
+            as_python, (max_length, sinks, max_docs, rope_factor)
+        )
         with _on_mesh(self.mesh, f"{arg('lengths')} and {arg('max_length')}"):
             results, _ = evaluation.evaluate_run(
                 self.config,
@@ -216,6 +214,7 @@ class Run:
         ``max_docs`` held-out documents, default 20, or ``eval_files``). Prints the tables and
         writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
         (:func:`lexjax.passkey.evaluate_passkey`)."""
+        depths, trials, max_docs, seed = map(as_python, (depths, trials, max_docs, seed))
         with _on_mesh(self.mesh, arg("lengths")):
             results, _ = passkey.evaluate_passkey(
                 self.config,
@@ -223,7 +222,7 @@ class Run:
                 self.step,
                 self.workdir,
                 lengths=_listed(lengths),
-                depths=[_one(depths)] if is_real(_one(depths)) else depths,  # no list for one
+                depths=[depths] if is_real(depths) else depths,  # no list for one
                 trials=trials,
                 modes=_listed(modes),
                 filler=filler,
@@ -264,6 +263,8 @@ class Run:
         returns ``True`` (or numpy's; any other value goes on), on any process, the writing ends
         there (every process stops after that chunk).
         """
+        sampling = (max_new_tokens, temperature, top_k, top_p, seed)
+        max_new_tokens, temperature, top_k, top_p, seed = map(as_python, sampling)
         with _on_mesh(self.mesh, arg("max_new_tokens")):
             return generation.complete(
                 self.config,

@@ -472,6 +472,7 @@ def _build(cls, values: Mapping, prefix: str):
 
 def _checked(path: str, value, hint):
     """``value`` as the type of ``hint``, or a ConfigError naming ``path``."""
+    value = as_python(value)
     if value is None and type(None) in typing.get_args(hint):
         return None
     kind = _base_type(hint)
@@ -563,6 +564,18 @@ def check_int(name: str, value, low: int = 1, high: int | None = None, bound: st
         bound = bound or ("a positive integer" if (low, high) == (1, None) else default)
         raise ConfigError(f"{name}={value!r} must be {bound}")
     return int(value)
+
+
+def as_python(value):
+    """A concrete NumPy or JAX array or scalar as Python values (0-d: its one value,
+    e.g. ``np.array(256)``, ``jnp.int32(8)``, ``x.sum()``; more dimensions: lists);
+    anything else, a tracer included, as it is."""
+    if not isinstance(value, np.generic) and not hasattr(value, "__array__"):
+        return value
+    try:
+        return value.tolist()
+    except Exception:  # a tracer has no value; the caller's check names it
+        return value
 
 
 def is_real(value) -> bool:

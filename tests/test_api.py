@@ -45,6 +45,9 @@ def test_public_names_resolve_and_nothing_else_does():
     for name in lexjax.__all__:
         assert getattr(lexjax, name) is not None, name
     assert lexjax.xpos is lexjax.positions.xpos and lexjax.masks.blockwise_causal
+    # The package's docstring names `attention` among the pure functions' modules; it
+    # resolved only once something else had imported lexjax.attention.
+    assert "attention" in lexjax.__all__ and lexjax.attention.multihead_attention
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lexjax.nope  # noqa: B018
 
@@ -79,6 +82,10 @@ def test_make_config_takes_a_config_and_shows_a_long_value_short():
 
 def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     config = lexjax.make_config({"train_len": np.int64(32), "learning_rate": np.float32(0.5)})
+    assert (config.train_len, config.learning_rate) == (32, 0.5)
+    assert type(config.train_len) is int and type(config.learning_rate) is float
+    # JAX's scalars were "train_len=Array(32, dtype=int32): expected an integer".
+    config = lexjax.make_config({"train_len": jnp.int32(32), "learning_rate": jnp.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
     assert type(config.train_len) is int and type(config.learning_rate) is float
     with pytest.raises(ConfigError, match="train_len=33 must be an even integer"):
@@ -229,7 +236,10 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
             np.testing.assert_allclose(r.perplexity, np.exp(expected), rtol=1e-5)
     assert os.path.exists(os.path.join(workdir, "eval", "perplexity.json"))
     # One length and one mode need no list.
-    (one,) = run.evaluate(16, modes="bca", eval_files=str(docs / "*.txt"), **numpy)
+    # JAX's scalars too: they were "lengths=Array(16, dtype=int32) must be a positive
+    # integer", and a 0-d one "iteration over a 0-d array".
+    jax_numbers = dict(max_length=jnp.int32(64), max_docs=jnp.int32(2))
+    (one,) = run.evaluate(jnp.int32(16), modes="bca", eval_files=str(docs / "*.txt"), **jax_numbers)
     assert (one.mode, one.length) == ("bca", 16)
     # The run's own held-out text after a %cd: its corpus and build where they were
     # (relative paths were kept as given: its files "matched no files now", its
@@ -243,7 +253,8 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     # Generation starts from BOS by itself: greedy tokens within one training
     # length equal greedy decoding by full forward passes over [BOS, prompt, ...].
     prompt = "def "
-    sample = run.generate(prompt, max_new_tokens=np.int64(40), temperature=0)
+    # max_new_tokens=jnp.int32(40) was refused: "must be an integer in [1, 16,777,216]".
+    sample = run.generate(prompt, max_new_tokens=jnp.int32(40), temperature=jnp.float32(0))
     forward = jax.jit(lambda tokens_1xT: run.model.apply({"params": run.params}, tokens_1xT)[0])
     tokens = np.zeros((1, config.train_len), np.int32)  # causal: the zeros after n change nothing
     tokens[0, :5] = [run.tokenizer.bos, *run.tokenizer.encode(prompt)]
