@@ -35,6 +35,25 @@ __all__ = ["Decoder", "count_params", "remat_policy"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def _as_array(name: str, value) -> jax.Array:
+    """``value`` (an array, or nested lists of numbers) as an array, else a ValueError."""
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an array of integers, got {value!r:.80}") from None
+
+
+def _rows(name: str, value, B: int, T: int) -> jax.Array:
+    """Per-token ``value`` as ``[B, T]``: ``[T]`` or ``[1, T]`` serve every row."""
+    value = _as_array(name, value)
+    try:
+        return jnp.broadcast_to(value, (B, T))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name} of shape {value.shape} do not broadcast to tokens' [batch, seq] = {(B, T)}"
+        ) from None
+
+
 def _check_config(c) -> None:
     """A ModelConfig built by hand (not by :func:`lexjax.config.make_config`, which
     checks everything) fails here with one line, not deep inside Flax (an unknown
@@ -44,6 +63,10 @@ def _check_config(c) -> None:
         raise ConfigError(
             f"model.vocab_size={c.vocab_size!r}: give a positive int, or build the config "
             "with lexjax.make_config (it sets the tokenizer's)"
+        )
+    if c.d_model % c.num_heads:  # else head_dim's message blames an odd quotient
+        raise ConfigError(
+            f"model.d_model={c.d_model} is not a multiple of model.num_heads={c.num_heads}"
         )
 
 
@@ -261,6 +284,7 @@ class Decoder(nn.Module):
         if (window is not None or sinks is not None) and cache is None:
             raise ValueError("window and sinks apply to a call with a cache")
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
+        tokens_BxT = _as_array("tokens", tokens_BxT)
         if jnp.ndim(tokens_BxT) != 2 or not jnp.issubdtype(
             jnp.result_type(tokens_BxT), jnp.integer
         ):
@@ -277,13 +301,9 @@ class Decoder(nn.Module):
                 )
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         else:
-            try:  # [T] or [1, T] serve every row
-                positions_BxT = jnp.broadcast_to(positions_BxT, (B, T))
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"positions of shape {jnp.shape(positions_BxT)} do not broadcast to tokens' "
-                    f"[batch, seq] = {(B, T)}"
-                ) from None
+            positions_BxT = _rows("positions", positions_BxT, B, T)
+        if segment_ids_BxT is not None:
+            segment_ids_BxT = _rows("segment ids", segment_ids_BxT, B, T)
 
         embed = nn.Embed(
             c.vocab_size,

@@ -45,6 +45,7 @@ positions (its ζ^(Δ/b) was trained per distance and has no aliasing to undo).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -119,7 +120,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _check_positions(x, positions):
-    positions = jnp.asarray(positions)
+    x, positions = jnp.asarray(x), jnp.asarray(positions)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(
             f"positions must be integers, got dtype {positions.dtype}; "
@@ -139,7 +140,7 @@ def _check_positions(x, positions):
             f"positions of shape {positions.shape} do not broadcast to x's "
             f"[..., seq] = {lead}; give one position per token"
         )
-    return positions
+    return x, positions
 
 
 def _materialize(table):
@@ -309,7 +310,11 @@ def xpos_tables(
     with ``downscale`` (keys). ``inv_freq`` and ``scale`` as there: zero
     frequencies give the decay without rotation (Table 4's θ_i = 0)."""
     _check_head_dim(head_dim)
-    if not scale_base > 0:
+    try:  # a traced scale_base (under vmap or grad) is not checked
+        bad = not scale_base > 0
+    except jax.errors.TracerBoolConversionError:
+        bad = False
+    if bad:
         raise ValueError(f"scale_base must be positive, got {scale_base}")
     log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
     return rotary_tables(
@@ -340,7 +345,8 @@ def xpos(
         Must match between training and inference. ``inf`` gives RoPE (ζ^0 = 1).
       theta: rotation base; θ_i = theta^(-2i/d).
       gamma: ζ_i = (2i/d + γ)/(1 + γ).
-      downscale: False for queries, True for keys.
+      downscale: False for queries, True for keys; a Python bool (static under
+        ``jax.jit``). ``scale_base``, ``theta`` and ``gamma`` may be traced.
 
     Returns:
       ``x`` encoded, same shape and dtype.
@@ -352,7 +358,7 @@ def xpos(
     model uses window-relative positions under blockwise attention and centred
     positions otherwise.
     """
-    positions = _check_positions(x, positions)
+    x, positions = _check_positions(x, positions)
     tables = xpos_tables(
         positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale
     )
@@ -369,7 +375,7 @@ def rope(x, positions, *, theta: float = 10000.0):
     sets toward zero, as :func:`lexjax.attention.context` does.
     """
     _check_head_dim(x.shape[-1])
-    positions = _check_positions(x, positions)
+    x, positions = _check_positions(x, positions)
     return apply_rotary(x, *rotary_tables(positions, x.shape[-1], theta=theta))
 
 
@@ -380,8 +386,8 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     power of two and the rest are every other slope of the next power of two,
     as in the ALiBi paper's reference code.
     """
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
 
     def power_of_two(n):
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]

@@ -180,6 +180,8 @@ def test_remat_policies_keep_the_gradients_and_save_what_they_name(scan_layers, 
         ({"position": "XPOS"}, "position='XPOS' is unknown"),
         ({"dtype": "fp16"}, "model.dtype='fp16'"),
         ({"vocab_size": None}, "model.vocab_size=None"),
+        # It said "head_dim must be even ... got 7": the heads do not divide d_model.
+        ({"d_model": 30}, "model.d_model=30 is not a multiple of model.num_heads=4"),
     ],
 )
 def test_a_model_config_made_by_hand_is_checked(change, message):
@@ -202,15 +204,22 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
         (jnp.zeros((8,), jnp.int32), None, r"tokens must be integer ids of shape \[batch, seq\]"),
         (jnp.zeros((1, 8)), None, r"got \(1, 8\) float32"),
         (jnp.zeros((1, 8), jnp.int32), jnp.arange(7)[None], r"positions of shape \(1, 7\) do"),
+        # A list was refused with its own shape: "positions of shape (1, 8) do not
+        # broadcast to tokens' [batch, seq] = (1, 8)".
+        ([[1, 2], [3]], None, r"tokens must be an array of integers, got \[\[1, 2\], \[3\]\]"),
         (jnp.zeros((1, 17), jnp.int32), None, "17 tokens need positions beyond the learned"),
     ):
         with pytest.raises(ValueError, match=message):
             model.apply(variables, tokens, positions)
+    # Segment ids of another shape were a TypeError from jnp's `and` of the masks.
+    with pytest.raises(ValueError, match=r"segment ids of shape \(1, 7\) do not broadcast"):
+        model.apply(variables, jnp.zeros((1, 8), jnp.int32), None, jnp.ones((1, 7), jnp.int32))
     logits, _ = model.apply(variables, jnp.zeros((1, 16), jnp.int32))
     assert np.all(np.isfinite(logits))
-    # Positions of one row serve every row, as [T] or [1, T].
+    # Positions of one row serve every row, as [T] or [1, T]; lists are arrays.
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 8)), jnp.int32)
     positions = jnp.arange(3, 11, dtype=jnp.int32)
     want, _ = model.apply(variables, tokens, jnp.broadcast_to(positions, (2, 8)))
-    for shared in (positions, positions[None]):
+    for shared in (positions, positions[None], positions.tolist()):
         np.testing.assert_array_equal(model.apply(variables, tokens, shared)[0], want)
+    np.testing.assert_array_equal(model.apply(variables, tokens.tolist(), positions)[0], want)

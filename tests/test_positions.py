@@ -359,7 +359,17 @@ class BadArgumentsTest(parameterized.TestCase):
             lambda: positions.sinusoidal(jnp.arange(3.0), 4),
             "positions must be integers",
         ),
-        ("alibi_no_heads", lambda: positions.alibi_slopes(0), "num_heads must be positive"),
+        (
+            "alibi_no_heads",
+            lambda: positions.alibi_slopes(0),
+            "num_heads must be a positive integer",
+        ),
+        # 6.0 was "slice indices must be integers"; 4.5 silently gave 4 heads.
+        (
+            "alibi_float_heads",
+            lambda: positions.alibi_bias(4.5, jnp.arange(2), jnp.arange(2)),
+            "num_heads must be a positive integer, got 4.5",
+        ),
         (
             "alibi_float_positions",
             lambda: positions.alibi_bias(2, jnp.arange(2.0), jnp.arange(2)),
@@ -369,6 +379,21 @@ class BadArgumentsTest(parameterized.TestCase):
     def test_raises_value_error(self, call, message):
         with self.assertRaisesRegex(ValueError, message):
             call()
+
+    def test_lists_and_a_traced_scale_base_are_taken(self):
+        """A list x was an AttributeError ('list' object has no attribute 'ndim'), and a
+        vmapped or jitted scale_base a TracerBoolConversionError in the range check."""
+        x = np.random.default_rng(0).normal(size=(1, 3, 1, 4)).astype(np.float32)
+        want = positions.xpos(jnp.asarray(x), jnp.arange(3), scale_base=64.0)
+        np.testing.assert_array_equal(positions.xpos(x.tolist(), [0, 1, 2], scale_base=64.0), want)
+        bases = jnp.array([64.0, 256.0])
+        swept = jax.vmap(lambda b: positions.xpos(x, jnp.arange(3), scale_base=b))(bases)
+        for i, b in enumerate((64.0, 256.0)):
+            np.testing.assert_allclose(
+                swept[i], positions.xpos(x, jnp.arange(3), scale_base=b), rtol=1e-6
+            )
+        jitted = jax.jit(lambda b: positions.xpos(x, jnp.arange(3), scale_base=b))(64.0)
+        np.testing.assert_allclose(jitted, want, rtol=1e-6)
 
 
 class RopeScalingTest(chex.TestCase):
