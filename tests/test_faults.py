@@ -647,14 +647,16 @@ def test_full_disk(ctx):
 
 
 def _fill_the_disk_while_training(ctx, name: str, **overrides) -> tuple:
-    """Trains on a 20 MiB tmpfs, fills it after step 1 and waits for the run to fail:
-    (workdir, its one error line); skips where this process may not mount."""
+    """Trains on a 20 MiB tmpfs, fills it after step 2 and waits for the run to fail:
+    (workdir, its one error line); skips where this process may not mount. Not after
+    step 1: its metrics line is on disk before its first TensorBoard events, which on
+    a loaded machine could still be waiting for a page when the disk filled."""
     with P.tmpfs(ctx[0] / name, "20m") as mount:
         if mount is None:
             pytest.skip("needs a tmpfs (root and mount)")
         workdir = mount / "run"
         proc = P.start(args(ctx, workdir, **overrides), ctx[3])
-        P.wait_until(lambda: P.last_step(workdir) >= 1, proc)
+        P.wait_until(lambda: P.last_step(workdir) >= 2, proc)
         with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * (1 << 20))
