@@ -1065,10 +1065,20 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
 # --------------------------------------------------------------------------- program boundary
 
 
+# orbax's warnings of a step without its metadata file (a step lexjax reports damaged,
+# or reads without that file, in a line) and of a directory opened read-only (as
+# lexjax opens one to look before it resumes).
+_ORBAX_NOTICES = (
+    "Metadata file does not exist",
+    "CheckpointManagerOptions.read_only=True",
+    "Given directory is read only",
+)
+
+
 class _NoOrbaxErrors(logging.Filter):
     """Drops ERROR logs of orbax's background writes: its own, and asyncio's
     "Task exception was never retrieved" for orbax's tasks; and orbax's warnings
-    of a step without its metadata file, which lexjax's checks report themselves.
+    in ``_ORBAX_NOTICES``, whose cases lexjax reports itself or are no news.
 
     The same failure reaches the Checkpointer as an exception at the next save or
     wait, and the user sees it once, as one line.
@@ -1076,8 +1086,8 @@ class _NoOrbaxErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-        if orbax and record.getMessage().startswith("Metadata file does not exist"):
-            return False  # a step lexjax reports damaged, or reads without that file, in a line
+        if orbax and record.getMessage().startswith(_ORBAX_NOTICES):
+            return False
         if record.levelno < logging.ERROR:
             return True
         if orbax:

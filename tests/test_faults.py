@@ -825,6 +825,8 @@ def test_resume_with_other_data_stream_settings_is_refused(ctx, reference, chang
     result = P.run(args(ctx, workdir, num_train_steps=N + 2, **change), ctx[3])
     line = one_error_line(result)
     assert result.returncode == CheckpointError.exit_code, result.stderr[-3000:]
+    # Only the line: orbax's two notices of a read-only directory came before it.
+    assert result.stderr.strip().splitlines() == [line], result.stderr[-3000:]
     assert f"checkpoint step {N} in {workdir / 'checkpoints'} holds a position in another" in line
     assert f"data stream ({detail})" in line, line
     assert "resume with the checkpoint's values or use a new --workdir" in line, line
