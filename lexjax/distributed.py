@@ -39,6 +39,8 @@ import hashlib
 import json
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -206,13 +208,25 @@ def _check_port_free(address: str) -> None:
         ) from e
 
 
+def _exit_joining(message: str) -> None:
+    """Ends the process as a :class:`DistributedError` would (``error: <message>``,
+    status 7): from a timer thread, while the main thread waits inside jaxlib."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(DistributedError.exit_code)
+
+
 def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     """Joins the multi-process run ``options`` describe; returns how, or None if single.
 
     Call once, before any JAX computation. Raises :class:`ConfigError` for
     contradictory flags, and :class:`DistributedError` when process 0's coordinator
     does not answer within ``initialization_timeout_s`` or cannot start (its port is
-    taken). A peer that never joins makes JAX abort the others (status 134).
+    taken). Where not every process registers in time (another ``--num_processes``,
+    a peer that never started) jaxlib aborts the process, so a timer ends it first,
+    just after that timeout: ``error: <one line>`` on stderr, status 7.
     """
     explicit = _check(options)
     if options.mode == "off":
@@ -227,6 +241,18 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
         _await_coordinator(options.coordinator_address, options.initialization_timeout_s)
     elif explicit:
         _check_port_free(options.coordinator_address)
+    where = options.coordinator_address or how or "jax auto-detection"
+    timeout, n = options.initialization_timeout_s, options.num_processes
+    unjoined = (
+        f"could not join the multi-process run via {where} within {timeout}s: not every "
+        f"process registered{f' (--num_processes={n} here)' if n else ''}; start every "
+        "process with the same --coordinator_address and --num_processes, and distinct "
+        "--process_id"
+    )
+    # jaxlib aborts about 4 s after its deadline: this ends the process in one line first.
+    watchdog = threading.Timer(timeout + 1, _exit_joining, (unjoined,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(
             coordinator_address=options.coordinator_address,
@@ -245,7 +271,6 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
                 "was given and no cluster launcher was detected; give --coordinator_address, "
                 "--num_processes and --process_id, or leave --distributed at auto"
             ) from e
-        where = options.coordinator_address or how
         timed_out = any(w in reason.lower() for w in ("deadline", "timed out", "timeout"))
         within = f" within {options.initialization_timeout_s}s" if timed_out else ""
         raise DistributedError(
@@ -253,6 +278,8 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
             "every process with the same --coordinator_address and --num_processes, and "
             "distinct --process_id"
         ) from e
+    finally:
+        watchdog.cancel()
     # One collective while every process is here: CPU (gloo) contexts are set up on
     # first use and give up after 30 s if a peer is late, e.g. still building data.
     any_process(False)

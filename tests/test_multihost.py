@@ -446,6 +446,40 @@ def test_unreachable_coordinator_or_taken_port_ends_in_one_line_and_status_7(ctx
             assert "Traceback" not in done.stderr and "stack trace" not in done.stderr
 
 
+def test_processes_started_with_different_process_counts_stop_in_one_line(ctx):
+    """Process 0 told of 3 processes, process 1 of 2: neither can finish registering,
+    and jaxlib aborted both (status 134, a C++ stack naming no flag) about 4 s after
+    the initialization timeout. Both now stop just after it, in one line, status 7."""
+    base, files, data_dir, environ = ctx
+    address = f"127.0.0.1:{P.free_port()}"
+    procs = [
+        P.start(
+            P.train_args(
+                base / "miscounted",
+                files,
+                data_dir,
+                **{
+                    "-coordinator_address": address,
+                    "-num_processes": count,
+                    "-process_id": process_id,
+                    "-initialization_timeout_s": 5,
+                },
+            ),
+            environ,
+        )
+        for process_id, count in [(0, 3), (1, 2)]
+    ]
+    for proc, count in zip(procs, (3, 2)):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 7, err[-3000:]
+        assert err.strip().splitlines() == [
+            f"error: could not join the multi-process run via {address} within 5s: not every "
+            f"process registered (--num_processes={count} here); start every process with "
+            "the same --coordinator_address and --num_processes, and distinct --process_id"
+        ], err[-3000:]
+    assert not (base / "miscounted" / "checkpoints").exists()
+
+
 def test_processes_started_with_different_settings_stop_in_one_line_naming_them(
     ctx, two_process_run
 ):
