@@ -84,8 +84,8 @@ _SAMPLED = {"prompt", *generation.SAMPLING}  # the flags of --generate, of --pas
 _KEYED = {"passkey_depths", "passkey_trials", "passkey_filler"}
 
 
-def parse_modes(values, bca: str = "both", allowed=evaluation.MODES) -> tuple[str, ...]:
-    """``--modes`` (some of ``allowed``; None: not given), else ``--bca`` → modes."""
+def parse_modes(values, bca="both", allowed=evaluation.MODES, run="") -> tuple[str, ...]:
+    """``--modes`` (some of ``allowed``, for ``run``; None: not given), else ``--bca`` → modes."""
     if bca not in BCA_MODES:
         raise ConfigError(f"--bca={bca!r}: use both, on or off")
     if values is None:
@@ -93,7 +93,10 @@ def parse_modes(values, bca: str = "both", allowed=evaluation.MODES) -> tuple[st
     if bca != "both":
         raise ConfigError(f"--modes and --bca={bca} both choose modes; give --modes alone")
     with errors.naming_flags():
-        return evaluation.check_modes(values, allowed=allowed)
+        try:
+            return evaluation.check_modes(values, allowed=allowed)
+        except ConfigError as e:
+            raise ConfigError(f"{e}{run and f' with {run}'}") from None
 
 
 def parse_lengths(values) -> list[int] | None:
@@ -142,7 +145,8 @@ def run_eval(
     if generate and passkey_run:
         raise ConfigError("--generate and --passkey are two different runs; give one of them")
     modes_given = modes is not None or bca != "both"
-    modes = parse_modes(modes, bca, generation.MODES if passkey_run else evaluation.MODES)
+    run = "--generate" if generate else "--passkey" if passkey_run else ""
+    modes = parse_modes(modes, bca, generation.MODES if run else evaluation.MODES, run)
     requested = evaluation.check_settings(
         parse_lengths(lengths), max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     )

@@ -388,17 +388,17 @@ def test_a_flag_the_run_would_ignore_is_refused_before_it_loads(tmp_path, flags,
         cli.run_eval(str(tmp_path / "never-read"), **{**generation.SAMPLING, **flags})
 
 
-def test_passkey_modes_name_only_the_modes_passkey_decodes_in(tmp_path):
-    """`--passkey --modes=dense` suggested sinks, which passkey then refused."""
+def test_passkey_and_generate_modes_name_only_the_modes_they_decode_in(tmp_path):
+    """`--passkey --modes=dense` suggested sinks, which passkey then refused; so did
+    `--generate --modes=dense`. Each names its run, as test_fuzz.py asks of each flag."""
     from lexjax import cli, generation
     from lexjax.errors import ConfigError
 
-    for modes in (["dense"], ["sinks"]):
-        with pytest.raises(ConfigError, match=f"^--modes={modes[0]}: use some of bca, full$"):
-            cli.run_eval(str(tmp_path), passkey_run=True, modes=modes, **generation.SAMPLING)
-    # (--generate's sinks is refused naming --generate, as test_fuzz.py asks of each flag.)
-    with pytest.raises(ConfigError, match="^--generate decodes in one mode .*, not sinks$"):
-        cli.run_eval(str(tmp_path), generate=True, modes=["sinks"], **generation.SAMPLING)
+    for run, flag in (("--passkey", {"passkey_run": True}), ("--generate", {"generate": True})):
+        for mode in ("dense", "sinks"):
+            message = f"^--modes={mode}: use some of bca, full with {run}$"
+            with pytest.raises(ConfigError, match=message):
+                cli.run_eval(str(tmp_path), modes=[mode], **flag, **generation.SAMPLING)
 
 
 def _one_line_error(done, code, *fragments):
@@ -518,7 +518,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     huge = _run("eval.py", f"--workdir={workdir}", "--passkey", f"--lengths=64,{10**11}")
     _one_line_error(huge, 2, "--lengths=100000000000: give passkey lengths of at most 16,777,216")
     sinks = _run("eval.py", f"--workdir={workdir}", "--passkey", "--modes=bca,sinks")
-    _one_line_error(sinks, 2, "--modes=bca,sinks: use some of bca, full")
+    _one_line_error(sinks, 2, "--modes=bca,sinks: use some of bca, full with --passkey")
     assert "mesh" not in huge.stdout + sinks.stdout
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
     # that cannot show a character of the text gets "?" for it, not a traceback.
