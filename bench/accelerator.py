@@ -12,7 +12,7 @@ against the chip's datasheet bf16 peak (:data:`lexjax.metrics.PEAK_FLOPS`)
 and against a measured bf16 matmul, and the memory each configuration's
 compiled step needs per device (XLA's ``memory_analysis()``). Then XPOS's
 overhead (the first configuration again with ``position=none``) and the block-scan evaluation
-(:func:`lexjax.evaluation.block_scan_logprobs`) at 16k, 64k and 256k tokens.
+(:func:`lexjax.blockwise.compiled_scan`) at 16k, 64k and 256k tokens.
 
 One JSON object per measurement, on stdout and in
 ``OUT/<device>-<date>.jsonl`` (default docs/accelerator/); progress on
@@ -255,10 +255,13 @@ def evaluate(config, params, lengths: list[int], batch: int, deadline: float):
     """Yields ``(length, fields)`` as each length is measured, so its JSON line is
     written before the next (longer) one runs; a length that fails (out of memory) is
     recorded with its error, and the longer ones after it as skipped."""
-    from lexjax import evaluation
+    # blockwise's scan, not evaluation's block_scan_logprobs: evaluation imports the
+    # data and checkpoint modules (grain, TFDS), which an accelerator host may lack.
+    from lexjax.blockwise import compiled_scan, pad_to
     from lexjax.model import Decoder
 
     model = Decoder(config.model)
+    scan = compiled_scan(model, config.block)
     previous, failed = None, None
     for length in lengths:
         if failed is not None:
@@ -271,13 +274,10 @@ def evaluate(config, params, lengths: list[int], batch: int, deadline: float):
             tokens = jnp.asarray(
                 np.random.default_rng(1).integers(0, 258, (batch, length + 1), dtype=np.int32)
             )
-            evaluation.block_scan_logprobs(model, params, tokens, config.block).block_until_ready()
+            inputs, targets = (pad_to(t, config.block) for t in (tokens[:, :-1], tokens[:, 1:]))
+            scan(params, inputs, targets).block_until_ready()
             seconds = min(
-                common.timed(
-                    lambda t=tokens: evaluation.block_scan_logprobs(
-                        model, params, t, config.block
-                    ).block_until_ready()
-                )
+                common.timed(lambda x=inputs, y=targets: scan(params, x, y).block_until_ready())
                 for _ in range(2)
             )
         except Exception as e:  # out of memory at a long length is a result
@@ -299,6 +299,14 @@ def main(argv=None) -> int:
     deadline = start + args.budget
     base, source = paper_dict()
     backend, device = jax.default_backend(), jax.devices()[0]
+    if backend == "cpu" and not args.small:  # a GPU host whose jax lacks its plugin
+        print(
+            "error: jax found no accelerator (backend cpu); install jax with this host's "
+            "GPU or TPU plugin, or pass --small to check the script on a CPU",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     impls = args.attention_impls or (
         "splash,fused,explicit" if backend == "tpu" else "fused,explicit"
     )

@@ -44,6 +44,7 @@ a :class:`KVCache`) and below :mod:`lexjax.evaluation` and
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 
@@ -61,6 +62,8 @@ __all__ = [
     "window_mask",
     "block_step",
     "scan_blocks",
+    "target_logprobs",
+    "compiled_scan",
     "pad_to",
     "sink_window",
     "sink_step",
@@ -200,6 +203,32 @@ def scan_blocks(
     )
     first = KVCache.empty(model.config, tokens_BxN.shape[0], block)
     return _scan(step, first, tokens_BxN, block, emit, extra_BxN)
+
+
+def target_logprobs(logits_BxTxV, targets_BxT):
+    """float32 ``[B, T]``: each target's log-probability under the logits."""
+    logprobs = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logprobs, targets_BxT[..., None], axis=-1)[..., 0]
+
+
+@functools.cache
+def compiled_scan(model: Decoder, block: int):
+    """``(params, inputs [B, n·w], targets [B, n·w]) → logprobs [B, n·w]``:
+    :func:`scan_blocks` jitted, each block reduced to its targets' log-probabilities
+    (what :func:`lexjax.evaluation.block_scan_logprobs` runs, without its checks).
+
+    XLA compiles the scan body once per (B, n); only its trip count depends on
+    the length, and the previous block is the only state kept between blocks.
+    """
+
+    def run(params, inputs_BxN, targets_BxN):
+        emit = lambda logits, targets_BxW, _: target_logprobs(logits, targets_BxW)
+        _, logprobs_nxBxW = scan_blocks(
+            model, params, inputs_BxN, block, emit, extra_BxN=targets_BxN
+        )
+        return logprobs_nxBxW.swapaxes(0, 1).reshape(inputs_BxN.shape)
+
+    return jax.jit(run)
 
 
 def _scan(step: Callable, carry, tokens_BxN, block: int, emit: Callable | None, extra_BxN):

@@ -72,7 +72,16 @@ from lexjax import data as data_lib
 from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
-from lexjax.blockwise import KVCache, pad_to, scan_blocks, scan_sinks, sink_window, window_mask
+from lexjax.blockwise import (
+    KVCache,
+    compiled_scan,
+    pad_to,
+    scan_blocks,
+    scan_sinks,
+    sink_window,
+    target_logprobs,
+    window_mask,
+)
 from lexjax.config import (
     ABSOLUTE_ENCODINGS,
     Config,
@@ -136,29 +145,6 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _target_logprobs(logits_BxTxV, targets_BxT):
-    logprobs = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logprobs, targets_BxT[..., None], axis=-1)[..., 0]
-
-
-@functools.cache
-def _compiled_scan(model: Decoder, block: int):
-    """``(params, inputs [B, n·w], targets [B, n·w]) → logprobs [B, n·w]``, jitted.
-
-    XLA compiles the scan body once per (B, n); only its trip count depends on
-    the length, and the previous block is the only state kept between blocks.
-    """
-
-    def run(params, inputs_BxN, targets_BxN):
-        emit = lambda logits, targets_BxW, _: _target_logprobs(logits, targets_BxW)
-        _, logprobs_nxBxW = scan_blocks(
-            model, params, inputs_BxN, block, emit, extra_BxN=targets_BxN
-        )
-        return logprobs_nxBxW.swapaxes(0, 1).reshape(inputs_BxN.shape)
-
-    return jax.jit(run)
-
-
 def _check_block(block: int):
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise EvaluationError(f"block must be a positive integer, got {block!r}")
@@ -204,7 +190,7 @@ def block_scan_logprobs(model: Decoder, params, tokens_BxL, block: int):
     inputs, targets = _inputs_targets(tokens_BxL)
     n = inputs.shape[1]
     model = at_length(model, n)
-    logprobs = _compiled_scan(model, block)(params, pad_to(inputs, block), pad_to(targets, block))
+    logprobs = compiled_scan(model, block)(params, pad_to(inputs, block), pad_to(targets, block))
     return logprobs[:, :n]
 
 
@@ -216,7 +202,7 @@ def _compiled_sinks(model: Decoder, block: int, sinks: int):
     """``(params, inputs [B, n·w], targets) → logprobs``: the sink + window scan, jitted."""
 
     def run(params, inputs_BxN, targets_BxN):
-        emit = lambda logits, targets_BxW, _: _target_logprobs(logits, targets_BxW)
+        emit = lambda logits, targets_BxW, _: target_logprobs(logits, targets_BxW)
         _, logprobs_nxBxW = scan_sinks(
             model, params, inputs_BxN, block, sinks, emit, extra_BxN=targets_BxN
         )
@@ -332,7 +318,7 @@ def _compiled_full(model: Decoder, chunk: int):
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
             logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
-            return cache.write(start, kv, positions_BxC), _target_logprobs(logits, targets_BxC)
+            return cache.write(start, kv, positions_BxC), target_logprobs(logits, targets_BxC)
 
         _, logprobs_nxBxC = jax.lax.scan(step, cache, chunks)
         return logprobs_nxBxC.swapaxes(0, 1).reshape(B, N)

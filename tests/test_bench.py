@@ -279,9 +279,28 @@ def test_paper_literal_mirrors_configs_paper():
         assert common.PAPER[key] == paper[key]
 
 
+# Runs a script as an accelerator host would, with jax, flax and optax only: the
+# project's other requirements fail to import.
+_ONLY_JAX = """
+import runpy, sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {
+            "ml_collections", "grain", "tensorflow_datasets", "array_record",
+            "sentencepiece", "tensorboardX", "matplotlib",
+        }:
+            raise ImportError(f"{name} is not installed on this host")
+sys.meta_path.insert(0, Absent())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
+    """Also without the data and reporting packages: the block scan imported them (via
+    lexjax.evaluation) and ended the run in a traceback after the first measurements."""
     args = ["--small", "--attention_impls", "fused", "--remat_policies", "full,dots_except_mlp"]
-    proc = _run(["bench/accelerator.py", *args, "--out", str(tmp_path)], tmp_path)
+    proc = _run(["-c", _ONLY_JAX, "bench/accelerator.py", *args, "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     (written,) = tmp_path.glob("*.jsonl")
@@ -336,6 +355,14 @@ def test_accelerator_refuses_a_bad_flag_before_measuring(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
         assert said in proc.stderr and proc.stdout == ""
+    # Without --small on a host whose jax sees no accelerator: it trained the paper-size
+    # model on the CPU until the shell's timeout, then recorded that as the accelerator's.
+    proc = _run(["bench/accelerator.py", "--out", str(tmp_path)], None)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr == (
+        "error: jax found no accelerator (backend cpu); install jax with this host's GPU or "
+        "TPU plugin, or pass --small to check the script on a CPU\n"
+    )
     assert not list(tmp_path.iterdir())
 
 

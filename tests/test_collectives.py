@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from lexjax import evaluation
+from lexjax import blockwise
 from lexjax import sharding as shard_lib
 from lexjax.model import Decoder
 from lexjax.steps import TrainSetup
@@ -80,7 +80,7 @@ def test_the_fsdp_block_scan_moves_parameters_not_activations():
     model = Decoder(config.model, shard_lib.rules(config))
     params = setup.abstract_state.params
     tokens = jax.ShapeDtypeStruct((16, 4 * T), np.int32, sharding=setup.batch_sharding)
-    scan = evaluation._compiled_scan(model, config.block)  # inputs, targets: 8 blocks
+    scan = blockwise.compiled_scan(model, config.block)  # inputs, targets: 8 blocks
     with jax.set_mesh(setup.mesh):
         hlo = scan.lower(params, tokens, tokens).compile().as_text()
     _check_parameters_only(hlo, params)
