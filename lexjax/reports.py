@@ -107,6 +107,12 @@ def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {"train_len": train_len, **extra, "results": rows}
 
 
+def _tmp(path: str) -> str:
+    """Where ``path``'s new content is written before it replaces ``path``: a name per
+    process, so two evaluations writing one workdir's reports never share one."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
 def _writes() -> bool:
     """Whether this process writes report files: in a multi-process run every process
     computes the same results and process 0 alone writes them."""
@@ -117,13 +123,13 @@ def _writes() -> bool:
 def _writing(path: str, what: str | None = None):
     """Makes ``path``'s directory; an ``OSError`` inside (read-only, full disk) becomes
     one :class:`~lexjax.errors.CheckpointError` line about ``what`` (default ``path``),
-    with no ``path.tmp`` left."""
+    with no temporary file (:func:`_tmp`) left."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         yield
-    except BaseException as e:  # a Ctrl-C too leaves no path.tmp
+    except BaseException as e:  # a Ctrl-C too leaves no temporary file
         with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
+            os.remove(_tmp(path))
         if not isinstance(e, OSError):
             raise
         raise CheckpointError(
@@ -151,12 +157,12 @@ def write_json(path: str, value: dict) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """``text`` at ``path``, written to ``path.tmp`` and renamed (process 0 only): the
+    """``text`` at ``path``, written to a temporary file and renamed (process 0 only): the
     file before stays whole when the write is cut off, which is one line."""
     if not _writes():
         return
     with _writing(path):
-        tmp = path + ".tmp"
+        tmp = _tmp(path)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -180,7 +186,7 @@ def _save(fig, path: str, dpi: int = 120) -> None:
     cut off (a full disk, a Ctrl-C) leaves the figure before it whole."""
     if _writes():
         with _writing(path):
-            tmp = path + ".tmp"
+            tmp = _tmp(path)
             fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
             os.replace(tmp, path)
 

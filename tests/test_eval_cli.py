@@ -821,7 +821,29 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         path = mount / "eval" / "perplexity.json"
         with pytest.raises(CheckpointError, match="No space left on device") as error:
             reports.write_json(str(path), {"results": ["x" * 100_000]})
-        assert "\n" not in str(error.value) and not os.path.exists(f"{path}.tmp")
+        assert "\n" not in str(error.value) and not list(path.parent.glob("*.tmp"))
+
+
+def test_two_processes_writing_one_report_both_finish(tmp_path):
+    """Two evaluations of one workdir (say --rope_scaling=pi and yarn) write the same
+    perplexity.json: they shared one temporary name, and a rename by one left the
+    other's "cannot write …/perplexity.json (No such file or directory)" at its end."""
+    path = tmp_path / "eval" / "perplexity.json"
+    code = (
+        "import sys; from lexjax import reports\n"
+        "for i in range(300): reports.write_json(sys.argv[1], {'writer': sys.argv[2], 'i': i})"
+    )
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), name], cwd=ROOT, stderr=subprocess.PIPE
+        )
+        for name in "ab"
+    ]
+    for writer in writers:
+        _, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err.decode()[-2000:]
+    assert json.loads(path.read_text())["i"] == 299
+    assert os.listdir(path.parent) == ["perplexity.json"]
 
 
 def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_path):
@@ -832,11 +854,13 @@ def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_
 
     path = tmp_path / "table3.md"
     reports.write_text(str(path), "## before\n")
-    (tmp_path / "table3.md.tmp").symlink_to("/dev/full")  # every write: no space left
+    # Where this process writes the table first (a name per process: two evaluations
+    # of one workdir shared "table3.md.tmp", and one's rename took the other's file).
+    (tmp_path / f"table3.md.{os.getpid()}.tmp").symlink_to("/dev/full")  # no space left
     with pytest.raises(CheckpointError, match="No space left on device") as error:
         reports.write_text(str(path), "## after\n" * 10_000)
     assert "\n" not in str(error.value) and path.read_text() == "## before\n"
-    assert not os.path.lexists(tmp_path / "table3.md.tmp")
+    assert not os.path.lexists(tmp_path / f"table3.md.{os.getpid()}.tmp")
 
 
 def test_a_figure_cut_off_while_written_leaves_the_one_before_whole(tmp_path, monkeypatch):
@@ -865,4 +889,4 @@ def test_a_figure_cut_off_while_written_leaves_the_one_before_whole(tmp_path, mo
         reports.plot_perplexity(curves, path, train_len=32, title="t")
     with open(path, "rb") as f:
         assert f.read() == before
-    assert not os.path.exists(path + ".tmp")
+    assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".tmp")]
