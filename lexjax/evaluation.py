@@ -122,6 +122,7 @@ __all__ = [
     "default_lengths",
     "budget",
     "settings_name",
+    "scored_digest",
     "cell_problem",
     "usable_cells",
     "resolution_protocol",
@@ -904,6 +905,15 @@ def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None
     return int(max_length)  # numpy's too: it goes into the JSON
 
 
+def scored_digest(documents, length: int) -> str:
+    """16 hex digits of sha256 over the first ``length`` tokens of each document, in
+    order: what an evaluation scored, recorded in its settings (so in its file name)."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(np.asarray(doc[:length], "<i4").tobytes())
+    return digest.hexdigest()[:16]
+
+
 def settings_name(kind: str, settings: dict) -> str:
     """A file stem derived from the settings of an evaluation, e.g.
     ``perplexity-step200-bca+full-budget4096-5d8e21c0``, with a RoPE extension
@@ -1062,6 +1072,9 @@ def evaluate_run(
         max_length=max_length,
         documents=len(chosen),
         source=where,
+        # Other text under the same settings (a file edited, a glob that now matches
+        # others) wrote over the earlier file of the same name.
+        scored_sha256=scored_digest(chosen, max_length + 1),
     )
     # Only with the mode, so the settings (and file names) of other evaluations stay as they were.
     sink_info = {"sinks": int(sinks)} if "sinks" in modes else {}
@@ -1116,6 +1129,7 @@ def evaluate_run(
         # What it measured: its own documents and modes (a name per measurement).
         settings = dict(settings, max_length=2 * train_len, kind="resolution")
         settings.update(documents=len(measured_docs), modes=resolution_modes)
+        settings.update(scored_sha256=scored_digest(measured_docs, 2 * train_len))
         for stem in ("resolution", settings_name("resolution", settings)):
             written.append(os.path.join(out_dir, f"{stem}.json"))
             reports.write_json(written[-1], reports.resolution_json(measured, **info))

@@ -283,19 +283,26 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     assert code == 0 and capfd.readouterr().out == long_prompt + full + "\n"
 
     # eval.py --passkey with held-out text for filler reads --max_docs documents of it.
-    code = cli.main(
-        cli.run_eval,
-        workdir,
-        passkey_run=True,
-        lengths=["80"],
-        bca="on",
-        passkey_depths=["0"],
-        passkey_trials=1,
-        passkey_filler="text",
-        eval_files=str(docs / "*.txt"),
-        max_docs=1,
-    )
-    assert code == 0 and "filler: 1 documents of" in capfd.readouterr().out
+    def passkey_with_text():
+        return cli.main(
+            cli.run_eval,
+            workdir,
+            passkey_run=True,
+            lengths=["80"],
+            bca="on",
+            passkey_depths=["0"],
+            passkey_trials=1,
+            passkey_filler="text",
+            eval_files=str(docs / "*.txt"),
+            max_docs=1,
+        )
+
+    named = lambda: {f for f in os.listdir(os.path.join(workdir, "eval")) if "passkey-step" in f}
+    assert passkey_with_text() == 0 and "filler: 1 documents of" in capfd.readouterr().out
+    # That text edited: the same settings, other filler, so a file of another name.
+    before = named()
+    sorted(docs.glob("*.txt"))[0].write_text("other words in the filler now " * 20)
+    assert passkey_with_text() == 0 and len(named() - before) == 1
 
 
 def test_running_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch):

@@ -124,6 +124,23 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert sinks["results"][0]["perplexity"] == pytest.approx(full32["perplexity"], rel=1e-5)
     assert any("-sinks-" in f for f in os.listdir(eval_dir))
 
+    # Other text under the same settings (a file edited): another name. It wrote over
+    # the earlier file, whose name promised "the same settings give the same numbers".
+    (texts / "doc0.txt").write_text("other " * 40)
+    done = _run("eval.py", *first, "--lengths=32", "--bca=on")
+    assert done.returncode == 0, done.stderr[-2000:]
+    bca_only = sorted(
+        f for f in os.listdir(eval_dir) if re.match(r"perplexity-.+-bca-.+\.json$", f)
+    )
+    assert len(bca_only) == 2, bca_only
+    written = []
+    for name in bca_only:
+        with open(os.path.join(eval_dir, name)) as f:
+            written.append(json.load(f))
+    assert alone in written  # the first text's file, kept whole
+    digests = {w["settings"]["scored_sha256"] for w in written}
+    assert len(digests) == 2 and len({w["results"][0]["perplexity"] for w in written}) == 2
+
     done = _run(
         "eval.py",
         f"--workdir={workdir}",
