@@ -819,6 +819,27 @@ def test_explicit_validation_and_test_files_override(tmp_path):
     assert "val.txt" not in ranges["train"]
 
 
+def test_one_book_whose_bucket_is_held_out_still_trains_with_validation_files(tmp_path):
+    """A pool file whose path hashes to test, with data.validation_files: every
+    automatic held-out split had a file, so the whole book went to test and nothing
+    was left to train on ("too small to hold out train text; … pass data.train_files",
+    a setting that does not exist). It is split within the file instead."""
+    name = next(
+        f"notes{i}.txt" for i in range(1000) if builders.split_of(f"notes{i}.txt") == "test"
+    )
+    (tmp_path / "pool").mkdir()
+    book = _book(tmp_path / "pool" / name, 400)
+    _book(tmp_path / "held.txt", 50)
+    plan = data.plan_corpus(
+        "textfiles", str(tmp_path / "pool" / "*.txt"), validation_files=str(tmp_path / "held.txt")
+    )
+    assert plan.rule == "within files"
+    ranges = _split_bytes(plan)
+    (t0, t1), (s0, s1) = ranges["train"][name][0], ranges["test"][name][0]
+    assert (t0, t1, s1) == (0, s0, len(book)) and 0.9 < t1 / len(book) < 0.97
+    assert list(ranges["validation"]) == ["held.txt"]
+
+
 def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):
     """Their text would be in both held-out splits (it was, and counted twice)."""
     for name in ("a", "b", "held1", "held2"):

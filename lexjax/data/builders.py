@@ -19,7 +19,7 @@ The split rule (no byte is ever in two splits):
    of its path relative to the corpus root, so the split never depends on
    which other files exist, on the machine, or on `PYTHONHASHSEED`; a file
    whose bucket is an explicit split goes to train. This rule is used when it
-   gives every automatic held-out split at least one file.
+   gives train and every automatic held-out split at least one file.
 3. Otherwise (one to a few dozen files) within files: every pool file keeps
    its head for train, and each automatic held-out split gets a 5% tail: with
    both automatic, bytes [0, 90%) train, [90%, 95%) validation, [95%, 100%)
@@ -450,7 +450,9 @@ def plan_splits(
     held = [s for s in ("validation", "test") if s not in explicit]
     by_file = {r: split_of(r) for r in pool_files}
     by_file = {r: (s if s in held else "train") for r, s in by_file.items()}
-    if all(s in by_file.values() for s in held):
+    # Train keeps a file too: one book whose bucket is test, with validation_files, went
+    # wholly to test and left no training text ("too small to hold out train text").
+    if all(s in by_file.values() for s in (*held, "train")):
         rule = "by file"
         for relpath in pool_files:
             size = os.path.getsize(os.path.join(root, relpath))
@@ -471,6 +473,9 @@ def plan_splits(
             raise DataError(
                 f"the corpus is too small to hold out {split} text ({num_files} text files); "
                 f"add text or pass data.{split}_files"
+                if split != "train"
+                else f"the corpus is too small to train on once validation and test text "
+                f"are held out ({num_files} text files); add text to data.files"
             )
     digest.update(rule.encode())
     return Plan(pieces, rule, num_files, skipped, digest.hexdigest())
