@@ -797,8 +797,8 @@ def test_many_files_split_by_file_hash(tmp_path):
 
 
 def test_explicit_validation_and_test_files_override(tmp_path):
-    for name in ("a", "b", "val", "test"):
-        _book(tmp_path / f"{name}.txt", 50)
+    for i, name in enumerate(("a", "b", "val", "test")):
+        _book(tmp_path / f"{name}.txt", 50, seed=i)  # other text: a copy would not train
     plan = data.plan_corpus(
         "textfiles",
         str(tmp_path / "*.txt"),
@@ -838,6 +838,23 @@ def test_one_book_whose_bucket_is_held_out_still_trains_with_validation_files(tm
     (t0, t1), (s0, s1) = ranges["train"][name][0], ranges["test"][name][0]
     assert (t0, t1, s1) == (0, s0, len(book)) and 0.9 < t1 / len(book) < 0.97
     assert list(ranges["validation"]) == ["held.txt"]
+
+
+def test_a_copy_of_a_held_out_file_in_the_pool_is_not_trained_on(tmp_path):
+    """ "f4 (1).txt", a byte-identical copy of the validation file, was trained on: 183
+    training segments were validation text. Links were told apart, copies were not."""
+    for name in ("a", "b", "c"):
+        _book(tmp_path / f"{name}.txt", 50, seed=ord(name))
+    (tmp_path / "va").mkdir()
+    held = _book(tmp_path / "va" / "f4.txt", 50, seed=4)
+    (tmp_path / "f4 (1).txt").write_bytes(held)
+    plan = data.plan_corpus(
+        "textfiles", str(tmp_path / "*.txt"), validation_files=str(tmp_path / "va" / "*.txt")
+    )
+    ranges = _split_bytes(plan)
+    assert "f4 (1).txt" not in ranges["train"] and "f4 (1).txt" not in ranges["test"]
+    assert sorted(ranges["train"]) == ["a.txt", "b.txt", "c.txt"]
+    assert plan.skipped["copies of held-out files"] == 1 and plan.num_files == 4
 
 
 def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):

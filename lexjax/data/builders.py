@@ -27,7 +27,9 @@ The split rule (no byte is ever in two splits):
    next UTF-8 character start).
 
 A path reached through symlinks is the file it points to (its real path): one
-file, in one split, counted once.
+file, in one split, counted once. A pool file with the same bytes as a file of
+`validation_files` or `test_files` (a copy) is left out of training, and
+counted among the skipped files.
 
 Files are read in bounded pieces: a document is at most 4 MiB (a longer file or
 piece becomes several documents, cut at line starts), so a file of hundreds of
@@ -279,7 +281,8 @@ class Plan:
     """Which bytes of which files go to which split (see the module docstring).
 
     `rule` is 'by file' or 'within files'; `skipped` counts empty and binary
-    files; `fingerprint` is the SHA-256 hex digest that names the build.
+    files (and pool copies of held-out files); `fingerprint` is the SHA-256 hex
+    digest that names the build.
     """
 
     pieces: dict[str, list[Piece]]
@@ -436,6 +439,12 @@ def plan_splits(
             )
     root, relpaths = pool
     left = _distinct(root, relpaths, taken)[0]
+    if explicit:  # a pool file with a held-out file's bytes (a copy, not a link) is that text
+        held = {_file_digest(p.path) for split in explicit for p in pieces[split]}
+        copies = [r for r in left if _file_digest(os.path.join(root, r)) in held]
+        if copies:
+            left = [r for r in left if r not in copies]
+            skipped["copies of held-out files"] = len(copies)
     if relpaths and not left:
         flags = " and ".join(f"data.{split}_files" for split in sorted(explicit, reverse=True))
         one = len(explicit) == 1
