@@ -216,8 +216,10 @@ def check_sink_count(block: int, sinks: int) -> None:
     """Raises :class:`ConfigError` for a sink count outside ``0 … block``."""
     try:
         sink_window(block, sinks)
-    except ValueError as e:  # a setting out of its range, as --sinks=-1 is
-        raise ConfigError(str(e)) from None
+    except ValueError:  # a setting out of its range, as --sinks=-1 is
+        raise ConfigError(
+            f"{arg('sinks')}={sinks!r} must be an integer in [0, {block}] (train_len/2)"
+        ) from None
 
 
 def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
@@ -1010,7 +1012,8 @@ def evaluate_run(
     ) or default_lengths(config.train_len)
     sinks, max_docs = int(sinks), int(max_docs)  # numpy's too: they go into the JSON
     eval_files = None if eval_files is None else os.fspath(eval_files)
-    check_rope_scaling(rope_scaling, rope_factor, config.model.position)
+    names = (arg("rope_scaling"), arg("rope_factor"))  # eval.py's flags, or the API's
+    check_rope_scaling(rope_scaling, rope_factor, config.model.position, names=names)
     modes = check_modes(modes, sinks=sinks)
     if rope_scaling != "none":
         scaled = dataclasses.replace(

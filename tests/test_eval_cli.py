@@ -588,7 +588,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
     )
     too_many = _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17")
-    _one_line_error(too_many, 2, "sinks must be", "[0, 16]")
+    _one_line_error(too_many, 2, "error: --sinks=17 must be an integer in [0, 16]")
     assert "mesh" not in too_many.stdout  # refused before the parameters were loaded
     _one_line_error(
         _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--resolution"), 6, "resolution"
@@ -839,6 +839,23 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         with pytest.raises(CheckpointError, match="No space left on device") as error:
             reports.write_json(str(path), {"results": ["x" * 100_000]})
         assert "\n" not in str(error.value) and not list(path.parent.glob("*.tmp"))
+
+
+def test_settings_checked_after_loading_name_eval_pys_flags(tmp_path):
+    """Checks that need the run's config said "rope_scaling=ntk extends …" and "sinks
+    must be …" to eval.py's user, who has --rope_scaling and --sinks."""
+    from lexjax import evaluation
+    from lexjax.errors import ConfigError, naming_flags
+    from tests.helpers import small_config
+
+    alibi = small_config(**{"model.position": "alibi"})
+    for kwargs, message in (
+        ({"rope_scaling": "ntk"}, "--rope_scaling=ntk extends a rotary encoding"),
+        ({"modes": ["sinks"], "sinks": 9}, r"--sinks=9 must be an integer in \[0, 8\]"),
+    ):
+        with naming_flags(), pytest.raises(ConfigError, match=f"^{message}"):
+            evaluation.evaluate_run(alibi, None, 1, str(tmp_path / "run"), **kwargs)
+    assert not (tmp_path / "run").exists()
 
 
 def test_two_processes_writing_one_report_both_finish(tmp_path):

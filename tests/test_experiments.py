@@ -217,7 +217,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         ("--config.modes=", "modes is empty; list some of bca, full, sinks"),
         ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
         # A sink count the block cannot hold: refused after the first run's training.
-        ("--config.sinks=100", "sinks must be an integer in [0, 8] (train_len/2), got 100"),
+        ("--config.sinks=100", "sinks=100 must be an integer in [0, 8] (train_len/2)"),
         # Every passkey length below the format: no passkey table, after every training.
         (
             "--config.passkey_multipliers=1.5,2",
@@ -613,5 +613,5 @@ def test_a_sink_count_is_checked_only_for_a_study_that_evaluates_sinks(monkeypat
     with pytest.raises(Planned):
         ex._plan(exp, shared, specs)
     exp.modes = "bca,full,sinks"
-    with pytest.raises(ConfigError, match=r"^sinks must be an integer in \[0, 8\]"):
+    with pytest.raises(ConfigError, match=r"^sinks=\d+ must be an integer in \[0, 8\]"):
         ex._plan(exp, shared, specs)
