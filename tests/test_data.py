@@ -285,7 +285,7 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     out, err = capfd.readouterr()
     line = f"building dataset textfiles ({len(names)} files, split by file)... done"
     invalid = len(range(0, len(names), 5))  # _write_corpus ends every fifth file with 0xFF
-    replaced = f"; {invalid} files had invalid UTF-8, replaced by U+FFFD"
+    replaced = f"; {invalid} file{'s' * (invalid != 1)} had invalid UTF-8, replaced by U+FFFD"
     assert out.splitlines() == [line + replaced], out
     assert err == "", err
     data.load_source("textfiles", "validation", tmp_path / "tfds", str(root / "**" / "*.txt"))
@@ -857,6 +857,22 @@ def test_a_copy_of_a_held_out_file_in_the_pool_is_not_trained_on(tmp_path):
     assert plan.skipped["copies of held-out files"] == 1 and plan.num_files == 4
 
 
+def test_a_misspelt_dataset_name_gets_a_did_you_mean(tmp_path):
+    """data.name=textfile with files said only "… apply to ('python_stdlib',
+    'textfiles') only, not 'textfile'"; an unknown name advised `tfds build` of it."""
+    _book(tmp_path / "a.txt", 5)
+    with pytest.raises(DataError, match=r"not 'textfile' \(did you mean data.name=textfiles\?\)$"):
+        data.load_source("textfile", "train", tmp_path / "tfds", str(tmp_path / "*.txt"))
+    with pytest.raises(
+        DataError, match=r"^dataset 'pg91' is not .* \(did you mean data.name=pg19\?\); run"
+    ):
+        data.load_source("pg91", "train", tmp_path / "tfds")
+    with pytest.raises(
+        DataError, match=r"^dataset 'pg19' is not prepared in \S+; run `tfds build pg19"
+    ):
+        data.load_source("pg19", "train", tmp_path / "tfds")  # a real name: no guess
+
+
 def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):
     """Their text would be in both held-out splits (it was, and counted twice)."""
     for name in ("a", "b", "held1", "held2"):
@@ -990,7 +1006,7 @@ def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):
     source = data.load_source("textfiles", "train", tmp_path / "tfds", str(tmp_path / "*.txt"))
     out = capfd.readouterr().out
     assert "(2 files, split within files; skipped 1 empty, 1 binary)" in out
-    assert "1 files had invalid UTF-8, replaced by U+FFFD" in out
+    assert "; 1 file had invalid UTF-8, replaced by U+FFFD" in out
     texts = [source[i] for i in range(len(source))]
     assert any("\ufffd".encode() in t for t in texts)
 

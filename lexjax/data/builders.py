@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import functools
 import glob
@@ -831,9 +832,16 @@ def prepare(
                     f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
                     "free space there or choose another data.data_dir"
                 ) from None
-            replaced = f"; {len(builder.replaced)} files had invalid UTF-8, replaced by U+FFFD"
+            n = len(builder.replaced)
+            replaced = f"; {n} file{'s' * (n != 1)} had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
+
+
+def _did_you_mean(name: str, names) -> str:
+    """`` (did you mean data.name=X?)`` for the closest of ``names``, or nothing."""
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean data.name={close[0]}?)" if close else ""
 
 
 class MissingSplit(DataError):
@@ -949,14 +957,17 @@ def _open(
     if any(x is not None for x in (files, validation_files, test_files, max_files)):
         raise DataError(
             f"files=/validation_files=/test_files=/max_files= apply to {BUILDER_NAMES} "
-            f"only, not {name!r}"
+            f"only, not {name!r}{_did_you_mean(name, BUILDER_NAMES)}"
         )
     base = name.split(":")[0]
     infos = glob.glob(os.path.join(data_dir, base, "**", "dataset_info.json"), recursive=True)
     if not infos:
+        known = tfds.list_builders(with_community_datasets=False)
         raise DataError(
-            f"dataset {name!r} is not prepared in {data_dir}; run `tfds build {base} "
-            f"--file_format=array_record --data_dir={data_dir}` or use one of {BUILDER_NAMES}"
+            f"dataset {name!r} is not prepared in {data_dir}"
+            f"{'' if base in known else _did_you_mean(base, [*BUILDER_NAMES, *known])}; run "
+            f"`tfds build {base} --file_format=array_record --data_dir={data_dir}` or use "
+            f"one of {BUILDER_NAMES}"
         )
 
     def records(split):
