@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -43,6 +44,10 @@ from bench import common
 
 # Alternating rounds of the XPOS and position=none steps (each round: 2 × steps steps a side).
 XPOS_ROUNDS = 5
+# A configuration's timed steps run in this many rounds: its figures are the median round's.
+TRAIN_ROUNDS = 5
+# What bench/accelerator.sh gives the run (its `timeout`), in seconds.
+SHELL_TIMEOUT = "ACCELERATOR_TIMEOUT_S"
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=128)
 
 
@@ -122,6 +127,12 @@ def check_args(p, args) -> None:
             p.error(f"{flag}={value}: give a whole number of at least 1")
     if not args.budget > 0:
         p.error(f"--budget={args.budget}: give a positive number of seconds")
+    limit = float(os.environ.get(SHELL_TIMEOUT) or "inf")
+    if args.budget > limit - 60:  # the last measurement may start just before the budget
+        p.error(
+            f"--budget={args.budget:g}: accelerator.sh stops the run after {limit:g} s; give "
+            f"at most {limit - 60:g}, or raise {SHELL_TIMEOUT}"
+        )
     try:
         args.lengths = [int(n) for n in args.eval_lengths.split(",")]
     except ValueError:
@@ -203,21 +214,34 @@ def train(config, steps: int) -> dict:
         for i in range(2):  # warm
             state, step_metrics = setup.train_step(state, batches[i % 2])
         jax.block_until_ready(state)
-        start = time.perf_counter()
-        for i in range(steps):
-            state, step_metrics = setup.train_step(state, batches[i % 2])
-        jax.block_until_ready(state)
-        seconds = time.perf_counter() - start
-    tokens_per_sec_per_device = steps * config.batch_size * config.train_len / seconds / n_dev
+        # Rounds of steps, each waited for: the median round, and the spread of rounds.
+        rounds = min(TRAIN_ROUNDS, steps)
+        per_step = []
+        for r in range(rounds):
+            count = steps // rounds + (r < steps % rounds)
+            start = time.perf_counter()
+            for i in range(count):
+                state, step_metrics = setup.train_step(state, batches[i % 2])
+            jax.block_until_ready(state)
+            per_step.append((time.perf_counter() - start) / count)
+    step_s = float(np.median(per_step))
+    tokens_per_sec_per_device = config.batch_size * config.train_len / step_s / n_dev
     kind = jax.devices()[0].device_kind
     peak = metrics.peak_flops(kind)
     flops = metrics.flops_per_token(config)
     return {
         "tokens_per_sec_per_device": tokens_per_sec_per_device,
-        "step_seconds": seconds / steps,
+        "step_seconds": step_s,
+        "step_seconds_rounds": per_step,  # per step, each round of the timed steps
         "steps": steps,
         "compile_seconds": compile_s,
         "mfu": None if peak is None else tokens_per_sec_per_device * flops / peak,
+        "mfu_range": None
+        if peak is None
+        else [
+            config.batch_size * config.train_len / max(per_step) / n_dev * flops / peak,
+            config.batch_size * config.train_len / min(per_step) / n_dev * flops / peak,
+        ],
         "peak_flops": peak,
         "peak_source": f"{kind} datasheet bf16 dense" if peak else f"{kind}: no datasheet peak",
         "flops_per_token": flops,
@@ -324,6 +348,7 @@ def main(argv=None) -> int:
         small=args.small,
         per_device_batch=per_device,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        command=" ".join(["python", *sys.argv]),
     )
     out_path = None
     if args.out:

@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 # "tpu v5" v5p).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("h200", 989e12),
-    ("h100", 989e12),
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h100", 989e12),  # SXM
     ("a100", 312e12),
     ("tpu v4", 275e12),
     ("tpu v5 lite", 197e12),

@@ -22,10 +22,11 @@ from tests import processes as P
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(args, tmp_path):
+def _run(args, tmp_path, **environ):
     env = {
-        k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
-    }  # one CPU device, as users run it
+        **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device
+        **environ,
+    }
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -323,6 +324,11 @@ def test_accelerator_small_writes_one_json_line_per_measurement(tmp_path):
     assert [t["remat_policy"] for t in trains] == ["full", "dots_except_mlp"]
     vocab = from_configdict(paper.get_config()).model.vocab_size  # reported with every figure
     assert all(t["tokens_per_sec_per_device"] > 0 and t["vocab_size"] == vocab for t in trains)
+    # The median of rounds, with the rounds (it was one timed window), and the command.
+    for t in trains:
+        rounds = t["step_seconds_rounds"]
+        assert len(rounds) == 3 and t["step_seconds"] == sorted(rounds)[1]
+        assert t["command"].startswith("python bench/accelerator.py --small ")
     # One line per length, each written as soon as it is measured: a failure at a longer
     # length (out of memory at 256k) loses none measured before it.
     scans = [line for line in lines if line["kind"] == "block_scan"]
@@ -355,6 +361,16 @@ def test_accelerator_refuses_a_bad_flag_before_measuring(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
         assert said in proc.stderr and proc.stdout == ""
+    # A budget the shell's timeout would cut short (accelerator.sh's 570 s).
+    proc = _run(
+        ["bench/accelerator.py", "--small", "--budget=900", "--out", str(tmp_path)],
+        None,
+        ACCELERATOR_TIMEOUT_S="570",
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert "error: --budget=900: accelerator.sh stops the run after 570 s; give at most 510" in (
+        proc.stderr
+    )
     # Without --small on a host whose jax sees no accelerator: it trained the paper-size
     # model on the CPU until the shell's timeout, then recorded that as the accelerator's.
     proc = _run(["bench/accelerator.py", "--out", str(tmp_path)], None)

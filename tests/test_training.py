@@ -569,6 +569,7 @@ def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_pa
 
 def test_peak_flops_from_the_datasheet_table_or_an_override():
     assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12  # it got the SXM part's 989
     assert metrics.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert metrics.peak_flops("TPU v5 lite") == 197e12  # v5e
     assert metrics.peak_flops("TPU v5") == 459e12  # v5p
