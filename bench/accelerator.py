@@ -118,13 +118,7 @@ def check_args(p, args) -> None:
         bad = [n for n in names if n not in choices]
         if bad:
             p.error(f"{flag}={value}: {bad[0]!r} is not one of {', '.join(choices)}")
-    for flag, value in (
-        ("--per_device_batch", args.per_device_batch),
-        ("--steps", args.steps),
-        ("--eval_batch", args.eval_batch),
-    ):
-        if value < 1:
-            p.error(f"{flag}={value}: give a whole number of at least 1")
+    p.check_counts(args, "per_device_batch", "steps", "eval_batch")
     if not args.budget > 0:
         p.error(f"--budget={args.budget}: give a positive number of seconds")
     limit = float(os.environ.get(SHELL_TIMEOUT) or "inf")

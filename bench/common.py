@@ -14,6 +14,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,27 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+    def check_counts(self, args, *names: str) -> None:
+        """Refuses ``--name`` below 1 for each of ``names`` (rounds, steps, files, ...):
+        ``--rounds 0`` ran a minute, then failed on an empty list of rounds."""
+        for name in names:
+            if (value := getattr(args, name)) < 1:
+                self.error(f"--{name}={value}: give a whole number of at least 1")
+
+    def check_json(self, path: str | None) -> None:
+        """Refuses a ``--json`` path that cannot be written, before anything runs."""
+        if not path:
+            return
+        try:
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, "Is a directory")
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here
+                pass
+        except OSError as e:
+            self.error(f"--json={path}: cannot write there ({e.strerror}); choose another path")
 
 
 def error_text(e: BaseException) -> str:

@@ -17,7 +17,6 @@ the generated text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402  (needs ROOT on sys.path)
+
 TOKENIZERS = {
     "bytes": [],
     "sentencepiece": ["--config.data.tokenizer=sentencepiece", "--config.data.vocab_size=2048"],
@@ -54,7 +57,7 @@ def _metrics(workdir: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = common.ArgumentParser(description=__doc__.split("\n")[0])  # errors: one line
     parser.add_argument("--out", required=True, help="directory of the runs and logs")
     parser.add_argument("--heldout", required=True, help="glob of the held-out books")
     parser.add_argument(

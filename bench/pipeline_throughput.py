@@ -17,7 +17,6 @@ must be above 1 for the pipeline not to slow training (with ``worker_count``
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -108,20 +107,33 @@ def next_batches(source, tokenizer, config, count: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])  # errors: one line
     p.add_argument("--json", help="write the result here")
-    p.add_argument("--quick", action="store_true", help="a smoke test, not a measurement")
-    p.add_argument("--files", type=int, default=400, help="python_stdlib files in the corpus")
-    p.add_argument("--vocab_size", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--batches", type=int, default=20, help="pipeline batches per round")
-    p.add_argument("--steps", type=int, default=5, help="train steps per round")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke test, not a measurement: small defaults"
+    )
+    counts = dict(files=(400, 60), vocab_size=(2048, 512), rounds=(5, 1), batches=(20, 2))
+    counts.update(steps=(5, 1))  # (default, --quick's default)
+    helps = dict(
+        files="python_stdlib files in the corpus",
+        batches="pipeline batches per round",
+        steps="train steps per round",
+    )
+    for name, (default, quick) in counts.items():
+        p.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"{helps.get(name, '')} (default {default}; --quick {quick})",
+        )
     p.add_argument(
         "--note", default="", help="where it ran (e.g. a shared machine), kept in the JSON"
     )
     args = p.parse_args(argv)
-    if args.quick:
-        args.files, args.vocab_size, args.rounds, args.batches, args.steps = 60, 512, 1, 2, 1
+    for name, defaults in counts.items():  # --quick no longer overrides one given
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[args.quick])
+    p.check_counts(args, *counts)
+    p.check_json(args.json)
     started = common.Provenance()
     entry = run(args)
     entry.update(started.record())

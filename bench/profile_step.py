@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    p.check_counts(args, "steps", "top")
+    p.check_json(args.json)
 
     try:
         config = common.tiny_config(dtype=args.dtype, position=args.position)

@@ -42,7 +42,6 @@ import importlib
 import os
 import pathlib
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -94,16 +93,7 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
     if not names:
         p.error(f"--only names no benchmark; choose from {', '.join(BENCHMARKS)}")
-    if args.json:  # before any benchmark runs: its results are written after each one
-        try:
-            if os.path.isdir(args.json):
-                raise IsADirectoryError(21, "Is a directory")
-            directory = os.path.dirname(os.path.abspath(args.json))
-            os.makedirs(directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here
-                pass
-        except OSError as e:
-            p.error(f"--json={args.json}: cannot write there ({e.strerror}); choose another path")
+    p.check_json(args.json)  # before any benchmark runs: its results are written after each one
     args.names = names
     return args
 

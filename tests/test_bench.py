@@ -143,6 +143,18 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
     proc = _run(["bench/profile_step.py", "--position", "bogus"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: model.position='bogus'")
     assert proc.stderr.count("\n") == 1, proc.stderr
+    # The other scripts: usage text and "PROG: error:" (argparse's), or a count of 0
+    # taken and a traceback after a minute's work (--rounds 0).
+    for script, flags, said in (
+        ("pipeline_throughput", ["--rounds", "0"], "--rounds=0: give a whole number of at least 1"),
+        ("pipeline_throughput", ["--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
+        ("pipeline_throughput", ["--json", str(tmp_path)], f"--json={tmp_path}: cannot write"),
+        ("profile_step", ["--steps", "0"], "--steps=0: give a whole number of at least 1"),
+        ("own_text", [], "the following arguments are required: --out, --heldout"),
+    ):
+        proc = _run([f"bench/{script}.py", *flags], tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+        assert proc.stderr.startswith(f"error: {said}") and proc.stderr.count("\n") == 1
 
 
 def test_a_json_in_a_read_only_directory_is_refused_before_any_benchmark(tmp_path):
