@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -289,7 +290,32 @@ def machine() -> dict:
         "device": jax.devices()[0].device_kind,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # lexjax/hugepages.py
+        "git_commit": git_commit(),
     }
+
+
+def git_commit() -> str | None:
+    """The code's commit, ``+dirty`` with uncommitted changes; None outside a git checkout."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except OSError:  # no git
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+
+
+def model_shapes(config) -> dict:
+    """What a benchmark's figures depend on, for its JSON: the model's shapes, dtype and
+    position, the training length and batch."""
+    m = config.model
+    fields = ("num_layers", "d_model", "num_heads", "mlp_dim", "vocab_size", "position", "dtype")
+    shapes = {name: getattr(m, name) for name in fields}
+    return dict(shapes, train_len=config.train_len, batch_size=config.batch_size)
 
 
 # Cores that other processes may keep busy before a run counts as taken on shared cores.

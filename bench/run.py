@@ -133,6 +133,8 @@ def main(argv=None) -> int:
             load_check=check,
         ),
         "shared_cores": check["shared"],  # None: not measured (no /proc), not "idle"
+        # The benchmarks' model (configs/tiny.py) before each one's model_overrides.
+        "model": common.model_shapes(common.tiny_config()),
     }
     # A run cut short (a Ctrl-C, a crash) leaves its results in JSON.partial and the
     # JSON of an earlier complete run as it was.

@@ -54,6 +54,21 @@ def test_run_mfu_quick_writes_the_json_shape(tmp_path):
     assert entry["value"] > 0
     assert set(entry["by_dtype"]) == {"float32", "bfloat16"}
     assert entry["model_overrides"] == {"num_layers": 2}  # --quick: a smoke test, not a figure
+    # The shapes those overrides apply to, and the code measured (neither was recorded).
+    assert results["model"] == dict(
+        num_layers=6,
+        d_model=256,
+        num_heads=4,
+        mlp_dim=1024,
+        vocab_size=320,
+        position="xpos",
+        dtype="float32",
+        train_len=256,
+        batch_size=16,
+    )
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if commit.returncode == 0:  # a git checkout
+        assert results["machine"]["git_commit"].startswith(commit.stdout.strip())
     # The step was timed cold (its first call after the matmul sides) against a warm peak,
     # and the forward/backward split compiled without the step's XLA options.
     assert entry["warm"] is True
