@@ -221,6 +221,43 @@ def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
     assert proc.returncode == 0 and out.startswith("building dataset textfiles"), err[-2000:]
 
 
+def test_runs_sharing_a_data_dir_learn_its_tokenizer_once(tmp_path):
+    """Two runs started at once on one corpus both learned its SentencePiece model
+    (minutes each on a large corpus). The second now waits, saying so, and reads it."""
+    import fcntl
+    import select
+
+    _write_corpus(str(tmp_path / "corpus"), 60)
+    files, data_dir = str(tmp_path / "corpus" / "**" / "*.txt"), tmp_path / "tfds"
+    build = data.prepare("textfiles", data_dir, files).data_path
+    model = os.path.join(build, "sentencepiece-300.model")
+    script = (
+        "import sys; from lexjax import data\n"
+        "data.load_tokenizer('sentencepiece', 300, 'textfiles', *sys.argv[1:])"
+    )
+    with open(f"{model}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run learning it
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(data_dir), files],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ready = select.select([proc.stdout], [], [], 60)[0]
+        said = proc.stdout.readline() if ready else "nothing in 60 s"
+        assert said == f"waiting for another process's sentencepiece tokenizer {model}\n"
+        # This test is that run: it learns and stores it as load_tokenizer does.
+        learned = builders._learn_tokenizer(model, 300, "textfiles", data_dir, files)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "", (out, err[-2000:])  # read, not learned again
+    assert (
+        learned.describe()
+        == data.load_tokenizer(
+            "sentencepiece", 300, "textfiles", data_dir, files, train=False
+        ).describe()
+    )
+
+
 # A script's start: SIGTERM raises Stopped, as in train() while it sets up, and one
 # that a callback swallowed (TFDS's, a __del__) comes again, as train() has it.
 _STOP_ON_SIGTERM = """

@@ -798,20 +798,11 @@ def prepare(
     # first to take the lock builds, the others wait and then read its build.
     try:
         os.makedirs(os.path.join(data_dir, name), exist_ok=True)
-        lock_fd = os.open(
-            os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock"),
-            os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-        )
     except OSError as e:
         raise _unwritable(data_dir, e, e.filename) from e
-    with os.fdopen(lock_fd, "a") as lock:
-        try:  # released when the file closes
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # said, or a long build elsewhere is a silent wait here
-            print(
-                f"waiting for another process's build of dataset {name} in {data_dir}", flush=True
-            )
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock")
+    waiting = f"waiting for another process's build of dataset {name} in {data_dir}"
+    with _one_at_a_time(lock, waiting, data_dir):
         builder, prepared = builder_of_plan()
         if not prepared:
             skipped = _counts(plan.skipped)
@@ -842,6 +833,24 @@ def _did_you_mean(name: str, names) -> str:
     """`` (did you mean data.name=X?)`` for the closest of ``names``, or nothing."""
     close = difflib.get_close_matches(name, names, n=1)
     return f" (did you mean data.name={close[0]}?)" if close else ""
+
+
+@contextlib.contextmanager
+def _one_at_a_time(lock_path: str, waiting: str, data_dir: str):
+    """Holds an exclusive lock on ``lock_path`` (flock: released when the file closes,
+    whatever ends the process); says ``waiting`` first where another process holds it
+    (a long build elsewhere would be a silent wait here)."""
+    try:
+        lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except OSError as e:
+        raise _unwritable(data_dir, e, e.filename) from e
+    with os.fdopen(lock_fd, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(waiting, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 class MissingSplit(DataError):
@@ -1047,27 +1056,42 @@ def load_tokenizer(
     feature = "" if text_feature == "text" else f"-{text_feature}"
     path = os.path.join(build_dir, f"sentencepiece-{vocab_size}{feature}.model")
     if os.path.exists(path):
-        with open(path, "rb") as f:
-            model = f.read()
-        try:
-            return tokenizer_lib.SentencePieceTokenizer(model)
-        except RuntimeError as e:  # sentencepiece cannot parse it
-            raise DataError(
-                f"the SentencePiece model {path} is damaged; delete it and run again to "
-                f"learn it again ({one_line(e, limit=120)})"
-            ) from e
+        return _stored_tokenizer(path)
     if not train:
         return None
-    train = load_source(
-        name,
-        "train",
-        data_dir,
-        files,
-        validation_files=validation_files,
-        test_files=test_files,
-        text_feature=text_feature,
-        max_files=max_files,
-    )
+    # Runs sharing a data_dir learn it once: the others wait, then read it.
+    waiting = f"waiting for another process's sentencepiece tokenizer {path}"
+    with _one_at_a_time(f"{path}.lock", waiting, resolve_data_dir(data_dir)):
+        if os.path.exists(path):
+            return _stored_tokenizer(path)
+        return _learn_tokenizer(
+            path,
+            vocab_size,
+            name,
+            data_dir,
+            files,
+            validation_files=validation_files,
+            test_files=test_files,
+            text_feature=text_feature,
+            max_files=max_files,
+        )
+
+
+def _stored_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
+    with open(path, "rb") as f:
+        model = f.read()
+    try:
+        return tokenizer_lib.SentencePieceTokenizer(model)
+    except RuntimeError as e:  # sentencepiece cannot parse it
+        raise DataError(
+            f"the SentencePiece model {path} is damaged; delete it and run again to "
+            f"learn it again ({one_line(e, limit=120)})"
+        ) from e
+
+
+def _learn_tokenizer(path, vocab_size, name, data_dir, files, **corpus) -> tokenizer_lib.Tokenizer:
+    """Learns the SentencePiece model of :func:`load_tokenizer` and stores it at ``path``."""
+    train = load_source(name, "train", data_dir, files, **corpus)
     budget = tokenizer_lib.SAMPLE_BYTES
     print(
         f"training sentencepiece tokenizer ({vocab_size} ids) on up to "
