@@ -235,7 +235,7 @@ def test_runs_sharing_a_data_dir_learn_its_tokenizer_once(tmp_path):
         "import sys; from lexjax import data\n"
         "data.load_tokenizer('sentencepiece', 300, 'textfiles', *sys.argv[1:])"
     )
-    with open(f"{model}.lock", "a") as lock:
+    with open(os.path.join(build, ".sentencepiece-300.model.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run learning it
         proc = subprocess.Popen(
             [sys.executable, "-c", script, str(data_dir), files],

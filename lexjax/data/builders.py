@@ -1061,7 +1061,8 @@ def load_tokenizer(
         return None
     # Runs sharing a data_dir learn it once: the others wait, then read it.
     waiting = f"waiting for another process's sentencepiece tokenizer {path}"
-    with _one_at_a_time(f"{path}.lock", waiting, resolve_data_dir(data_dir)):
+    lock = os.path.join(build_dir, f".{os.path.basename(path)}.lock")  # hidden, as the build's
+    with _one_at_a_time(lock, waiting, resolve_data_dir(data_dir)):
         if os.path.exists(path):
             return _stored_tokenizer(path)
         return _learn_tokenizer(
