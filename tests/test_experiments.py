@@ -466,6 +466,24 @@ def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
     )
 
 
+def test_a_second_study_is_refused_for_its_whole_run(tmp_path):
+    """Only training took a lock: a second study with other lengths evaluated the
+    first's trained runs while the first trained its next, and the first's tables then
+    showed one model scored on other text than the model beside it (both exit 0)."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".study.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a study at work (training or evaluating)
+        done = _run(out, "--config.multipliers=1,2,4")
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: another study is writing --out {out}; wait for it to finish or use another --out"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [".study.lock"]  # nothing written
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_study_imports_jax_stops_it_at_its_start(tmp_path, name):
     """Before the study had handlers (importing JAX) a SIGTERM ended it by the default

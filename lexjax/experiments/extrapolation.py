@@ -44,6 +44,7 @@ if __name__ == "__main__":  # before JAX loads, as train.py does
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -308,6 +309,26 @@ def _earlier_training(path: str, config: Config, workdir: str) -> float:
         return 0.0
     stored = _stage_done(path, config)  # raises ExperimentError for another config
     return float(stored.get("seconds", 0.0))
+
+
+@contextlib.contextmanager
+def _only_study(out: str):
+    """Holds ``OUT/.study.lock`` (an flock, released however the process ends); a
+    second study on ``out`` is refused at once, in one line (exit 4)."""
+    try:
+        fd = os.open(os.path.join(out, ".study.lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write in --out {out} ({e.strerror}); choose another directory"
+        ) from None
+    with os.fdopen(fd, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(
+                f"another study is writing --out {out}; wait for it to finish or use another --out"
+            ) from None
+        yield
 
 
 def _run_error(spec: RunSpec, error: Exception) -> Exception:
@@ -757,32 +778,35 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
         raise CheckpointError(
             f"cannot make --out {out} ({e.strerror}); choose another directory"
         ) from None
-    stopped, outcome = False, "error"
-    try:
-        for spec, config in zip(specs, configs):
-            workdir = os.path.join(out, "runs", spec.name)
-            if _train_stage(spec, config, workdir, log) is None:
-                stopped = True
-                break
-            _eval_stage(spec, config, workdir, plan, log)
-            _passkey_stage(spec, config, workdir, plan, log)
-        outcome = "stopped" if stopped else "completed"
-    except _Terminated:
-        outcome = "stopped"
-        raise
-    except KeyboardInterrupt:
-        outcome = "interrupted"
-        raise
-    finally:
-        with stop.held():  # recorded also when a SIGTERM comes now
-            timing = _record_invocation(out, started, wall_start, load_start, outcome)
-    if stopped:
-        log(f"stopped; run the same command again to continue ({out})")
-        return None
-    collected = reports.collect(out, specs, shared_config, plan, timing)
-    reports.write_all(out, collected)
-    log(f"wrote {', '.join(reports.OUTPUTS)} in {out}")
-    return collected
+    # One study per --out for its whole run: another with other settings evaluated
+    # runs while this one trained, and this one's tables mixed the two's numbers.
+    with _only_study(out):
+        stopped, outcome = False, "error"
+        try:
+            for spec, config in zip(specs, configs):
+                workdir = os.path.join(out, "runs", spec.name)
+                if _train_stage(spec, config, workdir, log) is None:
+                    stopped = True
+                    break
+                _eval_stage(spec, config, workdir, plan, log)
+                _passkey_stage(spec, config, workdir, plan, log)
+            outcome = "stopped" if stopped else "completed"
+        except _Terminated:
+            outcome = "stopped"
+            raise
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            raise
+        finally:
+            with stop.held():  # recorded also when a SIGTERM comes now
+                timing = _record_invocation(out, started, wall_start, load_start, outcome)
+        if stopped:
+            log(f"stopped; run the same command again to continue ({out})")
+            return None
+        collected = reports.collect(out, specs, shared_config, plan, timing)
+        reports.write_all(out, collected)
+        log(f"wrote {', '.join(reports.OUTPUTS)} in {out}")
+        return collected
 
 
 @stdout_failures(to_stderr=True)  # as train.py's: a closed stdout loses no training
