@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lexjax import evaluation
+from lexjax import blockwise, evaluation
 from lexjax.model import Decoder
 from tests.helpers import SMALL_MODEL, TRAIN_LEN
 
@@ -199,7 +199,7 @@ def test_scan_at_64x_train_len_runs_in_memory_independent_of_length(models):
     for multiple in (2, 64):
         n = multiple * TRAIN_LEN
         args = (params, jnp.zeros((1, n), jnp.int32), jnp.zeros((1, n), jnp.int32))
-        compiled = evaluation._compiled_scan(model, W).lower(*args).compile()
+        compiled = blockwise.compiled_scan(model, W).lower(*args).compile()
         temp[multiple] = compiled.memory_analysis().temp_size_in_bytes
     # Besides the block step's fixed working set, only per-token vectors of the
     # input and output (a few int32/float32 per token) may grow with the length.
