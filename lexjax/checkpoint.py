@@ -434,8 +434,13 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        self.wait()
-        self._manager.close()
+        """Finishes the last write and closes; no garbage collection, whose collectives
+        would hang a multi-process run that one process leaves by an error (the
+        training loop's :meth:`wait` collects, in step, on its way out)."""
+        try:
+            self._finish_writes()
+        finally:
+            self._manager.close()
 
     def _supersede(self, steps: list[int]) -> None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")

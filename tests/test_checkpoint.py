@@ -164,6 +164,26 @@ def test_keep_n_deletes_only_the_oldest(tmp_path):
     ckpt.close()
 
 
+def test_close_finishes_the_write_and_runs_no_collective(tmp_path, monkeypatch):
+    """close() collected garbage, whose collectives (process 0's listing, the checks of
+    the steps) hung a two-process run that one process left by an error: it waited
+    there while the other waited in the training loop's. The loop's wait() collects."""
+    from lexjax import checkpoint
+
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=1, async_save=True)
+    for step in (1, 2):
+        ckpt.save(step, make_state(mesh, rows=8))
+
+    def collective(*args):
+        raise AssertionError("close() ran a collective")
+
+    monkeypatch.setattr(checkpoint, "process_0s", collective)
+    monkeypatch.setattr(checkpoint, "all_processes", collective)
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt", read_only=True).all_steps() == [1, 2]  # finished
+
+
 def test_async_save_then_wait(tmp_path):
     mesh = mesh_of(8)
     state = make_state(mesh)
