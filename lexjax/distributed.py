@@ -26,8 +26,11 @@ process has not registered within ``initialization_timeout_s``. So a process
 given the coordinator's address first waits, in Python, for process 0 to accept
 connections, and stops with one line and status 7 if it never does (a wrong
 address or port, process 0 not started); process 0 checks that it can listen on
-the port (JAX's own failure there is sometimes a segfault). A peer that never
-starts still ends the others through JAX's abort.
+the port (JAX's own failure there is sometimes a segfault). Where a peer never
+registers (another ``--num_processes``, a process never started), a timer ends each
+waiting process with one line and status 7 just after the timeout, before JAX's
+abort; with a cluster's auto-detection, whose own waits share that timeout, JAX's
+abort remains.
 """
 
 from __future__ import annotations
@@ -225,8 +228,11 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     contradictory flags, and :class:`DistributedError` when process 0's coordinator
     does not answer within ``initialization_timeout_s`` or cannot start (its port is
     taken). Where not every process registers in time (another ``--num_processes``,
-    a peer that never started) jaxlib aborts the process, so a timer ends it first,
-    just after that timeout: ``error: <one line>`` on stderr, status 7.
+    a peer that never started) jaxlib aborts the process, so with explicit flags a
+    timer ends it first, just after that timeout: ``error: <one line>`` on stderr,
+    status 7. (Not with auto-detection: a cluster's detection, waiting for its
+    coordinator's address, spends part of the same timeout before JAX's own count
+    starts, so a timer could end a start that would succeed.)
     """
     explicit = _check(options)
     if options.mode == "off":
@@ -252,7 +258,8 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     # jaxlib aborts about 4 s after its deadline: this ends the process in one line first.
     watchdog = threading.Timer(timeout + 1, _exit_joining, (unjoined,))
     watchdog.daemon = True
-    watchdog.start()
+    if explicit:
+        watchdog.start()
     try:
         jax.distributed.initialize(
             coordinator_address=options.coordinator_address,
