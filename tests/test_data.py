@@ -910,10 +910,29 @@ def test_a_misspelt_dataset_name_gets_a_did_you_mean(tmp_path):
         data.load_source("pg19", "train", tmp_path / "tfds")  # a real name: no guess
 
 
+def test_copies_whose_paths_hash_to_two_splits_keep_their_text_in_one(tmp_path):
+    """Under the by-file rule two byte-identical files whose paths hash to train and
+    validation put the same text in both splits."""
+    names = [f"f{i:03d}.txt" for i in range(300)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_text(f"file {i}\n")
+    home = {
+        s: next(n for n in (f"copy{i}.txt" for i in range(999)) if builders.split_of(n) == s)
+        for s in data.SPLITS
+    }
+    for name in home.values():
+        (tmp_path / name).write_text("the same text in three places\n")
+    plan = data.plan_corpus("textfiles", str(tmp_path / "*.txt"))
+    assert plan.rule == "by file"
+    ranges = _split_bytes(plan)
+    assert [s for s in data.SPLITS if set(home.values()) & set(ranges[s])] == ["test"]
+    assert plan.skipped["copies of held-out files"] == 2
+
+
 def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):
     """Their text would be in both held-out splits (it was, and counted twice)."""
-    for name in ("a", "b", "held1", "held2"):
-        _book(tmp_path / f"{name}.txt", 50)
+    for i, name in enumerate(("a", "b", "held1", "held2")):
+        _book(tmp_path / f"{name}.txt", 50, seed=i)  # other texts: copies are refused too
     with pytest.raises(DataError) as e:
         data.plan_corpus(
             "textfiles",
@@ -926,6 +945,16 @@ def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path
         f"{tmp_path / 'held2.txt'}), whose text would be in both splits; make the two "
         "globs select different files"
     )
+    # A copy, not the same file, is refused alike (it was in both held-out splits).
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "held2 copy.txt").write_bytes((tmp_path / "held2.txt").read_bytes())
+    with pytest.raises(DataError, match="both select 1 file .*held2 copy.txt"):
+        data.plan_corpus(
+            "textfiles",
+            str(tmp_path / "*.txt"),
+            validation_files=str(tmp_path / "val" / "*.txt"),
+            test_files=str(tmp_path / "held2.txt"),
+        )
 
 
 def test_held_out_globs_that_take_every_file_say_so(tmp_path):

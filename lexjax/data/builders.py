@@ -421,7 +421,9 @@ def plan_splits(
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
         relpaths, both = _distinct(root, relpaths, taken)
-        if both:
+        earlier = {_file_digest(p.path) for p in pieces["test"]}  # test's: it comes first
+        both += [r for r in relpaths if _file_digest(os.path.join(root, r)) in earlier]
+        if both:  # the same file, or a copy of one
             raise DataError(
                 f"data.validation_files and data.test_files both select {len(both)} "
                 f"file{'s' if len(both) > 1 else ''} (first {os.path.join(root, both[0])}), "
@@ -464,9 +466,17 @@ def plan_splits(
     # wholly to test and left no training text ("too small to hold out train text").
     if all(s in by_file.values() for s in (*held, "train")):
         rule = "by file"
-        for relpath in pool_files:
-            size = os.path.getsize(os.path.join(root, relpath))
-            pieces[by_file[relpath]].append(Piece(root, relpath, 0, size))
+        # Copies whose paths hash to two splits: one split keeps the text (test before
+        # validation before train), the other copies are left out and counted.
+        homes: dict[str, str] = {}
+        for relpath in sorted(pool_files, key=lambda r: -SPLITS.index(by_file[r])):
+            path = os.path.join(root, relpath)
+            home = homes.setdefault(_file_digest(path), by_file[relpath])
+            if home != by_file[relpath]:
+                digest.update(f"copy left out\0{path_text(relpath)}\n".encode())
+                skipped["copies of held-out files"] = skipped.get("copies of held-out files", 0) + 1
+                continue
+            pieces[by_file[relpath]].append(Piece(root, relpath, 0, os.path.getsize(path)))
     else:
         rule = "within files"
         fractions = [1 - _HELD_OUT_FRACTION * k for k in range(len(held), 0, -1)]
