@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import numbers
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -94,7 +94,9 @@ def _listed(value):
     list of it; a string is one mode, not a sequence of letters."""
     value = as_python(value)
     one = isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool)
-    return [value] if one else value
+    if one or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return [value] if one else value
+    return [as_python(v) for v in value]  # list(jnp.array([16, 32])): JAX scalars
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -45,7 +45,7 @@ positions (its ζ^(Δ/b) was trained per distance and has no aliasing to undo).
 from __future__ import annotations
 
 import math
-import numbers
+import operator
 from typing import NamedTuple
 
 import jax
@@ -386,8 +386,13 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     power of two and the rest are every other slope of the next power of two,
     as in the ALiBi paper's reference code.
     """
-    if not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+    try:  # Python's, NumPy's and JAX's integers (not 4.5, which gave 4 heads)
+        heads = None if isinstance(num_heads, bool) else operator.index(num_heads)
+    except TypeError:
+        heads = None
+    if heads is None or heads < 1:
         raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    num_heads = heads
 
     def power_of_two(n):
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]

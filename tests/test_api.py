@@ -85,6 +85,10 @@ def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     assert (config.train_len, config.learning_rate) == (32, 0.5)
     assert type(config.train_len) is int and type(config.learning_rate) is float
     # JAX's scalars were "train_len=Array(32, dtype=int32): expected an integer".
+    from lexjax import api
+
+    assert api._listed(list(jnp.array([16, 32]))) == [16, 32]  # JAX scalars inside a list
+    assert type(api._listed((np.int64(16),))[0]) is int and api._listed(None) is None
     config = lexjax.make_config({"train_len": jnp.int32(32), "learning_rate": jnp.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
     assert type(config.train_len) is int and type(config.learning_rate) is float

@@ -380,6 +380,11 @@ class BadArgumentsTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, message):
             call()
 
+    def test_integers_of_numpy_and_jax_count_heads(self):
+        want = positions.alibi_slopes(4)
+        for heads in (np.int64(4), jnp.int32(4)):
+            np.testing.assert_array_equal(positions.alibi_slopes(heads), want)
+
     def test_lists_and_a_traced_scale_base_are_taken(self):
         """A list x was an AttributeError ('list' object has no attribute 'ndim'), and a
         vmapped or jitted scale_base a TracerBoolConversionError in the range check."""
