@@ -121,7 +121,10 @@ def check_args(p, args) -> None:
     p.check_counts(args, "per_device_batch", "steps", "eval_batch")
     if not args.budget > 0:
         p.error(f"--budget={args.budget}: give a positive number of seconds")
-    limit = float(os.environ.get(SHELL_TIMEOUT) or "inf")
+    try:
+        limit = float(os.environ.get(SHELL_TIMEOUT) or "inf")
+    except ValueError:
+        p.error(f"{SHELL_TIMEOUT}={os.environ[SHELL_TIMEOUT]!r}: give a number of seconds")
     if args.budget > limit - 60:  # the last measurement may start just before the budget
         p.error(
             f"--budget={args.budget:g}: accelerator.sh stops the run after {limit:g} s; give "

@@ -224,7 +224,7 @@ class Run:
                 self.step,
                 self.workdir,
                 lengths=_listed(lengths),
-                depths=[depths] if is_real(depths) else depths,  # no list for one
+                depths=[depths] if is_real(depths) else _listed(depths),  # no list for one
                 trials=trials,
                 modes=_listed(modes),
                 filler=filler,

@@ -927,6 +927,19 @@ def test_copies_whose_paths_hash_to_two_splits_keep_their_text_in_one(tmp_path):
     ranges = _split_bytes(plan)
     assert [s for s in data.SPLITS if set(home.values()) & set(ranges[s])] == ["test"]
     assert plan.skipped["copies of held-out files"] == 2
+    # Where leaving the copies out would empty a split, the files are split inside
+    # instead (it refused: "the corpus is too small to hold out validation text").
+    small = tmp_path / "small"
+    small.mkdir()
+    for split, text in (("test", "same text\n"), ("validation", "same text\n")):
+        (small / home[split]).write_text(text)
+    for i in range(2):
+        name = next(
+            f"t{i}_{j}.txt" for j in range(999) if builders.split_of(f"t{i}_{j}.txt") == "train"
+        )
+        (small / name).write_text(f"train text {i}\n" * 20)
+    plan = data.plan_corpus("textfiles", str(small / "*.txt"))
+    assert plan.rule == "within files" and all(plan.pieces[s] for s in data.SPLITS)
 
 
 def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path):

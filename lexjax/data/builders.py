@@ -464,19 +464,25 @@ def plan_splits(
     by_file = {r: (s if s in held else "train") for r, s in by_file.items()}
     # Train keeps a file too: one book whose bucket is test, with validation_files, went
     # wholly to test and left no training text ("too small to hold out train text").
-    if all(s in by_file.values() for s in (*held, "train")):
+    # Copies whose paths hash to two splits keep their text in one (test before
+    # validation before train); the other copies are left out and counted. The rule
+    # is by file only where every split keeps a file then.
+    homes: dict[str, str] = {}
+    copies = set()
+    for relpath in sorted(pool_files, key=lambda r: -SPLITS.index(by_file[r])):
+        home = homes.setdefault(_file_digest(os.path.join(root, relpath)), by_file[relpath])
+        if home != by_file[relpath]:
+            copies.add(relpath)
+    kept = {by_file[r] for r in pool_files if r not in copies}
+    if all(s in kept for s in (*held, "train")):
         rule = "by file"
-        # Copies whose paths hash to two splits: one split keeps the text (test before
-        # validation before train), the other copies are left out and counted.
-        homes: dict[str, str] = {}
-        for relpath in sorted(pool_files, key=lambda r: -SPLITS.index(by_file[r])):
-            path = os.path.join(root, relpath)
-            home = homes.setdefault(_file_digest(path), by_file[relpath])
-            if home != by_file[relpath]:
+        for relpath in pool_files:
+            if relpath in copies:
                 digest.update(f"copy left out\0{path_text(relpath)}\n".encode())
                 skipped["copies of held-out files"] = skipped.get("copies of held-out files", 0) + 1
                 continue
-            pieces[by_file[relpath]].append(Piece(root, relpath, 0, os.path.getsize(path)))
+            size = os.path.getsize(os.path.join(root, relpath))
+            pieces[by_file[relpath]].append(Piece(root, relpath, 0, size))
     else:
         rule = "within files"
         fractions = [1 - _HELD_OUT_FRACTION * k for k in range(len(held), 0, -1)]
@@ -860,6 +866,8 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str):
         except BlockingIOError:
             print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks (some NFS): unlocked, as before
+            pass
         yield
 
 

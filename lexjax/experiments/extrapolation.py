@@ -328,6 +328,8 @@ def _only_study(out: str):
             raise CheckpointError(
                 f"another study is writing --out {out}; wait for it to finish or use another --out"
             ) from None
+        except OSError:  # a filesystem without locks (some NFS): unlocked, as before
+            pass
         yield
 
 
