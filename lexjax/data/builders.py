@@ -852,14 +852,15 @@ def _did_you_mean(name: str, names) -> str:
 
 
 @contextlib.contextmanager
-def _one_at_a_time(lock_path: str, waiting: str, data_dir: str):
+def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | None = None):
     """Holds an exclusive lock on ``lock_path`` (flock: released when the file closes,
     whatever ends the process); says ``waiting`` first where another process holds it
-    (a long build elsewhere would be a silent wait here)."""
+    (a long build elsewhere would be a silent wait here). A lock that cannot be made
+    (a read-only data_dir) is the error of writing ``writes`` (default: the lock)."""
     try:
         lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     except OSError as e:
-        raise _unwritable(data_dir, e, e.filename) from e
+        raise _unwritable(data_dir, e, writes or e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1080,7 +1081,7 @@ def load_tokenizer(
     # Runs sharing a data_dir learn it once: the others wait, then read it.
     waiting = f"waiting for another process's sentencepiece tokenizer {path}"
     lock = os.path.join(build_dir, f".{os.path.basename(path)}.lock")  # hidden, as the build's
-    with _one_at_a_time(lock, waiting, resolve_data_dir(data_dir)):
+    with _one_at_a_time(lock, waiting, resolve_data_dir(data_dir), writes=path):
         if os.path.exists(path):
             return _stored_tokenizer(path)
         return _learn_tokenizer(
