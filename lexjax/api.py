@@ -99,6 +99,12 @@ def _listed(value):
     return [as_python(v) for v in value]  # list(jnp.array([16, 32])): JAX scalars
 
 
+def _elements(value):
+    """A list's or tuple's JAX and NumPy scalars as Python numbers; anything else as
+    :func:`lexjax.config.as_python` gives it (a string stays one, to be refused)."""
+    return [as_python(v) for v in value] if isinstance(value, (list, tuple)) else as_python(value)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Run:
     """A trained run loaded by :func:`load`: the parameters of its newest good
@@ -224,7 +230,7 @@ class Run:
                 self.step,
                 self.workdir,
                 lengths=_listed(lengths),
-                depths=[depths] if is_real(depths) else _listed(depths),  # no list for one
+                depths=[depths] if is_real(depths) else _elements(depths),  # no list for one
                 trials=trials,
                 modes=_listed(modes),
                 filler=filler,

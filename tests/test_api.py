@@ -89,6 +89,8 @@ def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
 
     assert api._listed(list(jnp.array([16, 32]))) == [16, 32]  # JAX scalars inside a list
     assert type(api._listed((np.int64(16),))[0]) is int and api._listed(None) is None
+    assert api._elements(list(jnp.array([0.0, 0.5]))) == [0.0, 0.5]  # passkey depths
+    assert api._elements("0.5") == "0.5"  # a string stays one, refused as depths
     config = lexjax.make_config({"train_len": jnp.int32(32), "learning_rate": jnp.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
     assert type(config.train_len) is int and type(config.learning_rate) is float
