@@ -138,6 +138,11 @@ def check_args(p, args) -> None:
         p.error(
             f"--eval_lengths={args.eval_lengths}: give comma-separated token counts of at least 1"
         )
+    if jax.default_backend() == "cpu" and not args.small:  # a GPU host whose jax lacks its plugin
+        p.error(
+            "jax found no accelerator (backend cpu); install jax with this host's GPU or TPU "
+            "plugin, or pass --small to check the script on a CPU"
+        )
 
 
 def matmul_peak(n: int) -> float:
@@ -222,7 +227,8 @@ def train(config, steps: int) -> dict:
             jax.block_until_ready(state)
             per_step.append((time.perf_counter() - start) / count)
     step_s = float(np.median(per_step))
-    tokens_per_sec_per_device = config.batch_size * config.train_len / step_s / n_dev
+    tokens_per_step_per_device = config.batch_size * config.train_len / n_dev
+    tokens_per_sec_per_device = tokens_per_step_per_device / step_s
     kind = jax.devices()[0].device_kind
     peak = metrics.peak_flops(kind)
     flops = metrics.flops_per_token(config)
@@ -233,11 +239,10 @@ def train(config, steps: int) -> dict:
         "steps": steps,
         "compile_seconds": compile_s,
         "mfu": None if peak is None else tokens_per_sec_per_device * flops / peak,
-        "mfu_range": None
+        "mfu_range": None  # of the slowest and the fastest round
         if peak is None
         else [
-            config.batch_size * config.train_len / max(per_step) / n_dev * flops / peak,
-            config.batch_size * config.train_len / min(per_step) / n_dev * flops / peak,
+            tokens_per_step_per_device / s * flops / peak for s in (max(per_step), min(per_step))
         ],
         "peak_flops": peak,
         "peak_source": f"{kind} datasheet bf16 dense" if peak else f"{kind}: no datasheet peak",
@@ -320,14 +325,6 @@ def main(argv=None) -> int:
     deadline = start + args.budget
     base, source = paper_dict()
     backend, device = jax.default_backend(), jax.devices()[0]
-    if backend == "cpu" and not args.small:  # a GPU host whose jax lacks its plugin
-        print(
-            "error: jax found no accelerator (backend cpu); install jax with this host's "
-            "GPU or TPU plugin, or pass --small to check the script on a CPU",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
     impls = args.attention_impls or (
         "splash,fused,explicit" if backend == "tpu" else "fused,explicit"
     )

@@ -112,8 +112,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="a smoke test, not a measurement: small defaults"
     )
-    counts = dict(files=(400, 60), vocab_size=(2048, 512), rounds=(5, 1), batches=(20, 2))
-    counts.update(steps=(5, 1))  # (default, --quick's default)
+    counts = dict(  # (default, --quick's default)
+        files=(400, 60), vocab_size=(2048, 512), rounds=(5, 1), batches=(20, 2), steps=(5, 1)
+    )
     helps = dict(
         files="python_stdlib files in the corpus",
         batches="pipeline batches per round",
