@@ -94,15 +94,17 @@ def _listed(value):
     list of it; a string is one mode, not a sequence of letters."""
     value = as_python(value)
     one = isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool)
-    if one or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        return [value] if one else value
-    return [as_python(v) for v in value]  # list(jnp.array([16, 32])): JAX scalars
+    return [value] if one else _elements(value)
 
 
 def _elements(value):
-    """A list's or tuple's JAX and NumPy scalars as Python numbers; anything else as
-    :func:`lexjax.config.as_python` gives it (a string stays one, to be refused)."""
-    return [as_python(v) for v in value] if isinstance(value, (list, tuple)) else as_python(value)
+    """A sequence's JAX and NumPy scalars (``list(jnp.array([16, 32]))``) as Python
+    numbers in a list; anything else as :func:`lexjax.config.as_python` gives it (a
+    string stays one, to be refused where a sequence is asked)."""
+    value = as_python(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return value
+    return [as_python(v) for v in value]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -89,6 +89,8 @@ _STDLIB_SKIP_DIRS = frozenset(
 )
 _GLOB_CHARS = frozenset("*?[")
 _SPLIT_RULE = "lexjax split rule 2"  # part of the fingerprint: a new rule is a new build
+# The build line's count of files left out as copies of held-out text (Plan.skipped).
+_COPIES = "copies of held-out files"
 _HELD_OUT_FRACTION = 0.05  # within files: each automatic held-out split's tail
 _MAX_DOCUMENT_BYTES = 4 << 20
 _SNAP_BYTES = 64 << 10  # how far a cut looks for a line start
@@ -447,7 +449,7 @@ def plan_splits(
         copies = [r for r in left if _file_digest(os.path.join(root, r)) in held]
         if copies:
             left = [r for r in left if r not in copies]
-            skipped["copies of held-out files"] = len(copies)
+            skipped[_COPIES] = len(copies)
     if relpaths and not left:
         flags = " and ".join(f"data.{split}_files" for split in sorted(explicit, reverse=True))
         one = len(explicit) == 1
@@ -468,18 +470,18 @@ def plan_splits(
     # validation before train); the other copies are left out and counted. The rule
     # is by file only where every split keeps a file then.
     homes: dict[str, str] = {}
-    copies = set()
+    split_copies = set()
     for relpath in sorted(pool_files, key=lambda r: -SPLITS.index(by_file[r])):
         home = homes.setdefault(_file_digest(os.path.join(root, relpath)), by_file[relpath])
         if home != by_file[relpath]:
-            copies.add(relpath)
-    kept = {by_file[r] for r in pool_files if r not in copies}
+            split_copies.add(relpath)
+    kept = {by_file[r] for r in pool_files if r not in split_copies}
     if all(s in kept for s in (*held, "train")):
         rule = "by file"
         for relpath in pool_files:
-            if relpath in copies:
+            if relpath in split_copies:
                 digest.update(f"copy left out\0{path_text(relpath)}\n".encode())
-                skipped["copies of held-out files"] = skipped.get("copies of held-out files", 0) + 1
+                skipped[_COPIES] = skipped.get(_COPIES, 0) + 1
                 continue
             size = os.path.getsize(os.path.join(root, relpath))
             pieces[by_file[relpath]].append(Piece(root, relpath, 0, size))
