@@ -695,10 +695,12 @@ class Checkpointer:
         one tried (``on_corrupt='fallback'``), or raises (``'error'``). A step that
         is gone by then was deleted while being read, by the garbage collection of
         a training run that writes meanwhile: not damage; the steps are listed
-        again and the newest then present read (at most `_RELISTS` times).
+        again and the newest then present read (at most `_RELISTS` times). Every
+        process takes process 0's listing (a collective, as ``read``'s checks are):
+        processes that listed on their own could read two steps.
         """
         for _ in range(_RELISTS):
-            candidates = list(reversed(self.all_steps()))
+            candidates = list(reversed(process_0s(self.all_steps())))  # one choice
             if not candidates:
                 raise CheckpointError(
                     f"no complete checkpoint in {self.directory} yet; a training writing there "

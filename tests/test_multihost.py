@@ -114,9 +114,10 @@ def test_only_process_0_prints_and_logs(two_process_run):
     assert [s for s, _ in P.losses(workdir)] == list(range(1, STEPS + 1))  # one writer
 
 
-def _eval_pair(ctx, workdir, *args):
-    """eval.py as two processes joined on 127.0.0.1 (4 devices each): their outputs."""
-    procs = _start_eval_pair(ctx, workdir, *args)
+def _eval_pair(ctx, workdir, *args, program="eval.py"):
+    """eval.py (or ``program``) as two processes joined on 127.0.0.1 (4 devices each):
+    their outputs."""
+    procs = _start_eval_pair(ctx, workdir, *args, program=program)
     outputs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
@@ -180,7 +181,8 @@ def test_two_processes_evaluate_and_generate_like_one(ctx, two_process_run):
     keys = ["--passkey", "--lengths=80", "--passkey_depths=0,1", "--passkey_trials=3"]
     done = P.run([f"--workdir={one}", *keys], env8, program="eval.py")
     assert done.returncode == 0, done.stderr[-3000:]
-    _eval_pair(ctx, two, *keys)
+    # Process 1 lists no step here: both read the one process 0 listed.
+    _eval_pair(ctx, two, *keys, program="tests/unlisted_eval.py")
     found = [json.loads((w / "eval" / "passkey.json").read_text())["results"] for w in (one, two)]
     assert len(found[0]) == 4 and [r["accuracy"] for r in found[1]] == [
         r["accuracy"] for r in found[0]
