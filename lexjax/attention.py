@@ -110,7 +110,8 @@ def context(
     if position not in get_args(PositionKind):
         known = ", ".join(get_args(PositionKind))
         raise ValueError(f"position={position!r} is unknown; use one of {known}")
-    q_positions, k_positions = jnp.atleast_1d(q_positions), jnp.atleast_1d(k_positions)
+    q_positions = jnp.atleast_1d(pos_lib.as_positions(q_positions, "q_positions"))
+    k_positions = jnp.atleast_1d(pos_lib.as_positions(k_positions, "k_positions"))
     q_rotary = k_rotary = bias = None
     if position in ("xpos", "rope", "xpos_norotate"):
         extension, decay_base = {}, scale_base
@@ -255,12 +256,14 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit", sinks=None):
     first in ``logits`` (``[B, H, Tq, S + Tk]``). Always explicit: a fused
     kernel encodes each query once.
     """
-    if ctx.bias is not None and ctx.bias.shape[-3] != q.shape[2]:
-        raise ValueError(
-            f"the context's ALiBi bias has {ctx.bias.shape[-3]} heads and q "
-            f"{q.shape} has {q.shape[2]}; build the context with num_heads={q.shape[2]}"
-        )
+    _check_context(q, k, ctx)
     if sinks is not None:
+        if ctx.sinks is None:
+            raise ValueError(
+                "sinks need ctx.sinks, the context of the queries against the sinks' "
+                "positions: ctx.replace(sinks=context(q_positions, sink_positions, ...))"
+            )
+        _check_context(q, sinks[0], ctx.sinks)
         return _attention_with_sinks(q, k, v, ctx, *sinks)
     q, k = encode(q, k, ctx)
     if impl == "explicit":
@@ -276,6 +279,36 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit", sinks=None):
     raise ValueError(f"attention impl {impl!r}: use explicit, fused or splash")
 
 
+def _check_context(q, k, ctx: Context) -> None:
+    """One ValueError where ``ctx`` was built for other shapes than ``q`` ``[B, T, H, D]``
+    and ``k`` ``[B, S, H, D]`` (another length, head_dim or head count), or its mask
+    is ``[B, T, S]``, whose batch axis would broadcast against the heads."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if ctx.q_rotary is not None:
+        for name, (cos, _), length in (("q", ctx.q_rotary, T), ("k", ctx.k_rotary, S)):
+            if cos.shape[-3] != length or 2 * cos.shape[-1] != D:
+                raise ValueError(
+                    f"the context's {name} tables hold {cos.shape[-3]} positions of head_dim "
+                    f"{2 * cos.shape[-1]} and {name} {(q if name == 'q' else k).shape} "
+                    f"has {length} of {D}; build the context from this call's positions"
+                )
+    if ctx.bias is not None and ctx.bias.shape[-3] != H:
+        raise ValueError(
+            f"the context's ALiBi bias has {ctx.bias.shape[-3]} heads and q "
+            f"{q.shape} has {H}; build the context with num_heads={H}"
+        )
+    for name, x in (("mask", ctx.mask), ("ALiBi bias", ctx.bias)):
+        shape = () if x is None else jnp.shape(x)
+        fits = all(a in (1, b) for a, b in zip(shape[::-1], (B, H, T, S)[::-1]))
+        if len(shape) == 3 or len(shape) > 4 or not fits:
+            raise ValueError(
+                f"the context's {name} of shape {shape} does not broadcast to "
+                f"[B, H, T, S] = {(B, H, T, S)}; give [T, S] or [B, H, T, S] "
+                "(x[:, None] adds the heads axis to a [B, T, S] mask)"
+            )
+
+
 def _attention_with_sinks(q, k, v, ctx: Context, sink_k, sink_v):
     q_sinks, sink_k = encode(q, sink_k, ctx.sinks)
     q, k = encode(q, k, ctx)
@@ -287,10 +320,11 @@ def _attention_with_sinks(q, k, v, ctx: Context, sink_k, sink_v):
         axis=-1,
     )
     shape = logits.shape[:-1]
+    visible = lambda mask: True if mask is None else mask  # None: every key
     mask = jnp.concatenate(
         [
-            jnp.broadcast_to(ctx.sinks.mask, (*shape, sink_k.shape[1])),
-            jnp.broadcast_to(ctx.mask, (*shape, k.shape[1])),
+            jnp.broadcast_to(visible(ctx.sinks.mask), (*shape, sink_k.shape[1])),
+            jnp.broadcast_to(visible(ctx.mask), (*shape, k.shape[1])),
         ],
         axis=-1,
     )

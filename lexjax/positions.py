@@ -119,13 +119,24 @@ def _check_head_dim(head_dim: int) -> None:
         )
 
 
-def _check_positions(x, positions):
-    x, positions = jnp.asarray(x), jnp.asarray(positions)
+def as_positions(positions, name: str = "positions") -> jax.Array:
+    """``positions`` as a signed integer array: unsigned ones become int32, whose
+    differences are the same, where theirs wrapped (``q − k`` < 0 in ALiBi, the
+    centring shift of :func:`lexjax.attention.context`). Raises ValueError for any
+    other dtype."""
+    positions = jnp.asarray(positions)
+    if jnp.issubdtype(positions.dtype, jnp.unsignedinteger):
+        return positions.astype(jnp.int32)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(
-            f"positions must be integers, got dtype {positions.dtype}; "
+            f"{name} must be integers, got dtype {positions.dtype}; "
             "pass token indices, e.g. jnp.arange(seq)"
         )
+    return positions
+
+
+def _check_positions(x, positions):
+    x, positions = jnp.asarray(x), as_positions(positions)
     if x.ndim < 3:
         raise ValueError(f"x must be [..., seq, heads, head_dim], got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -172,7 +183,7 @@ def length_factor(length, train_len: int):
     dynamic NTK's factor for the positions processed so far. ``length`` may be
     a traced scalar (then so is the result, float32).
     """
-    if not train_len >= 1:
+    if train_len is None or not train_len >= 1:
         raise ValueError(f"train_len must be positive, got {train_len}")
     if isinstance(length, (int, float, np.integer, np.floating)):
         return max(1.0, float(length) / train_len)
@@ -213,7 +224,11 @@ def rope_scaling(
     if scaling not in ROPE_SCALINGS:
         raise ValueError(f"rope scaling {scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}")
     static = isinstance(factor, (int, float, np.integer, np.floating))
-    if static and not (math.isfinite(factor) and factor >= 1):
+    try:  # a traced factor (dynamic NTK inside a jit) is not checked
+        bad = not (math.isfinite(factor) and factor >= 1)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+        bad = False
+    if bad:
         raise ValueError(f"the rope scaling factor must be finite and ≥ 1, got {factor}")
     xp = np if static else jnp
     s = float(factor) if static else jnp.asarray(factor, jnp.float32)
@@ -260,12 +275,7 @@ def rotary_tables(
       positions, so a forward computes them once and every layer reuses them.
     """
     _check_head_dim(head_dim)
-    positions = jnp.asarray(positions)
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(
-            f"positions must be integers, got dtype {positions.dtype}; "
-            "pass token indices, e.g. jnp.arange(seq)"
-        )
+    positions = as_positions(positions)
     if inv_freq is None:
         inv_freq = jnp.asarray(rotary_frequencies(head_dim, theta), jnp.float32)
     pos = positions.astype(jnp.float32)[..., None, None]  # [..., seq, 1, 1]
@@ -289,7 +299,7 @@ def apply_rotary(x, cos, sin):
     which needed a swapped copy of ``x``. On a CPU the two forms measured the
     same XPOS overhead, within the noise (docs/benchmarks.md §16).
     """
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
@@ -310,12 +320,13 @@ def xpos_tables(
     with ``downscale`` (keys). ``inv_freq`` and ``scale`` as there: zero
     frequencies give the decay without rotation (Table 4's θ_i = 0)."""
     _check_head_dim(head_dim)
-    try:  # a traced scale_base (under vmap or grad) is not checked
-        bad = not scale_base > 0
-    except jax.errors.TracerBoolConversionError:
-        bad = False
-    if bad:
-        raise ValueError(f"scale_base must be positive, got {scale_base}")
+    for name, value in (("scale_base", scale_base), ("gamma", gamma)):
+        try:  # a traced value (under vmap or grad) is not checked
+            bad = not value > 0
+        except jax.errors.TracerBoolConversionError:
+            bad = False
+        if bad:
+            raise ValueError(f"{name} must be positive, got {value}")
     log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
     return rotary_tables(
         positions,
@@ -345,8 +356,9 @@ def xpos(
         Must match between training and inference. ``inf`` gives RoPE (ζ^0 = 1).
       theta: rotation base; θ_i = theta^(-2i/d).
       gamma: ζ_i = (2i/d + γ)/(1 + γ).
-      downscale: False for queries, True for keys; a Python bool (static under
-        ``jax.jit``). ``scale_base``, ``theta`` and ``gamma`` may be traced.
+      downscale: False for queries, True for keys; a Python bool (under
+        ``jax.jit``, mark it static: ``static_argnames="downscale"``).
+        ``scale_base``, ``theta`` and ``gamma`` may be traced.
 
     Returns:
       ``x`` encoded, same shape and dtype.
@@ -374,8 +386,8 @@ def rope(x, positions, *, theta: float = 10000.0):
     positions drift from their relative-position values: shift both position
     sets toward zero, as :func:`lexjax.attention.context` does.
     """
-    _check_head_dim(x.shape[-1])
     x, positions = _check_positions(x, positions)
+    _check_head_dim(x.shape[-1])
     return apply_rotary(x, *rotary_tables(positions, x.shape[-1], theta=theta))
 
 
@@ -410,10 +422,8 @@ def alibi_bias(num_heads: int, q_positions, k_positions):
     ``q_positions`` ``[..., q]`` and ``k_positions`` ``[..., k]`` are integers.
     Only meaningful under a causal mask (for j > i the bias is positive).
     """
-    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
-    for name, p in (("q_positions", q_positions), ("k_positions", k_positions)):
-        if not jnp.issubdtype(p.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integers, got dtype {p.dtype}")
+    q_positions = as_positions(q_positions, "q_positions")
+    k_positions = as_positions(k_positions, "k_positions")
     distance = (q_positions[..., :, None] - k_positions[..., None, :]).astype(jnp.float32)
     slopes = jnp.asarray(alibi_slopes(num_heads))
     return -slopes[:, None, None] * distance[..., None, :, :]
@@ -426,9 +436,7 @@ def sinusoidal(positions, dim: int):
     """
     if dim % 2:
         raise ValueError(f"sinusoidal embedding dim must be even, got {dim}")
-    positions = jnp.asarray(positions)
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    positions = as_positions(positions)
     inv_freq = jnp.asarray(10000.0 ** (-2.0 * np.arange(dim // 2) / dim), jnp.float32)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(*positions.shape, dim)

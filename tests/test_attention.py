@@ -160,6 +160,60 @@ class MultiheadAttentionTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, re.escape(said)):
             attention.attention(k, k, v, ctx)
 
+    @parameterized.parameters("xpos", "rope", "alibi")
+    def test_unsigned_positions_score_as_signed_ones(self, position):
+        # uint32 positions wrapped in the centring shift (and ALiBi's i − j): NaN.
+        q, k, v = _qkv(8, q_len=TK)
+        pos, mask = _padded_causal_mask()
+        run = functools.partial(attention.multihead_attention, position=position, mask=mask)
+        signed = run(q, k, v, pos, pos)
+        unsigned = run(q, k, v, pos.astype(np.uint32), pos.astype(np.uint32))
+        for got, want in zip(unsigned, signed):
+            self.assertTrue(np.all(np.isfinite(got)))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(
+            positions.sinusoidal(pos.astype(np.uint8), D), positions.sinusoidal(pos, D)
+        )
+
+    def test_a_context_built_for_other_shapes_is_refused(self):
+        q, k, v = _qkv(9, q_len=TK)
+        pos = np.arange(TK, dtype=np.int32)
+        build = functools.partial(attention.context, num_heads=H, position="xpos")
+        decode = build(pos[-1:], pos, head_dim=D, mask=masks.causal(1, TK))
+        wide = build(pos, pos, head_dim=2 * D, mask=masks.causal(TK))
+        per_row = masks.same_segment(np.ones((B, TK)), np.ones((B, TK))) & masks.causal(TK)
+        for ctx, said in (
+            (decode, "q tables hold 1 positions of head_dim 8 and q (2, 6, 2, 8) has 6"),
+            (wide, "q tables hold 6 positions of head_dim 16"),
+            (build(pos, pos, head_dim=D, mask=per_row), "mask of shape (2, 6, 6) does not"),
+            (build(pos, pos, head_dim=D, mask=masks.causal(TK - 1)), "mask of shape (5, 5)"),
+        ):
+            with self.assertRaisesRegex(ValueError, re.escape(said)):
+                attention.attention(q, k, v, ctx)
+        # Each mask the message offers works: [T, S], and [B, H, T, S] from [B, T, S].
+        fine = build(pos, pos, head_dim=D, mask=per_row[:, None])
+        np.testing.assert_allclose(
+            attention.attention(q, k, v, fine)[0],
+            attention.attention(q, k, v, fine.replace(mask=masks.causal(TK)))[0],
+        )
+
+    def test_sinks_without_their_context_are_refused_and_a_missing_mask_sees_all(self):
+        q, k, v = _qkv(10, q_len=TK)
+        pos = np.arange(TK, dtype=np.int32)
+        build = functools.partial(attention.context, num_heads=H, head_dim=D, position="xpos")
+        ctx = build(pos, pos, mask=masks.causal(TK))
+        with self.assertRaisesRegex(ValueError, "sinks need ctx.sinks"):
+            attention.attention(q, k, v, ctx, sinks=(k[:, :1], v[:, :1]))
+        # Unmasked sinks: one softmax over [sink, keys], as the explicit computation.
+        sinks_ctx = ctx.replace(sinks=build(pos, pos[:1]))
+        out, _ = attention.attention(q, k, v, sinks_ctx, sinks=(k[:, :1], v[:, :1]))
+        keys = np.concatenate([k[:, :1], k], axis=1)
+        both = np.concatenate([np.ones((TK, 1), bool), np.asarray(masks.causal(TK))], axis=1)
+        want = _reference(
+            q, keys, np.concatenate([v[:, :1], v], axis=1), pos, np.r_[0, pos], "xpos", both
+        )
+        np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-5)
+
     def test_alibi_bias_enters_the_logits(self):
         # The ALiBi logits are the plain logits plus −m_h·(i − j), head by head.
         q, k, v = _qkv(2)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from lexjax import positions
+from lexjax import attention, positions
 from tests import paper
 
 
@@ -302,6 +302,17 @@ class BadArgumentsTest(parameterized.TestCase):
             "head_dim must be even",
         ),
         ("decay_base_odd_head_dim", lambda: positions.xpos_decay_base(3), "head_dim must be even"),
+        # gamma ≤ 0 made ζ_0 ≤ 0: NaN at every position.
+        (
+            "zero_gamma",
+            lambda: positions.xpos(jnp.ones((1, 3, 1, 4)), jnp.arange(3), gamma=0.0),
+            "gamma must be positive",
+        ),
+        (
+            "negative_gamma",
+            lambda: positions.xpos_tables(jnp.arange(3), 4, gamma=-0.5),
+            "gamma must be positive",
+        ),
         (
             "float_positions",
             lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2.0)),
@@ -399,6 +410,17 @@ class BadArgumentsTest(parameterized.TestCase):
             )
         jitted = jax.jit(lambda b: positions.xpos(x, jnp.arange(3), scale_base=b))(64.0)
         np.testing.assert_allclose(jitted, want, rtol=1e-6)
+        # rope read x.shape before converting a list; a traced gamma is taken as well.
+        np.testing.assert_array_equal(
+            positions.rope(x.tolist(), [0, 1, 2]), positions.rope(jnp.asarray(x), jnp.arange(3))
+        )
+        gammas = jax.jit(lambda g: positions.xpos(x, jnp.arange(3), gamma=g))(0.4)
+        np.testing.assert_allclose(gammas, positions.xpos(x, jnp.arange(3)), rtol=1e-6)
+
+    def test_no_tokens_give_no_tokens(self):
+        # An empty sequence was a ZeroDivisionError from a reshape with −1.
+        for encode in (positions.xpos, positions.rope):
+            self.assertEqual(encode(jnp.ones((1, 0, 2, 4)), jnp.arange(0)).shape, (1, 0, 2, 4))
 
 
 class RopeScalingTest(chex.TestCase):
@@ -528,6 +550,22 @@ class RopeScalingTest(chex.TestCase):
         ("nan", lambda: positions.rope_scaling("ntk", math.nan, 8), "≥ 1"),
         ("yarn_without_len", lambda: positions.rope_scaling("yarn", 2.0, 8), "training length"),
         ("no_train_len", lambda: positions.length_factor(10, 0), "train_len must be positive"),
+        ("train_len_none", lambda: positions.length_factor(10, None), "train_len must be posi"),
+        (
+            "dynamic_ntk_context_without_len",
+            lambda: attention.context(
+                jnp.arange(4),
+                jnp.arange(4),
+                num_heads=1,
+                head_dim=8,
+                position="xpos",
+                rope_scaling="dynamic_ntk",
+            ),
+            "train_len must be positive, got None",
+        ),
+        # A concrete JAX scalar is checked as a Python number is (no NaN frequencies).
+        ("jax_below_one", lambda: positions.rope_scaling("pi", jnp.float32(0.5), 8), "≥ 1"),
+        ("jax_zero", lambda: positions.rope_scaling("ntk", jnp.float32(0.0), 8), "≥ 1"),
     )
     def test_bad_arguments_raise(self, call, message):
         with self.assertRaisesRegex(ValueError, message):
