@@ -97,8 +97,12 @@ class KVCache:
     def write(self, start, kv, positions_BxT, valid_BxT=None) -> KVCache:
         """Stores ``kv = (k, v): [L, B, T, H, K]`` (a Decoder's ``new_kv``) at slots
         ``start … start+T−1`` with their positions; valid unless ``valid_BxT`` says
-        otherwise. ``start`` may be traced."""
+        otherwise. ``start`` may be traced (then XLA clamps it so the T slots fit);
+        a Python int past the end raises ValueError."""
         k, v = kv
+        T, S = positions_BxT.shape[1], self.valid.shape[1]
+        if T > S or (isinstance(start, numbers.Integral) and not 0 <= start <= S - T):
+            raise ValueError(f"cannot write {T} tokens at slot {start} of a {S}-slot cache")
         if valid_BxT is None:
             valid_BxT = jnp.ones(positions_BxT.shape, bool)
         put = lambda old, new, axis: jax.lax.dynamic_update_slice_in_dim(
@@ -164,6 +168,11 @@ def block_step(
       ``return_scores``, else None.
     """
     B, W = tokens_BxW.shape
+    if previous.valid.shape[1] != W:
+        raise ValueError(
+            f"the previous block's cache has {previous.valid.shape[1]} slots for a block of "
+            f"{W} tokens; give KVCache.empty(config, batch, {W})"
+        )
     positions_BxW = jnp.broadcast_to(window_positions(W, first=first), (B, W))
     out = model.apply(
         {"params": params}, tokens_BxW, positions_BxW, cache=previous, return_scores=return_scores

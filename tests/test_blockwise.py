@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lexjax import masks
-from lexjax.blockwise import KVCache, scan_sinks, window_mask, window_positions
+from lexjax.blockwise import KVCache, block_step, scan_sinks, window_mask, window_positions
 from lexjax.config import ModelConfig
 from lexjax.model import Decoder
 
@@ -37,6 +37,20 @@ def test_write_then_rotate_moves_the_current_block_to_the_previous_half():
     assert rotated.positions[0, :W].tolist() == list(range(W))
     np.testing.assert_array_equal(rotated.k[:, :, :3], 2.0)
     np.testing.assert_array_equal(rotated.v[:, :, :3], -2.0)
+
+
+def test_a_write_past_the_cache_or_a_step_of_another_block_size_is_refused():
+    cache = KVCache.empty(CONFIG, 1, W)
+    # A Python start past the end wrote over the last slots (XLA clamps it).
+    with pytest.raises(ValueError, match=f"cannot write 1 tokens at slot {W} of a {W}-slot"):
+        cache.write(W, _kv(1.0, 1), jnp.full((1, 1), W))
+    with pytest.raises(ValueError, match=f"cannot write {W + 1} tokens at slot 0"):
+        cache.write(0, _kv(1.0, W + 1), jnp.arange(W + 1)[None])
+    model = Decoder(CONFIG)
+    tokens = jnp.ones((1, W - 1), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+    with pytest.raises(ValueError, match=f"cache has {W} slots for a block of {W - 1}"):
+        block_step(model, params, cache, tokens, False)
 
 
 @pytest.mark.parametrize("length", [W, 3 * W, 3 * W - 1])
