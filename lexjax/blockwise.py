@@ -54,6 +54,7 @@ import numpy as np
 from flax import struct
 
 from lexjax.config import ModelConfig
+from lexjax.errors import ConfigError, arg
 from lexjax.model import _DTYPES, Decoder
 
 __all__ = [
@@ -262,14 +263,16 @@ def _scan(step: Callable, carry, tokens_BxN, block: int, emit: Callable | None, 
 
 def sink_window(block: int, sinks: int) -> int:
     """W = train_len − sinks = 2w − sinks: the recent tokens each query sees
-    (itself included). Raises ValueError unless ``0 ≤ sinks ≤ w`` (the sinks
-    come from the first block)."""
+    (itself included). Raises :class:`~lexjax.errors.ConfigError` (a ValueError)
+    unless ``0 ≤ sinks ≤ w`` (the sinks come from the first block)."""
     if (
         not isinstance(sinks, numbers.Integral)
         or isinstance(sinks, bool)
         or not 0 <= sinks <= block
     ):
-        raise ValueError(f"sinks must be an integer in [0, {block}] (train_len/2), got {sinks!r}")
+        raise ConfigError(
+            f"{arg('sinks')}={sinks!r} must be an integer in [0, {block}] (train_len/2)"
+        )
     return 2 * block - sinks
 
 

@@ -193,7 +193,7 @@ def run_eval(
     with distributed.first_process_speaks(), errors.stdout_failures():
         check = None
         if "sinks" in modes and not (generate or passkey_run):  # refused before loading
-            check = lambda config: evaluation.check_sink_count(config.block, sinks)
+            check = lambda config: evaluation.sink_window(config.block, sinks)
         if generate:  # a length mode full cannot reach, too
             new = sampling.get("max_new_tokens", generation.SAMPLING["max_new_tokens"])
             check = lambda config: generation.check_stored_run(config, prompt, new, modes[0])

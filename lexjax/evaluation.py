@@ -105,7 +105,6 @@ __all__ = [
     "block_scan_logprobs",
     "sinks_logprobs",
     "check_sinks",
-    "check_sink_count",
     "RESOLUTION_MODES",
     "check_modes",
     "full_logprobs",
@@ -212,21 +211,11 @@ def _compiled_sinks(model: Decoder, block: int, sinks: int):
     return jax.jit(run)
 
 
-def check_sink_count(block: int, sinks: int) -> None:
-    """Raises :class:`ConfigError` for a sink count outside ``0 … block``."""
-    try:
-        sink_window(block, sinks)
-    except ValueError:  # a setting out of its range, as --sinks=-1 is
-        raise ConfigError(
-            f"{arg('sinks')}={sinks!r} must be an integer in [0, {block}] (train_len/2)"
-        ) from None
-
-
 def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
     """Raises :class:`ConfigError` for a sink count outside ``0 … train_len/2``,
     :class:`EvaluationError` for an absolute position encoding (the sink + window
     mode cannot run)."""
-    check_sink_count(block, sinks)
+    sink_window(block, sinks)
     if config.position in ABSOLUTE_ENCODINGS:
         raise EvaluationError(
             f"sinks + window needs a relative encoding or none, not {config.position}: "
@@ -498,7 +487,7 @@ def perplexity(
     if not modes:
         raise EvaluationError(f"no mode to evaluate: choose from {', '.join(MODES)}")
     if "sinks" in modes:
-        check_sink_count(block, sinks)
+        sink_window(block, sinks)
     if not lengths or lengths[0] < 1:
         raise EvaluationError(f"lengths must be positive, got {lengths}")
     if not documents:
@@ -1024,7 +1013,7 @@ def evaluate_run(
     model = Decoder(config.model, rules)
     train_len, position = config.train_len, config.model.position
     if "sinks" in modes:
-        check_sink_count(config.block, sinks)
+        sink_window(config.block, sinks)
     resolution_modes = [m for m in modes if m in RESOLUTION_MODES]
     if resolution and not resolution_modes:
         raise EvaluationError(

@@ -606,7 +606,7 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
         )
     sinks = int(exp.get("sinks", evaluation.DEFAULT_SINKS))
     if "sinks" in _names(exp.get("modes", "bca,full"), "modes", MODES, required=True):
-        evaluation.check_sink_count(shared_config.block, sinks)  # not after the first training
+        evaluation.sink_window(shared_config.block, sinks)  # not after the first training
     longest = max(max_length + 1, 2 * shared_config.train_len)
     d = shared_config.data  # every run shares the corpus, so its tokenizer
     tokenizer = data_lib.load_tokenizer(d.tokenizer, d.vocab_size, d.name, **d.corpus())
