@@ -232,7 +232,7 @@ def mix_count(
     source's rows (its (input, target) pairs / ``length``) are estimated from
     ``sample`` documents evenly spread over it, so the count is deterministic."""
     if not 0 <= fraction < 1:
-        raise ConfigError(f"data.passkey_fraction={fraction} must be in [0, 1)")
+        raise ConfigError(f"the fraction of generated rows must be in [0, 1), got {fraction}")
     n = len(source)
     if fraction == 0 or n == 0:
         return 0
@@ -263,7 +263,7 @@ class PasskeyMix:
         copy_fraction: float = 0.0,
     ):
         self.source, self.length, self.tokenizer, self.seed = source, length, tokenizer, seed
-        if not 0 <= copy_fraction < 1 or fraction + copy_fraction >= 1:
+        if not (fraction >= 0 and copy_fraction >= 0 and fraction + copy_fraction < 1):
             raise ConfigError(
                 f"data.passkey_fraction={fraction} and data.copy_fraction={copy_fraction} "
                 "must each be ≥ 0 and sum to less than 1"

@@ -216,6 +216,9 @@ def test_copy_fraction_out_of_range_or_leaving_no_text_is_a_config_error():
         small_config(**{"data.copy_fraction": 0.5, "data.passkey_fraction": 0.5})
     with pytest.raises(ConfigError, match="sum to less than 1"):
         passkey.PasskeyMix(_documents(10), fraction=0.6, copy_fraction=0.4, length=80)
+    # A negative passkey fraction got past both checks: a negative count of documents.
+    with pytest.raises(ConfigError, match="must each be ≥ 0"):
+        passkey.PasskeyMix(_documents(10), fraction=-0.1, copy_fraction=0.2, length=80)
 
 
 def test_passkey_fraction_out_of_range_or_a_train_len_too_short_is_a_config_error():
