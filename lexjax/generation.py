@@ -49,7 +49,6 @@ __all__ = [
     "is_greedy",
     "print_continuation",
     "prefill",
-    "decode_step",
     "sample_logits",
     "check_sampling",
     "generate",
@@ -117,11 +116,6 @@ def _decode(model: Decoder, params, state: State, token_B, block: int):
 
 
 @functools.cache
-def _compiled_decode(model: Decoder, block: int):
-    return jax.jit(functools.partial(_decode, model, block=block))
-
-
-@functools.cache
 def _compiled_dense_prefill(model: Decoder, chunk: int, slots: int):
     def run(params, prompt_BxN, length):
         """prompt padded to n·C tokens, ``length`` real ones; a cache of ``slots`` ≥ N."""
@@ -157,11 +151,6 @@ def _dense_decode(model: Decoder, params, state: State, token_B):
     logits, kv = model.apply({"params": params}, token_B[:, None], positions_Bx1, cache=cache)
     cache = cache.write(position, kv, positions_Bx1)
     return logits[:, 0], {"cache": cache, "next": position + 1}
-
-
-def decode_step(model: Decoder, params, state: State, token_B, *, block: int):
-    """Feeds one token per row; returns ``(logits_BxV for the token after it, state)``."""
-    return _compiled_decode(model, block)(params, state, jnp.asarray(token_B, jnp.int32))
 
 
 def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):

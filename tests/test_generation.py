@@ -1,6 +1,7 @@
 """Generation: token-by-token decoding over the bounded cache equals the block scan."""
 
 import dataclasses
+import functools
 import io
 import re
 
@@ -44,8 +45,9 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len,
     )
     logits, state = generation.prefill(model, params, tokens[:, :prompt_len], block=W)
     decoded = [logits]
+    decode = jax.jit(functools.partial(generation._decode, model, block=W))
     for t in range(prompt_len, tokens.shape[1] - 1):
-        logits, state = generation.decode_step(model, params, state, tokens[:, t], block=W)
+        logits, state = decode(params, state, tokens[:, t])
         decoded.append(logits)
     decoded = jnp.stack(decoded, axis=1)  # logits after tokens prompt_len−1 … end−2
     targets = tokens[:, prompt_len:]
