@@ -620,8 +620,10 @@ def check_mesh_sizes(mesh: MeshConfig) -> None:
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size}: use a positive size or -1")
     if sizes.count(-1) > 1:
+        filled = " and ".join(f"mesh.{a}=-1" for a, s in zip(MESH_AXES, sizes) if s == -1)
         raise ConfigError(
-            "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining devices)"
+            "at most one of mesh.data/fsdp/tensor may be -1 (fill with the remaining "
+            f"devices), got {filled}; set the others' sizes (the config's default may be -1)"
         )
 
 

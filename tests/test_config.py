@@ -221,6 +221,7 @@ def test_unknown_field_in_a_dict_names_the_closest():
         ({"sharding": "bogus"}, "sharding='bogus': choose one of data, fsdp, tensor"),
         ({"mesh": {"data": -5}}, "mesh.data=-5: use a positive size or -1"),
         ({"mesh": {"data": -1, "fsdp": -1}}, "at most one of mesh.data/fsdp/tensor may be -1"),
+        ({"mesh": {"data": -1, "tensor": -1}}, "got mesh.data=-1 and mesh.tensor=-1; set the"),
     ],
 )
 def test_bad_values_are_rejected(values, message):
