@@ -35,6 +35,7 @@ __all__ = [
     "passkey_json",
     "plot_passkey",
     "write_json",
+    "read_json",
     "check_writable",
     "OUTPUTS",
     "collect",
@@ -154,6 +155,12 @@ def check_writable(directory: str) -> None:
 def write_json(path: str, value: dict) -> None:
     """``value`` as indented JSON at ``path``, replaced atomically (process 0 only)."""
     write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def read_json(path: str):
+    """The JSON value stored at ``path``."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def write_text(path: str, text: str) -> None:
@@ -390,11 +397,6 @@ def variant_label(position: str, scale_base: float | None) -> str:
     )
 
 
-def _load(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _score_range(curves) -> float:
     """Mean over layers of max − min of the measured expected scores s[n]."""
     return float(np.mean([np.max(c) - np.min(c) for c in curves]))
@@ -428,14 +430,14 @@ def collect(out, specs, config, plan, timing) -> dict:
     runs = []
     for spec in specs:
         workdir = os.path.join(out, "runs", spec.name)
-        trained = _load(os.path.join(workdir, "train.json"))
+        trained = read_json(os.path.join(workdir, "train.json"))
         perplexity, eval_seconds = {}, 0.0
         for key, _, _ in plan["evaluations"](spec):
-            stored = _load(os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json"))
+            stored = read_json(os.path.join(workdir, f"perplexity_{key.replace('+', '_')}.json"))
             eval_seconds += stored["seconds"]
             perplexity[key] = {str(r["length"]): r["perplexity"] for r in stored["results"]}
         passkey = _passkey_cells(workdir) if plan.get("passkey") else {}
-        stored = _load(os.path.join(workdir, "resolution.json"))
+        stored = read_json(os.path.join(workdir, "resolution.json"))
         eval_seconds += stored["seconds"]
         resolution = {}
         for r in stored["results"]:
@@ -516,7 +518,7 @@ def _passkey_cells(workdir) -> dict:
     """``{field: {mode: {length: {depth: value}}}}`` (str keys) of a run's passkey.json
     for ``accuracy`` and ``answer_nats``; a field its results lack is left out."""
     cells = {}
-    for r in _load(os.path.join(workdir, "passkey.json"))["results"]:
+    for r in read_json(os.path.join(workdir, "passkey.json"))["results"]:
         for field in ("accuracy", "answer_nats"):
             if field in r:
                 by_mode = cells.setdefault(field, {}).setdefault(r["mode"], {})

@@ -167,11 +167,6 @@ def _run_config(shared: dict, spec: RunSpec) -> Config:
         raise ExperimentError(f"run {spec.name}: {e}") from None
 
 
-def _read_json(path: str):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _plain(value):
     """``value`` as JSON reads it back (tuples become lists): what a file compares equal to."""
     return json.loads(json.dumps(value))
@@ -187,7 +182,7 @@ def _stage_done(
     not measured with."""
     if not os.path.exists(path):
         return None
-    stored = _read_json(path)
+    stored = reports.read_json(path)
     ours = _plain(to_dict(config))
     theirs = {k: v for k, v in (stored.get("config") or {}).items() if k not in REMOVED_FIELDS}
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
@@ -289,7 +284,7 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
         "seconds": seconds,
     }
     reports.write_json(path, record)
-    return _read_json(path)
+    return reports.read_json(path)
 
 
 # Written when a run's training starts (see _train_stage).
@@ -647,7 +642,7 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
 def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
     """Appends this invocation's wall time and load averages to ``out/timing.json``."""
     path = os.path.join(out, "timing.json")
-    timing = _read_json(path) if os.path.exists(path) else {"invocations": []}
+    timing = reports.read_json(path) if os.path.exists(path) else {"invocations": []}
     timing["invocations"].append(
         {
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
