@@ -103,6 +103,20 @@ def other_stream(step: int, directory, changed: list[str]) -> CheckpointError:
     )
 
 
+def checkpoint_dir(workdir: str | os.PathLike[str]) -> str:
+    """Where a workdir's checkpoints are: ``WORKDIR/checkpoints``, absolute (orbax's need)."""
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def has_steps(workdir: str | os.PathLike[str]) -> bool:
+    """Whether a workdir's checkpoints hold a step's directory, complete or not
+    (False where there is none, or it cannot be listed)."""
+    try:
+        return any(name.isdigit() for name in os.listdir(checkpoint_dir(workdir)))
+    except OSError:
+        return False
+
+
 def trained_corpus(directory: str) -> tuple[int, str] | None:
     """``(step, build)``: the corpus build the newest complete step in ``directory``
     trained on, from its integrity record; None where there is no such step, or it
@@ -931,7 +945,7 @@ class Loaded(NamedTuple):
 def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     """`load_params`, and the tokenizer of the same step if `tokenizer` (else
     None). Its record is checked either way, so every reader picks the same step."""
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")  # orbax: absolute
+    directory = checkpoint_dir(workdir)
     if not os.path.isdir(directory):
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
@@ -1055,7 +1069,7 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
     """The tokenizer a training workdir's model was trained with, as saved with
     checkpoint ``step`` (default the newest good one, as :func:`load_params`
     picks it; pass the step it returned to pair them)."""
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    directory = checkpoint_dir(workdir)
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint in {workdir} ({directory} does not exist)")
     checkpointer = Checkpointer(directory, read_only=True)

@@ -301,13 +301,12 @@ def train(
                 ) from None
             if not isinstance(e, _Stopped):
                 raise
-        checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-        resuming = any(name.isdigit() for name in _listdir(checkpoint_dir))
-        _say_nothing_trained(say, stop.signal_name, checkpoint_dir, resuming)
+        directory = ckpt_lib.checkpoint_dir(workdir)
+        _say_nothing_trained(say, stop.signal_name, directory, ckpt_lib.has_steps(workdir))
         return dict(
             start_step=None,
             step=None,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=directory,
             stopped_by=stop.signal_name,
             num_params=None,
         )
@@ -335,13 +334,6 @@ def _check_xpos_range(config: Config) -> None:
             f"±{config.train_len // 2}; use model.scale_base ≥ {math.ceil(least * 100) / 100:g} "
             "or a shorter train_len"
         )
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def _check_corpus_outside(config: Config, workdir: str) -> None:
@@ -401,7 +393,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
             with contextlib.closing(val_iter):
                 val_batches = [next(val_iter) for _ in range(config.eval_batches)]
             checkpointer = ckpt_lib.Checkpointer(
-                os.path.join(os.path.abspath(workdir), "checkpoints"),
+                ckpt_lib.checkpoint_dir(workdir),
                 keep=config.keep_checkpoints,
                 on_corrupt=config.on_corrupt_checkpoint,
             )
@@ -427,7 +419,7 @@ def _check_same_corpus(config: Config, workdir: str) -> None:
     """A resume on a corpus whose files changed is refused before that corpus is built
     and its tokenizer learned (on a large corpus minutes of work, and a build left
     behind), as the restore would refuse it after them."""
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    directory = ckpt_lib.checkpoint_dir(workdir)
     trained = ckpt_lib.trained_corpus(directory)
     if trained is None:
         return

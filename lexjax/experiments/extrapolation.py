@@ -298,9 +298,7 @@ def _earlier_training(path: str, config: Config, workdir: str) -> float:
     seconds, which made nothing that is kept, are not counted."""
     if not os.path.exists(path):
         return 0.0
-    checkpoints = os.path.join(workdir, "checkpoints")
-    saved = os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))
-    if not saved:
+    if not checkpoint.has_steps(workdir):
         return 0.0
     stored = _stage_done(path, config)  # raises ExperimentError for another config
     return float(stored.get("seconds", 0.0))
