@@ -48,12 +48,27 @@ import jax
 from lexjax import distributed
 from lexjax.errors import CheckpointError, arg
 
-__all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held"]
+__all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held", "try_flock"]
 
 LEASE_FILE = "lease.json"
 
 _HELD: set[str] = set()  # the tokens of the leases this process holds now
 _LOCK_WAIT_S = 10.0  # a lease change holds the lock for a few file operations
+
+
+def try_flock(file) -> bool | None:
+    """An exclusive ``flock`` on ``file`` (a descriptor or an open file), not waiting:
+    True (held until it closes, however the process ends), False (another holder
+    has it), or None on a filesystem without ``flock`` (some NFS): nothing held."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return None
+        raise
 
 
 @contextlib.contextmanager
@@ -64,19 +79,11 @@ def _locked(directory: str, wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
     fd = os.open(directory, os.O_RDONLY)
     try:
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.005)
-            except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                    break  # no flock here
-                raise
+        while try_flock(fd) is False:
+            if time.monotonic() > deadline:
+                yield False
+                return
+            time.sleep(0.005)
         yield True
     finally:
         os.close(fd)  # releases the lock

@@ -79,6 +79,7 @@ import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError, one_line
+from lexjax.lease import try_flock
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
 SPLITS = ("train", "validation", "test")
@@ -864,13 +865,9 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
     except OSError as e:
         raise _unwritable(data_dir, e, writes or e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if try_flock(lock) is False:  # None: no flock here, unlocked as before
             print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without locks (some NFS): unlocked, as before
-            pass
         yield
 
 

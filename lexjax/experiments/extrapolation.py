@@ -44,7 +44,6 @@ if __name__ == "__main__":  # before JAX loads, as train.py does
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -57,7 +56,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from lexjax import checkpoint, evaluation, generation, passkey, reports, signals
+from lexjax import checkpoint, evaluation, generation, lease, passkey, reports, signals
 from lexjax import data as data_lib
 from lexjax.config import (
     REMOVED_FIELDS,
@@ -315,14 +314,10 @@ def _only_study(out: str):
             f"cannot write in --out {out} ({e.strerror}); choose another directory"
         ) from None
     with os.fdopen(fd, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if lease.try_flock(lock) is False:  # None: no flock here, unlocked as before
             raise CheckpointError(
                 f"another study is writing --out {out}; wait for it to finish or use another --out"
-            ) from None
-        except OSError:  # a filesystem without locks (some NFS): unlocked, as before
-            pass
+            )
         yield
 
 
