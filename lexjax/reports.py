@@ -84,7 +84,8 @@ def perplexity_table(
     some = results[0]
     lines += [
         "",
-        f"every cell: {some.documents} documents × the first {some.max_length} tokens = "
+        f"every cell: {some.documents} document{'s' * (some.documents != 1)} × the first "
+        f"{some.max_length} tokens = "
         f"{some.tokens} scored tokens"
         + (f" ({some.bytes} bytes of text)" if some.bytes is not None else ""),
     ]

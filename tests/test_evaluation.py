@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lexjax import blockwise, evaluation
+from lexjax import blockwise, evaluation, reports
 from lexjax.model import Decoder
 from tests.helpers import SMALL_MODEL, TRAIN_LEN
 
@@ -464,3 +464,10 @@ def test_an_eval_file_whose_size_says_nothing_of_its_contents_is_read_to_its_end
     document, replaced = file_document(path, data_lib.BYTES)
     expected = [data_lib.BYTES.bos, *raw, data_lib.BYTES.eos]
     assert document.tolist() == expected and not replaced
+
+
+def test_the_table_counts_one_document_in_the_singular():
+    one = evaluation.PerplexityResult("bca", 64, 2.0, 0.69, 64, 1, 0.1, 64)
+    assert "every cell: 1 document × the first 64 tokens = 64 scored tokens" in (
+        reports.perplexity_table([one], "xpos")
+    )
