@@ -133,7 +133,7 @@ def check_mesh(
         raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
             f"mesh {'×'.join(batch_axes)} = {batch_shards}",
-            "change batch_size or the mesh",
+            "change the mesh, or batch_size (a resumed run keeps the one it trained with)",
         )
     if per_step % num_processes:
         raise MeshMismatch(

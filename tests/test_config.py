@@ -355,6 +355,9 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     config = cfg.from_configdict({"batch_size": 6, "mesh": {"data": 4}})
     with pytest.raises(cfg.ConfigError, match="batch_size/grad_accum_steps = 6 is not divisible"):
         sharding.check_mesh(config, 4)
+    # The batch size of a run being resumed is its data stream's: the mesh is what changes.
+    with pytest.raises(cfg.ConfigError, match=r"change the mesh, or batch_size \(a resumed run"):
+        sharding.check_mesh(config, 4)
     config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
     with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):
         sharding.check_mesh(config, 4)
