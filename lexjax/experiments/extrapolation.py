@@ -171,6 +171,11 @@ def _plain(value):
     return json.loads(json.dumps(value))
 
 
+# Training settings that change no number the study reports: how often it logs and
+# saves, how many checkpoints it keeps, what it does with a damaged one.
+_BOOKKEEPING = ("log_every", "checkpoint_every", "keep_checkpoints", "on_corrupt_checkpoint")
+
+
 def _stage_done(
     path: str, config: Config, *, protocol: int | None = None, measured: dict | None = None
 ) -> dict | None:
@@ -186,6 +191,9 @@ def _stage_done(
     theirs = {k: v for k, v in (stored.get("config") or {}).items() if k not in REMOVED_FIELDS}
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
         theirs = _plain(to_dict(from_configdict(theirs)))
+    for name in _BOOKKEEPING:  # a resume may change them: no reported number depends on them
+        ours.pop(name, None)
+        theirs.pop(name, None)
     if theirs != ours:
         ours_flat, theirs_flat = dotted(ours), dotted(theirs)
         keys = set(ours_flat) | set(theirs_flat)
