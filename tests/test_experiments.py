@@ -573,6 +573,46 @@ def test_a_signal_outside_training_stops_the_study(tmp_path, name):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+# A study whose runs are done and which gets a SIGTERM while it writes its reports.
+_SIGNALLED_WRITING = """
+import os, signal, sys, time
+from lexjax import reports
+from lexjax.experiments import extrapolation as study
+
+def write_all(out, collected):
+    reports.write_text(os.path.join(out, "first.md"), "written")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)  # an armed handler raises here
+    reports.write_text(os.path.join(out, "last.md"), "written")
+
+study._train_stage = lambda spec, config, workdir, log: {}
+study._eval_stage = study._passkey_stage = lambda *args: None
+reports.collect = lambda *args: {}
+reports.write_all = write_all
+argv = ["study", "--config=configs/extrapolation.py:smoke", "--config.passkey_trials=0"]
+sys.exit(study.run([*argv, "--out=" + sys.argv[1]]))
+"""
+
+
+def test_a_sigterm_while_the_reports_are_written_stops_the_study_after_them(tmp_path):
+    """The reports were left half old, half new, with timing.json saying completed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_WRITING, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "first.md").exists() and (out / "last.md").exists()
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == f"stopped by SIGTERM; run the same command again to continue ({out})"
+
+
 @pytest.mark.parametrize(
     "tokenizer,ylabel",
     [("bytes (258 ids)", "perplexity (per byte)"), ("sentencepiece (2048 ids)", "perplexity")],
