@@ -11,6 +11,7 @@ import pytest
 
 from lexjax.blockwise import KVCache
 from lexjax.model import Decoder
+from tests import paper
 from tests.helpers import packed_batch, small_config
 
 POSITIONS = ["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
@@ -106,7 +107,7 @@ def test_bfloat16_compute_keeps_float32_logits_and_params():
 
 
 @pytest.mark.parametrize("position", ["xpos", "alibi"])
-def test_fused_attention_matches_explicit_scores(position):
+def test_fused_attention_matches_explicit_logits(position):
     """jax.nn.dot_product_attention (cuDNN on GPUs) gives the explicit path's logits."""
     explicit = small_config(**{"model.position": position})
     fused = small_config(**{"model.position": position, "model.attention_impl": "fused"})
@@ -133,7 +134,9 @@ def test_init_gives_params_only_and_they_apply_to_any_shape(scan_layers):
 
 @pytest.mark.parametrize("impl", ["explicit", "fused"])
 def test_return_scores_gives_each_layers_scores_whatever_the_attention_impl(impl):
-    """return_scores adds [L, B, H, T, T] pre-softmax scores and leaves the logits as they are."""
+    """return_scores adds [L, B, H, T, T] pre-softmax scores and leaves the logits as they
+    are. The first layer's are paper eq. 11's q'_m·k'_n/√d, computed here in float64
+    from the parameters: layer norm, the q/k projections, XPOS by tests/paper.py."""
     config = small_config(**{"model.attention_impl": impl})
     model, params = _init(config)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 258, (2, 16)), jnp.int32)
@@ -142,6 +145,20 @@ def test_return_scores_gives_each_layers_scores_whatever_the_attention_impl(impl
     m = config.model
     assert scores.shape == (m.num_layers, 2, m.num_heads, 16, 16)
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(params))
+    layer = p["layer_0"]
+    x = p["embed"]["embedding"][np.asarray(tokens)]
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    h = (x - mean) / np.sqrt(var + 1e-6) * layer["ln_attention"]["scale"]
+    h = h + layer["ln_attention"]["bias"]
+    q, k = (
+        np.einsum("btd,dhk->bthk", h, layer["attention"][n]["kernel"]) for n in ("query", "key")
+    )
+    at = np.arange(16)
+    q = paper.xpos(q, at, scale_base=m.scale_base)
+    k = paper.xpos(k, at, scale_base=m.scale_base, downscale=True)
+    first = paper.scores(q, k) / np.sqrt(m.head_dim)
+    np.testing.assert_allclose(scores[0], first, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
