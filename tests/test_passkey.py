@@ -335,7 +335,8 @@ def test_greedy_answers_hold_only_ids_that_write_text(model_params, monkeypatch)
 
 def test_answer_nats_is_the_keys_negative_log_likelihood_under_a_dense_forward(model_params):
     """Without BCA, answer_nats equals −log p(key | prompt) from one plain forward pass
-    of the whole sample (the model's own causal mask, no cache, no chunks)."""
+    of the whole sample (the model's own causal mask, no cache, no chunks); with BCA,
+    from one forward under the explicit blockwise mask (``block``: no scan, no cache)."""
     config, model, params = model_params
     depths, trials = [0.0, 0.6], 3
     results = passkey.passkey_accuracy(
@@ -349,18 +350,20 @@ def test_answer_nats_is_the_keys_negative_log_likelihood_under_a_dense_forward(m
         seed=5,
     )
     for depth in depths:
-        nats = []
+        nats = {"full": [], "bca": []}
         for t in range(trials):
             sample = passkey.make_sample([5, t], 96, depth)
-            tokens = np.concatenate([sample.prompt, sample.answer])
-            logits = model.apply({"params": params}, jnp.asarray(tokens[None, :-1]))[0]
-            logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
-            k = len(sample.prompt)
-            nats.append(-float(sum(logp[k - 1 + i, a] for i, a in enumerate(sample.answer))))
-        (full,) = [r for r in results if (r.mode, r.depth) == ("full", depth)]
-        (bca,) = [r for r in results if (r.mode, r.depth) == ("bca", depth)]
-        assert full.answer_nats == pytest.approx(np.mean(nats), rel=1e-4)
-        assert np.isfinite(bca.answer_nats) and bca.answer_nats > 0
+            tokens = jnp.asarray(np.concatenate([sample.prompt, sample.answer])[None, :-1])
+            for mode, block in (("full", None), ("bca", config.block)):
+                logits = model.apply({"params": params}, tokens, block=block)[0]
+                logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
+                k = len(sample.prompt)
+                nll = -sum(logp[k - 1 + i, a] for i, a in enumerate(sample.answer))
+                nats[mode].append(float(nll))
+        for mode in nats:
+            (cell,) = [r for r in results if (r.mode, r.depth) == (mode, depth)]
+            assert cell.answer_nats == pytest.approx(np.mean(nats[mode]), rel=1e-4), mode
+        assert nats["bca"] != pytest.approx(nats["full"], rel=1e-3)  # 96 > train_len
     assert pytest.approx(np.log(90000)) == passkey.CHANCE_NATS
 
 
