@@ -660,3 +660,34 @@ def test_train_program_end_to_end(tmp_path):
     assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(records[0])
     assert "mfu" not in records[0]  # a CPU has no known peak
     assert any((workdir / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "polynomial", "constant"])
+def test_the_learning_rate_schedule_by_hand(schedule):
+    """0.01 peak, 4 warmup steps, 24 in all (20 of decay), floor 10% of the peak."""
+    config = small_config(
+        learning_rate=0.01,
+        warmup_steps=4,
+        num_train_steps=24,
+        **{"optim.schedule": schedule, "optim.end_lr_fraction": 0.1},
+    )
+    rate = learning_rate_schedule(config)
+    # Warmup: linear from 0, the peak at step 4.
+    for step, want in ((0, 0.0), (1, 0.0025), (2, 0.005), (4, 0.01)):
+        assert float(rate(step)) == pytest.approx(want, abs=1e-9), (schedule, step)
+    # Halfway through the decay (step 14) and at its end (step 24).
+    halfway, end = {
+        "cosine": (0.01 * (1 + 0.1) / 2, 0.001),  # peak·((1−α)·(1+cos(π/2))/2 + α)
+        "polynomial": (0.01 - 0.009 / 2, 0.001),  # linear from the peak to α·peak
+        "constant": (0.01, 0.01),
+    }[schedule]
+    assert float(rate(14)) == pytest.approx(halfway, rel=1e-5), schedule
+    assert float(rate(24)) == pytest.approx(end, rel=1e-5), schedule
+
+
+def test_flops_per_token_by_hand():
+    """small_config: L=2 layers, d=32, mlp 64, vocabulary 264, train_len T=16.
+    Matmul weights per layer 4d² + 2d·mlp = 4,096 + 4,096 = 8,192; with the
+    (tied) unembedding 2·8,192 + 264·32 = 24,832, times 6 (forward and backward)
+    = 148,992. Causal attention: 6·L·T·d = 6·2·16·32 = 6,144."""
+    assert metrics.flops_per_token(small_config()) == 148_992 + 6_144
