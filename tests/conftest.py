@@ -4,7 +4,11 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Added to flags set for other reasons (a dump flag gave 1 device: the mesh tests skipped).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per pytest run, shared by its xdist workers (they
 # inherit this environment) and by the train.py/eval.py subprocesses the tests start,

@@ -1185,7 +1185,7 @@ def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
     sent = time.monotonic()
     out, _ = proc.communicate(timeout=60)
     assert (out, proc.returncode) == ("stopped\n", 0)
-    assert time.monotonic() - sent < 3.0
+    assert time.monotonic() - sent < 5.0  # not the 8 s and more the learning has left
 
     def learners():
         found = []

@@ -286,7 +286,7 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
 
         def program():
             Swallowed()
-            time.sleep(60)
+            time.sleep(600)  # past the timeout: only the Ctrl-C ends it in time
 
         sys.exit(cli.main(program))
         """
@@ -302,7 +302,7 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
         timeout=120,
     )
     assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
-    assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 50
+    assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 110
 
 
 @pytest.mark.parametrize(
