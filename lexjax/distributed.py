@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lexjax.errors import ConfigError, DistributedError
+from lexjax.errors import ConfigError, DistributedError, one_line
 
 __all__ = [
     "ClusterOptions",
@@ -270,8 +270,7 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
             shutdown_timeout_seconds=options.shutdown_timeout_s,
         )
     except Exception as e:  # jaxlib raises its own runtime errors; report any in one line
-        lines = str(e).strip().splitlines()
-        reason = lines[0] if lines else type(e).__name__
+        reason = one_line(e)
         if how is None:  # --distributed=on with no flags, and no launcher detected here
             raise DistributedError(
                 f"could not join a multi-process run ({reason}): no --coordinator_address "

@@ -91,7 +91,7 @@ from lexjax.config import (
     check_rope_scaling,
 )
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
-from lexjax.errors import DataError, EvaluationError, LexjaxError, arg
+from lexjax.errors import DataError, EvaluationError, LexjaxError, arg, one_line
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -764,7 +764,7 @@ def held_out_documents(
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):
             raise
-        raise DataError(str(e).strip().splitlines()[0] if str(e) else type(e).__name__) from e
+        raise DataError(one_line(e)) from e
 
 
 class _Documents(Sequence):

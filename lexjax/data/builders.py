@@ -1024,9 +1024,9 @@ def load_source(
     try:
         records = records_of(split)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MissingSplit(
-            f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: {reason}"
+            f"cannot read split {split!r} of {name!r} from {resolve_data_dir(data_dir)}: "
+            f"{one_line(e)}"
         ) from e
     except RuntimeError as e:  # array_record cannot open a file of the build
         raise _damaged(build_dir, name, e) from e
