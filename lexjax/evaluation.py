@@ -123,6 +123,7 @@ __all__ = [
     "settings_name",
     "scored_digest",
     "cell_problem",
+    "check_grid",
     "usable_cells",
     "resolution_protocol",
     "resolution_documents",
@@ -394,6 +395,18 @@ def _batches(rows: np.ndarray, batch: int):
         yield part, real
 
 
+def check_grid(modes: Sequence[str], lengths: Sequence[int]) -> None:
+    """Raises :class:`EvaluationError` for no mode, one not in :data:`MODES`, or no
+    length or one below 1: what every protocol over (mode, length) cells refuses."""
+    for mode in modes:
+        if mode not in MODES:
+            raise EvaluationError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    if not modes:
+        raise EvaluationError(f"no mode to evaluate: choose from {', '.join(MODES)}")
+    if not lengths or min(lengths) < 1:
+        raise EvaluationError(f"lengths must be positive, got {lengths}")
+
+
 def usable_cells(
     modes: Iterable[str],
     lengths: Iterable[int],
@@ -481,15 +494,9 @@ def perplexity(
     """
     lengths = sorted(set(int(n) for n in lengths))
     modes = list(modes)
-    for mode in modes:
-        if mode not in MODES:
-            raise EvaluationError(f"mode {mode!r}: choose from {', '.join(MODES)}")
-    if not modes:
-        raise EvaluationError(f"no mode to evaluate: choose from {', '.join(MODES)}")
+    check_grid(modes, lengths)
     if "sinks" in modes:
         sink_window(block, sinks)
-    if not lengths or lengths[0] < 1:
-        raise EvaluationError(f"lengths must be positive, got {lengths}")
     if not documents:
         raise EvaluationError("no documents to evaluate")
     max_length = lengths[-1] if max_length is None else int(max_length)

@@ -445,11 +445,7 @@ def passkey_accuracy(
     """
     lengths = sorted(set(int(n) for n in lengths))
     depths = _sorted_depths(depths)
-    for mode in modes:
-        if mode not in evaluation.MODES:
-            raise EvaluationError(f"mode {mode!r}: choose from {', '.join(evaluation.MODES)}")
-    if not lengths or lengths[0] < 1:
-        raise EvaluationError(f"lengths must be positive, got {lengths}")
+    evaluation.check_grid(list(modes), lengths)
     if trials < 1:
         raise EvaluationError(f"trials must be positive, got {trials}")
     cells = evaluation.usable_cells(

@@ -387,6 +387,10 @@ def test_cells_generation_cannot_decode_are_skipped_with_a_reason(model_params, 
     assert any("length 48 is below the 69 tokens" in n for n in notes)
     with pytest.raises(EvaluationError, match="mode 'nope'"):
         passkey.passkey_accuracy(model, params, block=24, lengths=[96], modes=("nope",))
+    # The grid perplexity refuses is refused here too (no mode gave no results).
+    for lengths, modes, said in (([96], (), "no mode to evaluate"), ([0, 96], ("bca",), "posi")):
+        with pytest.raises(EvaluationError, match=said):
+            passkey.passkey_accuracy(model, params, block=24, lengths=lengths, modes=modes)
 
 
 def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params, tmp_path, capsys):
