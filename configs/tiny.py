@@ -1,6 +1,6 @@
 """The CPU default: a ~4.8 M-parameter byte-level LEX model, training length 256.
 
-Trains to a clearly falling loss in about 5 minutes on 2 CPU cores:
+Trains to a clearly falling loss in minutes on 2 CPU cores:
 
     python train.py --config=configs/tiny.py --workdir=runs/tiny
     python eval.py --workdir=runs/tiny
