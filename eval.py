@@ -50,9 +50,10 @@ to 1,024 tokens at a time (until its end-of-document or --max_new_tokens), then 
 newline; Ctrl-C stops it there (exit 130, `interrupted (Ctrl-C)` on stderr). Its
 mesh line goes to stderr.
 
-Each of the three runs (perplexity, --generate, --passkey) refuses a flag given
-that only another uses (e.g. --temperature with --passkey, which decodes greedily),
-and greedy --generate (--temperature=0) refuses --top_k, --top_p and --seed.
+Each of the three runs (perplexity, --generate, --passkey) refuses a flag set to
+other than its default that only another uses (e.g. --temperature with --passkey,
+which decodes greedily), and greedy --generate (--temperature=0) refuses --top_k,
+--top_p and --seed. --helpfull lists every flag, the multi-process ones too.
 """
 
 from __future__ import annotations

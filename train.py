@@ -6,7 +6,7 @@
 
 The run's settings: --config=FILE[:PRESET] (default configs/tiny.py) and
 --config.FIELD=VALUE for any field of the dataclasses in lexjax/config.py,
-which give each default and what it means.
+which give each default and what it means (--helpfull lists every flag).
 A workdir with checkpoints is resumed from its latest good one. SIGTERM or
 Ctrl-C finishes the current step, saves and exits 0 (before the first step it
 exits 0 at once: nothing to save).
