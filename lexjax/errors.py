@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import signal
 import sys
 
 from absl import logging as absl_logging
@@ -261,10 +262,12 @@ def report(program, *args, **kwargs) -> int:
     """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
     ``error: <one line>`` on stderr and the exit status of its kind.
 
-    A Ctrl-C that reaches here prints ``interrupted (Ctrl-C)`` and goes on without
-    its traceback: uncaught, it makes Python end the process by SIGINT (status 130
-    in a shell, which then stops a loop that ran it, as it would have without
-    lexjax). :class:`StdoutClosed` returns :data:`STDOUT_CLOSED`, quietly.
+    A Ctrl-C that reaches here prints ``interrupted (Ctrl-C)`` and ends a program
+    by SIGINT at once (status 130 in a shell, which then stops a loop that ran it,
+    as it would have without lexjax): Python's finalization ran while jaxlib's
+    threads still compiled, and ended one run in eight by SIGSEGV. In a caller
+    with its own stderr (a test's), it is raised again without its traceback.
+    :class:`StdoutClosed` returns :data:`STDOUT_CLOSED`, quietly.
     """
     try:
         return program(*args, **kwargs) or 0
@@ -272,12 +275,11 @@ def report(program, *args, **kwargs) -> int:
         end_open_line()
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.excepthook = _quiet_interrupt(sys.excepthook)
-        # The last word: what Python's finalization reports of the work cut short (an
-        # orbax save's coroutines, "never awaited", past the warning filters by then)
-        # goes nowhere. Only a program's own stderr (not a test's captured one).
-        if sys.stderr is sys.__stderr__:
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        if sys.stderr is sys.__stderr__:  # a program's own, not a test's captured one
+            with contextlib.suppress(OSError, ValueError, StdoutClosed):
+                sys.stdout.flush()  # what it printed, before the process ends
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         raise
     except StdoutClosed:
         # Python would flush stdout once more at exit, and fail again: it goes nowhere.

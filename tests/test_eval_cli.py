@@ -271,6 +271,35 @@ def test_eval_py_started_with_ctrl_c_ignored_keeps_it_ignored(workdir):
     assert code == -signal.SIGTERM and "interrupted" not in err, err[-2000:]
 
 
+def test_a_ctrl_c_ends_the_program_at_once_not_through_pythons_finalization():
+    """Finalization ran while jaxlib's threads still compiled, and a Ctrl-C ended one
+    eval.py in eight by SIGSEGV (loaded cores). The process now ends by SIGINT right
+    after its line: an exit handler, as finalization's work, never runs."""
+    program = textwrap.dedent(
+        """
+        import atexit, sys
+        from lexjax import cli
+
+        def program():
+            atexit.register(lambda: print("finalized", flush=True))
+            print("working", end="")  # buffered: still printed
+            raise KeyboardInterrupt
+
+        sys.exit(cli.main(program))
+        """
+    )
+    done = subprocess.run(
+        interruptible([sys.executable, "-c", program]),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
+    assert (done.stdout, done.stderr) == ("working", "interrupted (Ctrl-C)\n")
+
+
 def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     """Python only reports what a gc callback or ``__del__`` raises, and JAX's gc
     callback runs often: a Ctrl-C landing there was lost and eval.py went on (seen while
