@@ -946,6 +946,8 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     """`load_params`, and the tokenizer of the same step if `tokenizer` (else
     None). Its record is checked either way, so every reader picks the same step."""
     directory = checkpoint_dir(workdir)
+    if os.path.isfile(workdir):  # "train first" into it would be refused as well
+        raise CheckpointError(f"workdir {workdir} is a file; give the run's directory")
     if not os.path.isdir(directory):
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "

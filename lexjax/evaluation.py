@@ -820,7 +820,8 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str):
     if not chosen:
         raise DataError(
             f"no document is long enough for the budget of {max_length} tokens: {where} has "
-            f"{len(documents)} documents, the longest {longest} tokens; pass "
+            f"{len(documents)} document{'s' * (len(documents) != 1)}, the longest {longest} "
+            "tokens; pass "
             f"{arg('max_length')}={max(longest - 1, 1)} or less (with {arg('lengths')} that "
             f"divide it) or other {arg('eval_files')}"
         )
@@ -887,6 +888,8 @@ def check_settings(
         raise ConfigError(
             f"{arg('eval_files')} is empty; give a glob of text files or leave it out"
         )
+    if eval_files is not None:  # before the run is loaded (a minute, for a large one)
+        glob_files(os.fspath(eval_files), arg("eval_files"))
     return lengths
 
 

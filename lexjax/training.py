@@ -458,16 +458,17 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
             f"use a new {arg('workdir')} or the corpus and tokenizer it was trained with"
         )
     say(f"resumed from {checkpointer.directory} at step {step}, mesh {dict(setup.mesh.shape)}")
-    if changed := _schedule_changes(stored or {}, config, int(step)):
-        say(
-            f"learning-rate schedule changed: {', '.join(changed)}; "
-            f"from step {step} the rate follows the new schedule"
-        )
-    if changed := _changes(stored or {}, config, _OPTIMIZER_FIELDS):
-        say(
-            f"optimizer settings changed: {', '.join(changed)}; "
-            f"from step {step} the updates use the new values"
-        )
+    if config.num_train_steps > step:  # else "already trained": no update follows
+        if changed := _schedule_changes(stored or {}, config, int(step)):
+            say(
+                f"learning-rate schedule changed: {', '.join(changed)}; "
+                f"from step {step} the rate follows the new schedule"
+            )
+        if changed := _changes(stored or {}, config, _OPTIMIZER_FIELDS):
+            say(
+                f"optimizer settings changed: {', '.join(changed)}; "
+                f"from step {step} the updates use the new values"
+            )
     return state, int(step)
 
 

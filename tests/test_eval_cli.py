@@ -590,7 +590,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={short}", "--lengths=32,64"),
         3,
         "budget of 512 tokens",
-        "1 documents",
+        "has 1 document,",
         "longest 52 tokens",
         "--max_length=51",
     )

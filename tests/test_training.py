@@ -475,6 +475,12 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     assert "mfu" not in records[3]
     expected = records[5]["tokens_per_sec"] * metrics.flops_per_token(config)
     assert records[5]["mfu"] == pytest.approx(expected / (1e9 * jax.device_count()))
+    # Asked for fewer steps than done: "already trained", and no change announced for
+    # updates that will not happen (it said the new schedule was followed from step 5).
+    lines.clear()
+    third = train(dataclasses.replace(config, num_train_steps=4), workdir, log=lines.append)
+    assert third["start_step"] == third["step"] == 5
+    assert not [line for line in lines if "changed" in line], lines
 
 
 def test_tokens_per_sec_times_the_training_steps_only(tmp_path, monkeypatch):
