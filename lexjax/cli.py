@@ -1,13 +1,13 @@
 """The boundary between the command-line programs and the library.
 
-Errors a user can cause (:class:`lexjax.errors.LexjaxError`) are reported by
-:func:`main` as one line on stderr with the exit status of their kind (the
-table in :mod:`lexjax.errors`), never as a traceback.
+User errors (:class:`lexjax.errors.LexjaxError`) are reported by :func:`main` as one
+line on stderr with their kind's exit status (:mod:`lexjax.errors`), never a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 import jax
@@ -68,7 +68,7 @@ def run_training(
             f"validation loss {summary.get('val_loss', float('nan')):.4f}"
         )
         print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")
-        print(f"next: python eval.py --workdir={workdir}")
+        print(f"next: python eval.py --workdir={shlex.quote(workdir)}")
     return 0
 
 

@@ -640,7 +640,7 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
 
 
 def test_train_program_end_to_end(tmp_path):
-    workdir = tmp_path / "run"
+    workdir = tmp_path / "my run"  # the next: line quotes it for the shell
     result = _train_cli(
         f"--workdir={workdir}",
         "--config.num_train_steps=2",
@@ -656,7 +656,7 @@ def test_train_program_end_to_end(tmp_path):
         f"--config.data.data_dir={tmp_path / 'tfds'}",
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"next: python eval.py --workdir={workdir}" in result.stdout
+    assert f"next: python eval.py --workdir='{workdir}'" in result.stdout
     # The corpus build is one plain line: no TFDS progress bars or warnings.
     assert "building dataset textfiles (40 files, split by file)... done" in result.stdout
     assert "\x1b" not in result.stdout + result.stderr
