@@ -25,20 +25,19 @@ COMMAND = [
 ]
 
 
-def _run(out, *flags, home=None):
+def _on_cpu(args, timeout=120, home=None):
+    """``args`` run from the repository on one CPU device (the study's own setting)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **({"HOME": str(home)} if home else {}))
     env.pop("XLA_FLAGS", None)
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _run(out, *flags, home=None):
     # A relative --out, as in the documented command (orbax needs absolute paths inside),
     # or one under ~ (given as a str), as a script passes it: the shell expands none.
     out = out if isinstance(out, str) else os.path.relpath(out, ROOT)
-    return subprocess.run(
-        [*COMMAND, f"--out={out}", *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,  # a hang guard: on 2 loaded cores the smoke study took 300 s
-    )
+    # A hang guard: on 2 loaded cores the smoke study took 300 s.
+    return _on_cpu([*COMMAND, f"--out={out}", *flags], timeout=900, home=home)
 
 
 def _table(path, which=0):
@@ -234,16 +233,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
 )
 def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flags, expected):
     """Before any training: nothing is written."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run(
-        [*COMMAND, f"--out={tmp_path / 'out'}", *flags.split()],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _on_cpu([*COMMAND, f"--out={tmp_path / 'out'}", *flags.split()])
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), done.stderr[-3000:]
@@ -596,17 +586,8 @@ sys.exit(study.run([*argv, "--out=" + sys.argv[1]]))
 
 def test_a_sigterm_while_the_reports_are_written_stops_the_study_after_them(tmp_path):
     """The reports were left half old, half new, with timing.json saying completed."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-c", _SIGNALLED_WRITING, str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _on_cpu([sys.executable, "-c", _SIGNALLED_WRITING, str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "first.md").exists() and (out / "last.md").exists()
     last = done.stdout.strip().splitlines()[-1]
