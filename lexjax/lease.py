@@ -66,7 +66,7 @@ def try_flock(file) -> bool | None:
     except BlockingIOError:
         return False
     except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
             return None
         raise
 

@@ -4,6 +4,7 @@ no lease and read only complete, verified steps, a killed holder's lease is take
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -394,3 +395,24 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
     assert third.stdout.splitlines()[0].endswith(f"pid {first.pid} is gone")
     assert P.complete_steps(workdir)[-1] == steps
     assert not (workdir / lease_lib.LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "failure, want",
+    [
+        (BlockingIOError(errno.EAGAIN, "held"), False),
+        # A filesystem without flock: some NFS (ENOLCK), FUSE (EINVAL), Lustre (ENOSYS).
+        (OSError(errno.ENOLCK, "no locks"), None),
+        (OSError(errno.ENOSYS, "not implemented"), None),
+        (OSError(errno.EBADF, "bad descriptor"), OSError),
+    ],
+)
+def test_try_flock_tells_held_busy_and_no_flock_apart(tmp_path, monkeypatch, failure, want):
+    with open(tmp_path / "lock", "a") as lock:
+        assert lease_lib.try_flock(lock) is True
+        monkeypatch.setattr(lease_lib.fcntl, "flock", lambda *_: (_ for _ in ()).throw(failure))
+        if want is OSError:
+            with pytest.raises(OSError, match="bad descriptor"):
+                lease_lib.try_flock(lock)
+        else:
+            assert lease_lib.try_flock(lock) is want
