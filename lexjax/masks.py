@@ -10,6 +10,8 @@ import operator
 
 import jax.numpy as jnp
 
+from lexjax.positions import as_positions
+
 __all__ = ["causal", "blockwise_causal", "same_segment", "causal_by_position"]
 
 
@@ -74,7 +76,8 @@ def causal_by_position(q_positions, k_positions, window: int | None = None):
     expresses the causal, blockwise and sliding-window patterns without
     materialising them.
     """
-    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    q_positions = as_positions(q_positions, "q_positions")  # unsigned: q − k wrapped
+    k_positions = as_positions(k_positions, "k_positions")
     distance = q_positions[..., :, None] - k_positions[..., None, :]
     if window is None:
         return distance >= 0

@@ -86,6 +86,14 @@ class CausalByPositionTest(chex.TestCase):
                 got[row], _enumerate(2, 5, lambda i, j, r=row: k_pos[r, j] <= q_pos[r, i])
             )
 
+    def test_unsigned_positions_mask_as_signed_ones(self):
+        # q − k wrapped for unsigned positions: every key was visible, future ones too.
+        q_pos = np.array([[2, 3], [0, 5]], np.uint32)
+        k_pos = np.array([[0, 1, 2, 3, 4], [5, 4, 3, 2, 1]], np.uint32)
+        want = masks.causal_by_position(q_pos.astype(np.int32), k_pos.astype(np.int32))
+        np.testing.assert_array_equal(masks.causal_by_position(q_pos, k_pos), want)
+        self.assertFalse(np.asarray(want).all())
+
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters(1, 3, 9)
     def test_sliding_window_keeps_the_last_window_positions(self, window):
