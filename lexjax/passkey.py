@@ -444,8 +444,8 @@ def passkey_accuracy(
     :func:`lexjax.evaluation.perplexity`.
     """
     lengths = sorted(set(int(n) for n in lengths))
-    depths = _sorted_depths(depths)
-    evaluation.check_grid(list(modes), lengths)
+    depths, modes = _sorted_depths(depths), list(modes)  # (a generator is read once)
+    evaluation.check_grid(modes, lengths)
     if trials < 1:
         raise EvaluationError(f"trials must be positive, got {trials}")
     cells = evaluation.usable_cells(

@@ -387,6 +387,11 @@ def test_cells_generation_cannot_decode_are_skipped_with_a_reason(model_params, 
     assert any("length 48 is below the 69 tokens" in n for n in notes)
     with pytest.raises(EvaluationError, match="mode 'nope'"):
         passkey.passkey_accuracy(model, params, block=24, lengths=[96], modes=("nope",))
+    # Modes from a generator, read once: checked and then evaluated.
+    once = passkey.passkey_accuracy(
+        model, params, block=24, lengths=[96], depths=[0.5], trials=1, modes=iter(["bca"])
+    )
+    assert [(r.mode, r.length) for r in once] == [("bca", 96)]
     # The grid perplexity refuses is refused here too (no mode gave no results).
     for lengths, modes, said in (([96], (), "no mode to evaluate"), ([0, 96], ("bca",), "posi")):
         with pytest.raises(EvaluationError, match=said):
