@@ -948,7 +948,7 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     directory = checkpoint_dir(workdir)
     if os.path.isfile(workdir):  # "train first" into it would be refused as well
         raise CheckpointError(f"workdir {workdir} is a file; give the run's directory")
-    if not os.path.isdir(directory):
+    if not all_processes(os.path.isdir(directory)):  # one decision: what follows collects
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
             + arg("lexjax.train(config, workdir)", f"python train.py --workdir={workdir}")

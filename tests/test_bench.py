@@ -4,6 +4,7 @@ Nothing here asserts a speed; figures come from `python bench/run.py` (docs/benc
 """
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -96,7 +97,7 @@ def test_train_vs_reference_quick_times_every_side_against_torchscale(tmp_path):
     assert entry["compiler_options"] == options
     if options:
         sides.add("lexjax_float32_xla_defaults")
-        assert isinstance(entry["compiler_options_gain"]["median"], float)  # a ratio, any
+        assert math.isfinite(entry["compiler_options_gain"]["median"])  # a ratio, any
     assert set(entry["tokens_per_sec"]) == sides
     assert set(entry["ratio"]) == sides - {"reference"}
     assert entry["value"] == max(
@@ -128,7 +129,7 @@ def test_train_processes_quick_runs_every_side_in_its_own_process(tmp_path):
         faults = entry["page_faults_per_step"]
         # The mechanism, not a speed: the step's temporaries stop faulting in 4 KiB pages.
         assert faults["huge_pages"]["median"] < faults["small_pages"]["median"] / 2
-        assert isinstance(entry["hugepages_gain"]["median"], float)  # a speed: not asserted
+        assert math.isfinite(entry["hugepages_gain"]["median"])  # a speed: not asserted
     assert "torchscale tokens/s" in proc.stdout
 
 

@@ -801,8 +801,8 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
         if stopped:
             log(f"stopped; run the same command again to continue ({out})")
             return None
-        collected = reports.collect(out, specs, shared_config, plan, timing)
         with stop.held():  # a SIGTERM now ends it after the reports, not between two
+            collected = reports.collect(out, specs, shared_config, plan, timing)
             reports.write_all(out, collected)
         log(f"wrote {', '.join(reports.OUTPUTS)} in {out}")
         return collected
