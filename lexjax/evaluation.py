@@ -105,6 +105,7 @@ __all__ = [
     "block_scan_logprobs",
     "sinks_logprobs",
     "check_sinks",
+    "sink_window",  # lexjax.blockwise's: the sink-count check of the programs
     "RESOLUTION_MODES",
     "check_modes",
     "full_logprobs",
