@@ -41,6 +41,7 @@ import glob
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -286,6 +287,11 @@ def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
         ) from e
     finally:
         watchdog.cancel()
+    # jaxlib's preemption notifier took SIGTERM from Python: it logged the signal and
+    # went on (eval.py ignored it; a stop train.py deferred while starting was lost).
+    # lexjax's programs agree on their stops themselves: Python's handler back.
+    with contextlib.suppress(ValueError):  # (not the main thread: leave it)
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
     # One collective while every process is here: CPU (gloo) contexts are set up on
     # first use and give up after 30 s if a peer is late, e.g. still building data.
     any_process(False)

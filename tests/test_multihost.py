@@ -21,6 +21,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import jax
@@ -564,3 +566,34 @@ def test_distributed_on_with_no_coordinator_and_no_cluster_says_so(ctx):
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
     assert "no --coordinator_address was given and no cluster launcher was detected" in line
     assert "within" not in line, line
+
+
+_TERMINATED_AFTER_JOINING = """
+import os, signal, sys, time
+from lexjax import distributed
+
+port = sys.argv[1]
+distributed.initialize(
+    distributed.ClusterOptions(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0
+    )
+)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("survived SIGTERM")
+"""
+
+
+def test_a_sigterm_after_joining_takes_pythons_action_not_jaxlibs():
+    """jax.distributed.initialize hands SIGTERM to jaxlib's preemption notifier, which
+    logged it and went on: a multi-process eval.py ignored it until a SIGKILL, and a
+    stop train.py deferred while starting was lost. (One process joined on 127.0.0.1.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", _TERMINATED_AFTER_JOINING, str(P.free_port())],
+        cwd=P.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
+    assert "survived" not in done.stdout
