@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import threading
 import warnings
@@ -946,12 +947,15 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
     """`load_params`, and the tokenizer of the same step if `tokenizer` (else
     None). Its record is checked either way, so every reader picks the same step."""
     directory = checkpoint_dir(workdir)
-    if os.path.isfile(workdir):  # "train first" into it would be refused as well
-        raise CheckpointError(f"workdir {workdir} is a file; give the run's directory")
     if not all_processes(os.path.isdir(directory)):  # one decision: what follows collects
+        if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
+            raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
-            + arg("lexjax.train(config, workdir)", f"python train.py --workdir={workdir}")
+            + arg(
+                "lexjax.train(config, workdir)",
+                f"python train.py --workdir={shlex.quote(os.fspath(workdir))}",
+            )
         )
     checkpointer = Checkpointer(directory, read_only=True)
 

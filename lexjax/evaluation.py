@@ -889,8 +889,6 @@ def check_settings(
         raise ConfigError(
             f"{arg('eval_files')} is empty; give a glob of text files or leave it out"
         )
-    if eval_files is not None:  # before the run is loaded (a minute, for a large one)
-        glob_files(os.fspath(eval_files), arg("eval_files"))
     return lengths
 
 
