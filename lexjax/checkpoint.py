@@ -943,11 +943,12 @@ class Loaded(NamedTuple):
     corpus: str | None
 
 
-def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
-    """`load_params`, and the tokenizer of the same step if `tokenizer` (else
-    None). Its record is checked either way, so every reader picks the same step."""
+def _open_run(workdir) -> Checkpointer:
+    """A read-only Checkpointer on ``workdir``'s checkpoints, or the CheckpointError
+    saying why there are none (decided by all processes together: what follows
+    collects)."""
     directory = checkpoint_dir(workdir)
-    if not all_processes(os.path.isdir(directory)):  # one decision: what follows collects
+    if not all_processes(os.path.isdir(directory)):
         if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
             raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")
         raise CheckpointError(
@@ -957,7 +958,14 @@ def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
                 f"python train.py --workdir={shlex.quote(os.fspath(workdir))}",
             )
         )
-    checkpointer = Checkpointer(directory, read_only=True)
+    return Checkpointer(directory, read_only=True)
+
+
+def _load(workdir, sharding, *, tokenizer: bool) -> Loaded:
+    """`load_params`, and the tokenizer of the same step if `tokenizer` (else
+    None). Its record is checked either way, so every reader picks the same step."""
+    checkpointer = _open_run(workdir)
+    directory = checkpointer.directory
 
     def read(step: int) -> tuple[Config, PyTree, Any]:
         integrity = checkpointer._read_integrity(step)  # read once: it checks the records too
@@ -1075,10 +1083,7 @@ def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> 
     """The tokenizer a training workdir's model was trained with, as saved with
     checkpoint ``step`` (default the newest good one, as :func:`load_params`
     picks it; pass the step it returned to pair them)."""
-    directory = checkpoint_dir(workdir)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoint in {workdir} ({directory} does not exist)")
-    checkpointer = Checkpointer(directory, read_only=True)
+    checkpointer = _open_run(workdir)
     try:
         if step is None:
             step, (config, record) = checkpointer._newest_good(checkpointer._read_records)

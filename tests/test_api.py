@@ -135,6 +135,12 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(CheckpointError, match=r"workdir .*a_file is not a directory; give the"):
         lexjax.load(tmp_path / "a_file")
+    # The run's tokenizer alone is read through the same door: it said "no checkpoint"
+    # of the file, with no advice.
+    with pytest.raises(CheckpointError, match=r"workdir .*a_file is not a directory; give the"):
+        checkpoint.load_tokenizer(tmp_path / "a_file")
+    with pytest.raises(CheckpointError, match="train first: lexjax.train"):
+        checkpoint.load_tokenizer(tmp_path / "none")
 
 
 def _direct_nll(run, rows_BxN):
