@@ -449,11 +449,8 @@ def complete(
         return bool(piece) and _is_true(on_text(piece))
 
     tokens = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
-    # One row: its activations are replicated, not pinned to data × fsdp shards that
-    # cannot split it (XLA rematerialised them, warning at every layer).
-    rules = tuple((k, None if k == "batch" else v) for k, v in shard_lib.rules(config))
     out = generate(
-        Decoder(config.model, rules),
+        Decoder(config.model, shard_lib.rules(config)),
         params,
         tokens[None],
         block=config.block,

@@ -19,6 +19,8 @@ cache of attention sinks seen from their own query positions (``sinks``).
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,8 +86,21 @@ _SAVED_BY_DOTS_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "attention"
 def _pin(x, rules, *names):
     """``x`` constrained to the mesh axes the logical ``names`` map to in ``rules``
     (``sharding.rules``: an activation name no rule names stays unsharded); a
-    no-op without rules or outside a mesh (``jax.set_mesh``)."""
-    return x if rules is None else nn.with_logical_constraint(x, names, rules=rules)
+    no-op without rules or outside a mesh (``jax.set_mesh``).
+
+    A batch the mesh axes of its rule cannot split (one prompt's row on data × fsdp
+    = 4) is replicated instead: pinned, XLA's partitioner rematerialised it,
+    warning at every layer."""
+    if rules is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = dict(rules).get("batch")
+    if "batch" in names and axes and not mesh.empty:
+        axes = (axes,) if isinstance(axes, str) else axes
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if x.shape[names.index("batch")] % parts:
+            rules = tuple((k, None if k == "batch" else v) for k, v in rules)
+    return nn.with_logical_constraint(x, names, rules=rules)
 
 
 def remat_policy(name: str):

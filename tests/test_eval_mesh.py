@@ -171,8 +171,9 @@ def test_eight_devices_give_one_devices_passkey_results(preset, mesh, monkeypatc
 def test_generation_on_eight_devices_gives_one_devices_tokens(preset, mesh, mode, capfd):
     """Greedy decoding of a batch split over data × fsdp with sharded parameters writes
     one device's tokens, past the training length in the BCA mode. A single prompt's
-    row is not pinned to data × fsdp shards that cannot split it: XLA's partitioner
-    then rematerialised every layer's activations, printing a warning for each."""
+    row is not pinned to data × fsdp shards that cannot split it, by ``complete`` or
+    by a model with the run's rules: XLA's partitioner then rematerialised every
+    layer's activations, printing a warning for each."""
     rng = np.random.default_rng(4)
     prompts = rng.integers(3, 258, (8, 21)).astype(np.int32)
     tokens = {}
@@ -191,6 +192,18 @@ def test_generation_on_eight_devices_gives_one_devices_tokens(preset, mesh, mode
                 mode=mode,
             )
             text = generation.complete(config, params, "The pass key is", max_new_tokens=24)
+            # One row through a model that pins activations (as lexjax.load's does).
+            one = generation.generate(
+                Decoder(config.model, shard_lib.rules(config)),
+                params,
+                prompts[:1],
+                block=config.block,
+                max_new_tokens=8,
+                rng=jax.random.key(0),
+                temperature=0.0,
+                mode=mode,
+            )
+        np.testing.assert_array_equal(shard_lib.host_array(one), shard_lib.host_array(out)[:1, :8])
         tokens[len(devices)] = (shard_lib.host_array(out), text)
     np.testing.assert_array_equal(tokens[8][0], tokens[1][0])
     assert len(set(tokens[1][0].ravel().tolist())) > 3  # not one token over and over
