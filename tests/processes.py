@@ -107,10 +107,23 @@ def start(args, environ, program="train.py", sigint="SIG_DFL", **kwargs) -> subp
     )
 
 
-def run(args, environ, timeout=240, program="train.py", **kwargs) -> subprocess.CompletedProcess:
-    """Runs ``program`` (train.py, or tests/poisoned_train.py STEP) to completion."""
+def limited(argv: list[str], rlimits: dict[str, int]) -> list[str]:
+    """``argv`` run under the resource limits ``rlimits`` ({"RLIMIT_AS": bytes, ...};
+    SIGXFSZ ignored, so a write past RLIMIT_FSIZE fails with EFBIG), set by a Python
+    that execs ``argv``: same reason as :func:`interruptible`."""
+    limit = "".join(f"resource.setrlimit(resource.{k}, ({v}, {v})); " for k, v in rlimits.items())
+    setup = "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    return [sys.executable, "-c", setup + limit + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
+def run(
+    args, environ, timeout=240, program="train.py", rlimits=None, **kwargs
+) -> subprocess.CompletedProcess:
+    """Runs ``program`` (train.py, or tests/poisoned_train.py STEP) to completion,
+    under the resource limits ``rlimits`` if given (:func:`limited`)."""
+    argv = [sys.executable, str(ROOT / program), *args]
     return subprocess.run(
-        [sys.executable, str(ROOT / program), *args],
+        limited(argv, rlimits) if rlimits else argv,
         cwd=ROOT,
         env=environ,
         capture_output=True,

@@ -18,7 +18,6 @@ import logging
 import os
 import pathlib
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -602,14 +601,6 @@ def test_nan_before_any_checkpoint_says_there_is_none(ctx):
     ), line
 
 
-def _file_size_limit(limit: int):
-    def limit_writes():  # in the child, before exec: writes past `limit` fail with EFBIG
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return limit_writes
-
-
 def test_read_only_workdir(ctx, reference):
     """A read-only filesystem (a tmpfs remounted read-only; without mount rights,
     chmod for a non-root user) holding a finished run: one error line, nothing changed."""
@@ -632,13 +623,14 @@ def test_workdir_that_cannot_be_created(ctx):
     assert blocker.read_text() == "not a directory"
 
 
-def test_full_disk(ctx):
+def test_full_disk(ctx, reference):
     """A 300 KiB tmpfs (room for the logs, not for a checkpoint); without mount
-    rights, a 100 KiB file-size limit (RLIMIT_FSIZE) on the process instead."""
+    rights, a 100 KiB file-size limit (RLIMIT_FSIZE) on the process instead, with
+    the corpus already built (by ``reference``: its files pass the limit too)."""
     with P.tmpfs(ctx[0] / "full", "300k") as mount:
         workdir = (mount or ctx[0] / "full") / "run"
-        kwargs = {} if mount else {"preexec_fn": _file_size_limit(100 * 1024)}
-        result = P.run(args(ctx, workdir), ctx[3], **kwargs)
+        rlimits = None if mount else {"RLIMIT_FSIZE": 100 * 1024}  # writes past it: EFBIG
+        result = P.run(args(ctx, workdir), ctx[3], rlimits=rlimits)
         line = one_error_line(result)
         assert result.stderr.strip().splitlines() == [line], result.stderr[-3000:]
         where = re.escape(str(workdir / "checkpoints"))
@@ -694,19 +686,30 @@ def test_disk_filling_up_between_saves(ctx):
     ), line
 
 
-def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path):
+@pytest.mark.parametrize("limit", ["tmpfs", "file size"])
+def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path, limit):
     """Was TFDS's RuntimeError traceback, exit 1, on the open "building dataset" line.
     Now one line, exit 3 (a read-only data_dir's code), and no partial build is left
-    for the next run to mistake for one."""
-    with P.tmpfs(tmp_path / "small", "16k") as mount:
+    for the next run to mistake for one. A file-size limit (RLIMIT_FSIZE, EFBIG) was
+    still that traceback."""
+    with (
+        P.tmpfs(tmp_path / "small", "16k")
+        if limit == "tmpfs"
+        else contextlib.nullcontext(tmp_path) as mount
+    ):
         if mount is None:
             pytest.skip("needs a tmpfs (root and mount)")
         workdir, data_dir = tmp_path / "run", mount / "tfds"
-        result = P.run(P.train_args(workdir, ctx[1], data_dir, num_train_steps=1), ctx[3])
+        result = P.run(
+            P.train_args(workdir, ctx[1], data_dir, num_train_steps=1),
+            ctx[3],
+            rlimits=None if limit == "tmpfs" else {"RLIMIT_FSIZE": 64 * 1024},
+        )
         line = one_error_line(result)
+        reason = "No space left on device" if limit == "tmpfs" else "File too large"
         assert result.returncode == 3 and line == (
-            f"error: data.data_dir={data_dir}: building the corpus textfiles failed (No "
-            "space left on device); free space there or choose another data.data_dir"
+            f"error: data.data_dir={data_dir}: building the corpus textfiles failed "
+            f"({reason}); free space there or choose another data.data_dir"
         ), result.stderr[-3000:]
         assert result.stdout.endswith("...\n"), result.stdout[-300:]  # the line is ended
         assert not [p for p in data_dir.rglob("*") if p.is_file() and p.suffix != ".lock"]
@@ -786,7 +789,7 @@ def test_a_model_too_big_for_memory_is_one_line(ctx, tmp_path):
     result = P.run(
         args(ctx, tmp_path / "huge", num_train_steps=1, **{"model.d_model": 65536}),
         ctx[3],
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        rlimits={"RLIMIT_AS": limit},
     )
     line = one_error_line(result)
     assert result.returncode == 5, result.stderr[-2000:]
