@@ -888,7 +888,12 @@ def _damaged(build_dir: str, name: str, error: Exception) -> DataError:
 
 
 # What TFDS's writers say (inside their own exceptions) when the disk refuses a write.
-_OS_REASONS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+_OS_REASONS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Read-only file system",
+    "File too large",  # EFBIG: a file-size limit (ulimit -f, RLIMIT_FSIZE)
+)
 
 
 def _os_reason(error: BaseException) -> str | None:
