@@ -58,17 +58,17 @@ def run_training(
     settings = {"--workdir": os.path.abspath(workdir), **cfg.dotted(cfg.to_dict(config))}
     distributed.check_same_settings(settings, "train.py")
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 or summary.get("stopped_by") is not None:
         return 0
-    if summary["start_step"] == summary["step"] and summary.get("stopped_by") is None:
+    if summary["start_step"] == summary["step"]:
         print(f"already trained {summary['step']} steps; checkpoint: {summary['checkpoint_dir']}")
-    elif summary.get("stopped_by") is None:
+    else:
         print(
             f"trained {summary['step']} steps: loss {summary.get('loss', float('nan')):.4f}, "
             f"validation loss {summary.get('val_loss', float('nan')):.4f}"
         )
         print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")
-        print(f"next: python eval.py --workdir={shlex.quote(workdir)}")
+    print(f"next: python eval.py --workdir={shlex.quote(workdir)}")
     return 0
 
 

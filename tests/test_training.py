@@ -641,7 +641,7 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
 
 def test_train_program_end_to_end(tmp_path):
     workdir = tmp_path / "my run"  # the next: line quotes it for the shell
-    result = _train_cli(
+    argv = (
         f"--workdir={workdir}",
         "--config.num_train_steps=2",
         "--config.model.num_layers=1",
@@ -655,6 +655,7 @@ def test_train_program_end_to_end(tmp_path):
         f"--config.data.files={_textfiles(tmp_path)}",
         f"--config.data.data_dir={tmp_path / 'tfds'}",
     )
+    result = _train_cli(*argv)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"next: python eval.py --workdir='{workdir}'" in result.stdout
     # The corpus build is one plain line: no TFDS progress bars or warnings.
@@ -666,6 +667,13 @@ def test_train_program_end_to_end(tmp_path):
     assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(records[0])
     assert "mfu" not in records[0]  # a CPU has no known peak
     assert any((workdir / "tensorboard").iterdir())
+    # Run again: nothing to train, and the next step is still named (it was not).
+    again = _train_cli(*argv)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines()[-2:] == [
+        f"already trained 2 steps; checkpoint: {workdir / 'checkpoints'}",
+        f"next: python eval.py --workdir='{workdir}'",
+    ], again.stdout
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "polynomial", "constant"])
