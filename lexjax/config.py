@@ -419,13 +419,13 @@ def model_differences(stored: dict, config: Config) -> list[str]:
     """The fields to change in ``config`` to get the model of ``stored`` (a config
     dict stored with a checkpoint): ``model.*`` fields, or for one that follows
     another the field the user sets (``train_len`` for ``model.max_len``).
-    How the model runs (remat, attention_impl) does not count; with no stored
+    How the model runs (remat, attention_impl, the compute dtype) does not count; with no stored
     model there is nothing to compare."""
     theirs, now = stored.get("model"), to_dict(config)
     if not theirs:
         return []
     ours = now["model"]
-    for how_it_runs in ("remat", "remat_policy", "attention_impl"):
+    for how_it_runs in ("remat", "remat_policy", "attention_impl", "dtype"):
         ours.pop(how_it_runs)
 
     differences = set()

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -361,6 +362,22 @@ def test_resume_equals_uninterrupted(tmp_path):
     (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
     assert s1 == s2 == 6
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_a_resume_may_compute_in_another_dtype(tmp_path):
+    """Trained in float32 (a CPU), continued in bfloat16 (an accelerator): the
+    compute dtype changes no parameter, and the resume was refused as "another
+    model (differs in model.dtype)". The parameters stay in param_dtype."""
+    config = _train_config(tmp_path)
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False, stop_after=3)
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    second = train(bf16, workdir, log=lambda _: None, progress=False)
+    assert second["start_step"] == 3 and second["step"] == 6
+    assert all(math.isfinite(loss) for loss in _losses(workdir).values())
+    params, step = _final_params(workdir, bf16)
+    assert step == 6
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {np.dtype("float32")}
 
 
 def test_the_tensorboard_writers_start_is_not_timed(tmp_path, monkeypatch):
