@@ -123,6 +123,8 @@ class ModelConfig:
     max_len: int | None = None  # table size of learned absolute positions; None: train_len
     tie_embeddings: bool = True
     dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
+    # bfloat16 halves the parameters' memory (training notes what it costs); float16
+    # is refused for training (AdamW's moments underflow in it)
     param_dtype: str = "float32"
     remat_policy: str = "none"  # one of REMAT_POLICIES
     remat: bool | None = None  # older configs: True means remat_policy=full, False none

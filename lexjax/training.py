@@ -272,6 +272,7 @@ def train(
     # A Config built by hand or with dataclasses.replace is checked like any other.
     config = from_configdict(config)
     _check_xpos_range(config)
+    _check_param_dtype(config)
     workdir = check_path("workdir", workdir)
     if not callable(log):
         raise ConfigError(f"log={log!r} must be a function of one str, such as print")
@@ -336,6 +337,35 @@ def _check_xpos_range(config: Config) -> None:
         )
 
 
+def _check_param_dtype(config: Config) -> None:
+    """float16 parameters are refused: AdamW keeps its moments in the parameters'
+    dtype, where the second moment ((1 − b2)·g²) underflows to 0 for |g| below about
+    2e-3 (b2 = 0.98), and such steps grow to about 100× the learning rate."""
+    if config.model.param_dtype == "float16":
+        raise ConfigError(
+            "model.param_dtype=float16: AdamW's second moment, kept in the parameters' "
+            "dtype, underflows to 0 there and its steps grow ~100× the learning rate; "
+            "use param_dtype=float32 (model.dtype=float16 computes in float16)"
+        )
+
+
+def _precision_notes(model) -> list[str]:
+    """What a low-precision setting costs, said once at the start of training."""
+    notes = []
+    if model.param_dtype == "bfloat16":
+        notes.append(
+            "note: model.param_dtype=bfloat16 rounds away each update below 1/256 of its "
+            "weight (no float32 copy is kept); param_dtype=float32 trains better at twice "
+            "the parameters' memory"
+        )
+    if model.dtype == "float16":
+        notes.append(
+            "note: model.dtype=float16 has no loss scaling: the gradients of a batch of many "
+            "tokens lose precision (a token's is ~1/tokens); bfloat16 keeps float32's range"
+        )
+    return notes
+
+
 def _check_corpus_outside(config: Config, workdir: str) -> None:
     """Refuses corpus globs that match the run's own files (its workdir's, or the
     data dir's built corpus): they would be trained on, and every resume would see
@@ -362,6 +392,8 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
     # Until the loop is set up a signal ends the call (stop.raising); in the loop it
     # stops after the current step.
     with stop.raising():
+        for note in _precision_notes(config.model):
+            say(note)
         _check_same_corpus(config, workdir)
         if jax.process_count() > 1:
             # Process 0 builds the dataset (and its tokenizer) first, so processes sharing

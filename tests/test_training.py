@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ from lexjax import config as cfg
 from lexjax import data as data_lib
 from lexjax import metrics
 from lexjax.errors import CheckpointError, ConfigError, DataError
-from lexjax.optim import learning_rate_schedule
+from lexjax.optim import learning_rate_schedule, make_optimizer
 from lexjax.steps import TrainSetup
 from lexjax.training import train
 from tests.helpers import packed_batch, small_config
@@ -362,6 +363,35 @@ def test_resume_equals_uninterrupted(tmp_path):
     (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
     assert s1 == s2 == 6
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_low_precision_parameters_are_refused_or_noted(tmp_path):
+    """float16 parameters: AdamW's moments are kept in their dtype, where the second
+    moment of a small gradient is 0 and the step ~100× the learning rate (shown here
+    with the optimizer itself). bfloat16 parameters and float16 compute train, with a
+    note each."""
+    config = _train_config(tmp_path, num_train_steps=1, warmup_steps=0)
+    tx = make_optimizer(config)
+    for dtype, ratio in (("float16", 100.0), ("float32", 1.0)):
+        params = {"kernel": jnp.full((4,), 0.05, dtype)}
+        update, state = tx.update({"kernel": jnp.full((4,), 1e-4, dtype)}, tx.init(params), params)
+        step = float(jnp.abs(update["kernel"][0]))
+        assert step == pytest.approx(ratio * config.learning_rate, rel=0.05), dtype
+    f16 = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, param_dtype="float16")
+    )
+    with pytest.raises(ConfigError, match=r"^model.param_dtype=float16: AdamW's second moment"):
+        train(f16, str(tmp_path / "f16"), log=lambda _: None, progress=False)
+    assert not (tmp_path / "f16").exists()
+    low = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, param_dtype="bfloat16", dtype="float16")
+    )
+    lines = []
+    assert train(low, str(tmp_path / "low"), log=lines.append, progress=False)["step"] == 1
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert len(notes) == 2, lines
+    assert notes[0].startswith("note: model.param_dtype=bfloat16 rounds away each update")
+    assert notes[1].startswith("note: model.dtype=float16 has no loss scaling")
 
 
 def test_a_resume_may_compute_in_another_dtype(tmp_path):
