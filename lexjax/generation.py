@@ -203,7 +203,10 @@ def _sample(
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Beyond about 1/float32's smallest normal number (8.5e37) the division by it makes the
+# ruled-out ids' −inf a NaN that wins the draw; far below that, at any temperature over
+# ~1e9, every allowed id is already equally likely in float32.
+_MAX_TEMPERATURE = 1e30
 
 
 def check_sampling(
@@ -226,12 +229,10 @@ def check_sampling(
             f"the prompt is not valid text: {prompt[e.start : e.end]!r} at character {e.start} "
             "cannot be written in UTF-8; pass UTF-8 text"
         ) from None
-    # Sampling divides float32 logits by it: a larger one is infinite there (and the
-    # ruled-out ids' −inf / inf NaNs that win the draw).
-    if not is_real(temperature) or not 0 <= temperature <= _FLOAT32_MAX:  # NaN too
+    if not is_real(temperature) or not 0 <= temperature <= _MAX_TEMPERATURE:  # NaN too
         raise ConfigError(
-            f"{arg('temperature')} must be ≥ 0 (0 = greedy) and at most {_FLOAT32_MAX:.3g} "
-            f"(float32), got {temperature!r}"
+            f"{arg('temperature')} must be ≥ 0 (0 = greedy) and at most {_MAX_TEMPERATURE:g} "
+            f"(uniform in float32 long before), got {temperature!r}"
         )
     check_int(arg("top_k"), top_k, 0, bound="an integer ≥ 0 (0 = no limit)")
     if not is_real(top_p) or not 0 < top_p <= 1:

@@ -274,6 +274,7 @@ def test_complete_decodes_in_the_mode_asked():
         {"seed": 2**32},
         {"temperature": float("nan")},
         {"temperature": float("inf")},
+        {"temperature": 1e38},  # finite in float32, yet sampled a ruled-out id
         {"top_p": float("nan")},
         {"max_new_tokens": generation.MAX_NEW_TOKENS + 1},
         {"prompt": "ab\udcff"},  # not UTF-8 text (a byte argv held that is not)
@@ -284,6 +285,19 @@ def test_sampling_settings_out_of_range_are_config_errors(model_params, setting)
     setting = {"prompt": "ab", "max_new_tokens": 2} | setting
     with pytest.raises(ConfigError, match=f"^(the )?{name}"):
         generation.complete(RUN_CONFIG, model_params[1], **setting)
+
+
+def test_the_largest_temperature_never_samples_a_ruled_out_id():
+    """Only id 9 is allowed. At 1e38 (accepted before) the division made the others'
+    −inf NaN, which won every draw; the largest accepted temperature keeps them out."""
+    logits = jnp.full((64, 258), -jnp.inf).at[:, 9].set(0.0)
+    rng = jax.random.key(1)
+    assert (generation.sample_logits(logits, rng, temperature=1e38) != 9).all()
+    top = generation._MAX_TEMPERATURE
+    assert (generation.sample_logits(logits, rng, temperature=top) == 9).all()
+    for top_k, top_p in ((5, 1.0), (0, 0.5)):
+        ids = generation.sample_logits(logits, rng, temperature=top, top_k=top_k, top_p=top_p)
+        assert (ids == 9).all(), (top_k, top_p)
 
 
 def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
