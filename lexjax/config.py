@@ -18,6 +18,7 @@ Mesh shapes and sharding presets live in :mod:`lexjax.sharding`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import glob
@@ -64,6 +65,8 @@ __all__ = [
     "flags_parser",
     "from_configdict",
     "REMOVED_FIELDS",
+    "RENAMED_FIELDS",
+    "upgraded",
     "unknown_field",
     "to_dict",
     "dotted",
@@ -97,6 +100,9 @@ _MIN_SENTENCEPIECE_VOCAB = 261
 # Top-level fields an older lexjax stored with its checkpoints; ignored on loading.
 # poison_step: fault injection, now a test hook (tests/), not a production setting.
 REMOVED_FIELDS = ("poison_step",)
+# Fields an older lexjax stored under another name (old → new): its checkpoints'
+# configs, and a dict written for it, still load.
+RENAMED_FIELDS = {"optim.learning_rate": "learning_rate", "optim.warmup_steps": "warmup_steps"}
 # The device mesh's axes (lexjax.sharding builds the mesh) and the logical axes the
 # model names, weights' and activations' (act_*), that config.sharding_rules maps to them.
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -379,7 +385,20 @@ def from_configdict(values) -> Config:
             file=sys.stderr,
             flush=True,
         )
-    return _validated(_build(Config, {k: v for k, v in values.items() if k not in removed}, ""))
+    return _validated(_build(Config, upgraded(values), ""))
+
+
+def upgraded(values: Mapping) -> dict:
+    """A config dict in today's field names: fields an older lexjax stored under
+    another name moved (:data:`RENAMED_FIELDS`; a value under the new name wins)
+    and removed ones dropped (:data:`REMOVED_FIELDS`). A new dict; missing fields
+    stay missing."""
+    values = {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+    for old, new in RENAMED_FIELDS.items():
+        parent, key = old.split(".")
+        if isinstance(values.get(parent), dict) and key in values[parent]:
+            values.setdefault(new, values[parent].pop(key))
+    return {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
 
 
 def to_dict(config: Config) -> dict:
@@ -426,6 +445,10 @@ def model_differences(stored: dict, config: Config) -> list[str]:
     theirs, now = stored.get("model"), to_dict(config)
     if not theirs:
         return []
+    # With today's defaults for fields added since (None in the dict), derived ones too;
+    # a config this version cannot read is compared as stored.
+    with contextlib.suppress(ConfigError):
+        theirs = to_dict(_validated(_build(Config, upgraded(stored), "")))["model"]
     ours = now["model"]
     for how_it_runs in ("remat", "remat_policy", "attention_impl", "dtype"):
         ours.pop(how_it_runs)

@@ -38,6 +38,7 @@ from lexjax.config import (
     is_real,
     model_differences,
     to_dict,
+    upgraded,
 )
 from lexjax.errors import CheckpointError, ConfigError, TrainingError, arg, one_line, out_of_memory
 from lexjax.optim import learning_rate_schedule
@@ -482,6 +483,7 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
         abstract_state=setup.abstract_state, data_iter=data_iter, check_config=same_model
     )
     saved = ckpt_lib.stored_tokenizer(checkpointer, step, stored)
+    stored = upgraded(stored or {})  # an older lexjax's field names, for the changes said
     if saved.fingerprint != tokenizer.fingerprint:
         raise CheckpointError(
             f"workdir {checkpointer.directory} was trained with another tokenizer "

@@ -411,6 +411,25 @@ def test_a_changed_model_is_named_by_the_field_the_user_sets():
     assert cfg.model_differences(stored, config(**{"model.max_len": 32})) == ["model.max_len"]
     assert cfg.model_differences(stored, config(**{"model.d_model": 64})) == ["model.d_model"]
     assert cfg.model_differences({"seed": 0}, config(train_len=32)) == []  # no model stored
+    # A field added since (absent from an older lexjax's record) takes its default, a
+    # derived one follows its source: not "differs in model.rope_factor, model.max_len".
+    older = cfg.to_dict(config())
+    for added in ("rope_scaling", "rope_factor", "rope_train_len", "max_len"):
+        del older["model"][added]
+    assert cfg.model_differences(older, config()) == []
+    assert cfg.model_differences(older, config(**{"model.d_model": 64})) == ["model.d_model"]
+
+
+def test_an_older_lexjaxs_field_names_still_load():
+    """Until 2026-11-30 the peak rate and warmup were optim fields; checkpoints of then
+    (and dicts written for then) were refused: "unknown config field
+    optim.learning_rate; did you mean optim.end_lr_fraction?"."""
+    old = {"optim": {"learning_rate": 0.01, "warmup_steps": 3, "b2": 0.9}, "poison_step": -1}
+    config = cfg.from_configdict(old)
+    assert (config.learning_rate, config.warmup_steps, config.optim.b2) == (0.01, 3, 0.9)
+    both = {"learning_rate": 0.02, "optim": {"learning_rate": 0.01}}
+    assert cfg.from_configdict(both).learning_rate == 0.02  # the new name wins
+    assert old["optim"]["learning_rate"] == 0.01 and "poison_step" in old  # not changed
 
 
 def test_an_error_line_keeps_its_advice_after_long_paths(capsys):

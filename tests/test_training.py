@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -328,6 +329,27 @@ def test_a_sentencepiece_run_saves_its_tokenizer_with_every_checkpoint(tmp_path)
         assert saved.kind == "sentencepiece" and saved.fingerprint == built.fingerprint
     stored, _, step = ckpt_lib.load_params(workdir)
     assert (stored.model.vocab_size, stored.data.tokenizer, step) == (320, "sentencepiece", 2)
+
+
+def test_the_committed_older_run_resumes_under_its_own_settings(tmp_path):
+    """tests/fixtures/run_v1 predates the RoPE-scaling fields: its stored model has no
+    rope_scaling, rope_factor or rope_train_len, which came back as None and were
+    refused as "another model (differs in model.rope_factor, …)" with no setting that
+    could match them. Its own settings resume it, its data stream restarting."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_v1")
+    workdir = tmp_path / "run_v1"
+    shutil.copytree(fixture, workdir)
+    with open(workdir / "checkpoints" / "6" / "config" / "metadata") as f:
+        stored = json.load(f)
+    assert "rope_scaling" not in stored["model"]
+    data = {**stored["data"], "data_dir": str(tmp_path / "tfds")}
+    mesh = {"data": 4, "fsdp": 1, "tensor": 2}  # its data=-1 cannot split 4 rows over 8
+    ours = {**cfg.upgraded(stored), "num_train_steps": 8, "data": data, "mesh": mesh}
+    config = cfg.from_configdict(ours)
+    lines = []
+    summary = train(config, str(workdir), log=lines.append, progress=False)
+    assert (summary["start_step"], summary["step"]) == (6, 8), lines
+    assert math.isfinite(summary["loss"])
 
 
 def test_checkpoints_of_an_older_lexjax_carry_the_byte_tokenizer():
