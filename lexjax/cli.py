@@ -38,7 +38,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     one-line ConfigError (exit status 2), as :func:`lexjax.config.flags_parser` makes it."""
     cfg.exit_if_help(argv)
     try:
-        return absl_flags.FLAGS(argv)
+        return cfg.no_arguments(absl_flags.FLAGS(argv))
     except absl_flags.Error as e:
         raise ConfigError(one_line(e)) from None
 

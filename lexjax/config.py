@@ -253,7 +253,19 @@ def default_configdict(overrides: Mapping | None = None):
     return c
 
 
-def flags_parser(default_file: str):
+def no_arguments(rest: list[str], path_flag: str = "workdir") -> list[str]:
+    """``rest``, absl's leftover argv (the program name, then what is not a flag),
+    if it holds nothing but the name: the programs take flags only, and one left
+    over was ignored (``eval.py runs/x`` evaluated the default workdir). Else a
+    one-line ConfigError, suggesting ``--path_flag=`` for a path-like argument."""
+    if len(rest) > 1:
+        extra = rest[1]
+        hint = "" if extra.startswith("-") else f" (did you mean --{path_flag}={extra}?)"
+        raise ConfigError(f"unexpected argument {extra!r}: flags are --name=value{hint}")
+    return rest
+
+
+def flags_parser(default_file: str, path_flag: str = "workdir"):
     """An absl ``flags_parser`` for ``app.run`` that adds the ``--config`` file flag.
 
     As with ml_collections' ``DEFINE_config_file``: ``--config=FILE[:PRESET]``
@@ -292,9 +304,10 @@ def flags_parser(default_file: str):
         )
         exit_if_help(rest)
         try:
-            return flags.FLAGS(rest)
+            rest = flags.FLAGS(rest)
         except flags.Error as e:
             raise ConfigError(one_line(e)) from None
+        return no_arguments(rest, path_flag)
 
     return parse
 

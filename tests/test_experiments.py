@@ -208,6 +208,13 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     [
         ("--config.runs=rope/b=3", "runs: 'rope/b=3': /b= applies to xpos only"),
         ("--config.nosuch=1", "unknown config field nosuch; known: "),
+        # A positional argument was ignored (the study ran into the default --out), and
+        # train.py's config was a KeyError traceback.
+        (
+            "study",
+            "unexpected argument 'study': flags are --name=value (did you mean --out=study?)",
+        ),
+        ("--config=configs/tiny.py", "--config is not a study's config (it has no train and"),
         (
             "--config=configs/extrapolation.py:smok",
             "unknown preset 'smok' of configs/extrapolation.py; use small, text",

@@ -387,6 +387,14 @@ def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
         (["train.py", "--config.optim.b2=1.5"], "error: optim.b2=1.5 must be in [0, 1)"),
         (["train.py", "--lease_timeout_s=abc"], "error: flag --lease_timeout_s=abc:"),
         (["eval.py", "--max_doc=3"], "error: Unknown command line flag 'max_doc'"),
+        # An argument that is not a flag was ignored: the programs ran on runs/tiny.
+        (
+            ["eval.py", "runs/x"],
+            "error: unexpected argument 'runs/x': flags are --name=value (did you mean "
+            "--workdir=runs/x?)",
+        ),
+        (["train.py", "runs/x"], "error: unexpected argument 'runs/x': flags are"),
+        (["train.py", "--", "--workdir=x"], "error: unexpected argument '--workdir=x': flags"),
         (["eval.py", "--generate", "--top_p=1.5"], "error: --top_p must be in (0, 1], got 1.5"),
         # Named by its flag, with the range --help gives (it was "[1, 16777217)").
         (

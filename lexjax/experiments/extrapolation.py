@@ -752,6 +752,11 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
     out = os.path.abspath(os.path.expanduser(out))  # a shell leaves "--out=~/x" so
+    if "train" not in exp or "runs" not in exp:  # train.py's config has neither
+        raise ExperimentError(
+            "--config is not a study's config (it has no train and runs fields; a config "
+            "of train.py's?); use configs/extrapolation.py[:PRESET]"
+        )
     started, wall_start, load_start = time.time(), time.perf_counter(), os.getloadavg()
     shared = exp["train"].to_dict() if hasattr(exp["train"], "to_dict") else dict(exp["train"])
     try:
@@ -861,7 +866,7 @@ def run(argv: list[str] | None = None) -> int:
         )
     # --config=FILE[:PRESET] (small, paper, smoke, ...) and --config.FIELD overrides; a bad
     # one is one line and exit status 2, as for train.py.
-    parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"))
+    parse = flags_parser(os.path.join(_ROOT, "configs", "extrapolation.py"), path_flag="out")
     checkpoint.quiet_background_errors()
     signals.redeliver_swallowed_interrupts()
     plain_own_log_lines()
