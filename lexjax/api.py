@@ -57,7 +57,7 @@ class _DropOrbaxNotices(logging.Filter):
     """Drops orbax's below-ERROR records (a read-only directory "is read only")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        return record.levelno >= logging.ERROR or not checkpoint.logged_by_orbax(record)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ import re
 import shlex
 import sys
 import threading
+import traceback
 import warnings
 from typing import Any, NamedTuple
 
@@ -1107,6 +1108,18 @@ _ORBAX_NOTICES = (
 )
 
 
+def logged_by_orbax(record: logging.LogRecord) -> bool:
+    """Whether orbax logged ``record`` (called from a filter, in the logging call).
+
+    Its ``pathname`` names orbax's file, except where absl's caller lookup stops
+    at absl's own ``log`` (with a user's filter on the "absl" logger, for one); the
+    logging call's stack names orbax either way."""
+    where = f"{os.sep}orbax{os.sep}"
+    if where in record.pathname:
+        return True
+    return any(where in frame.f_code.co_filename for frame, _ in traceback.walk_stack(None))
+
+
 class _NoOrbaxErrors(logging.Filter):
     """Drops ERROR logs of orbax's background writes: its own, and asyncio's
     "Task exception was never retrieved" for orbax's tasks; and orbax's warnings
@@ -1117,7 +1130,7 @@ class _NoOrbaxErrors(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        orbax = logged_by_orbax(record)
         if orbax and record.getMessage().startswith(_ORBAX_NOTICES):
             return False
         if record.levelno < logging.ERROR:

@@ -120,6 +120,30 @@ def test_train_checks_a_config_built_by_hand(tmp_path):
     assert len(dir(lexjax)) == len(set(dir(lexjax)))
 
 
+@pytest.mark.parametrize(
+    "setup",
+    ["", "logging.getLogger('absl').addFilter(lambda record: True)"],
+    ids=["plain", "a_users_absl_filter"],
+)
+def test_loading_prints_no_orbax_notices_in_a_plain_process(setup):
+    """Outside pytest (whose log capture hides them) orbax's "read only" warnings
+    showed on every load once a user's filter sat on the "absl" logger: lexjax knew
+    orbax's records by their file, which absl then reported as its own."""
+    fixture = os.path.join(ROOT, "tests", "fixtures", "run_v1")
+    code = (
+        f"import logging, lexjax\n{setup}\nlexjax.load({fixture!r})\n"
+        "logging.getLogger('absl').warning('a warning of the user')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.splitlines() == [
+        "note: ignoring config field poison_step of an older lexjax",
+        "WARNING:absl:a warning of the user",
+    ], out.stderr
+
+
 def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     """In the API's terms: it advised "python train.py --workdir=…" in a notebook."""
     with pytest.raises(CheckpointError, match="no checkpoint in") as e:
