@@ -266,13 +266,17 @@ class Checkpointer:
         self._saved: set[int] = set()
         self._writing: int | None = None  # the step of the last save started
         self._check_directory()
+        with _notices_dropped():  # a read-only directory's two warnings: no news
+            self._open(async_save)
+
+    def _open(self, async_save: bool) -> None:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,
             save_interval_steps=1,
             create=False,
-            cleanup_tmp_directories=not read_only,
+            cleanup_tmp_directories=not self.read_only,
             enable_async_checkpointing=async_save,
-            read_only=read_only,
+            read_only=self.read_only,
         )
         try:
             self._manager = self._listing(
@@ -1118,6 +1122,24 @@ def logged_by_orbax(record: logging.LogRecord) -> bool:
     if where in record.pathname:
         return True
     return any(where in frame.f_code.co_filename for frame, _ in traceback.walk_stack(None))
+
+
+class _NoOrbaxNotices(logging.Filter):
+    """Drops orbax's records in ``_ORBAX_NOTICES`` (on the "absl" logger, which
+    orbax logs to, for records that reach no filtered handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith(_ORBAX_NOTICES) and logged_by_orbax(record))
+
+
+@contextlib.contextmanager
+def _notices_dropped():
+    quiet, logger = _NoOrbaxNotices(), logging.getLogger("absl")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 class _NoOrbaxErrors(logging.Filter):

@@ -128,10 +128,13 @@ def test_train_checks_a_config_built_by_hand(tmp_path):
 def test_loading_prints_no_orbax_notices_in_a_plain_process(setup):
     """Outside pytest (whose log capture hides them) orbax's "read only" warnings
     showed on every load once a user's filter sat on the "absl" logger: lexjax knew
-    orbax's records by their file, which absl then reported as its own."""
+    orbax's records by their file, which absl then reported as its own. And on every
+    resume (training looks at its checkpoints read-only first), filter or not."""
     fixture = os.path.join(ROOT, "tests", "fixtures", "run_v1")
     code = (
-        f"import logging, lexjax\n{setup}\nlexjax.load({fixture!r})\n"
+        f"import logging, lexjax\n{setup}\nfrom lexjax import checkpoint\n"
+        f"checkpoint.Checkpointer({fixture + '/checkpoints'!r}, read_only=True).close()\n"
+        f"lexjax.load({fixture!r})\n"
         "logging.getLogger('absl').warning('a warning of the user')"
     )
     out = subprocess.run(
