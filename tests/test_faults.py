@@ -585,6 +585,10 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference)
     assert result.returncode == TrainingError.exit_code, result.stderr[-3000:]
     assert "non-finite loss (nan) or gradient at step 5" in line, line
     assert "last checkpoint: step 4" in line, line
+    assert line.endswith(
+        "; lower learning_rate or raise warmup_steps (or optim.grad_clip "
+        "below its value), then run again: it resumes from that checkpoint"
+    )
     assert P.complete_steps(workdir) == [2, 4]
     assert_losses_match(workdir, ref_losses, steps=range(1, 5))
     assert final_params(workdir)[0] == 4  # restores, checksums verified
