@@ -577,7 +577,9 @@ def evaluate_passkey(
         if (problem := cell_problem(config.model, m, n, tokenizer))
     ]
     if len(skipped) == len(modes) * len(lengths):
-        raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}")
+        shortest = min_length(tokenizer)
+        advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)
+        raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
     out_dir = os.path.join(workdir, "eval")
     reports.check_writable(out_dir)  # every setting checked: before the trials, not after
     results = passkey_accuracy(
