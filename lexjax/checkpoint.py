@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import glob
 import hashlib
 import json
 import logging
@@ -948,6 +949,33 @@ class Loaded(NamedTuple):
     corpus: str | None
 
 
+def _holds_steps(directory: str) -> bool:
+    """Whether ``directory`` holds a numbered step with a train state (is a run's
+    checkpoints/, not a folder of runs named 1, 2, …)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n.isdigit() and os.path.isdir(os.path.join(directory, n, _STATE)) for n in names)
+
+
+def misplaced_workdir(workdir, *, study: bool = True) -> str | None:
+    """Advice where ``workdir``, without checkpoints of its own, is a place inside a
+    run (its checkpoints/, or a directory in it) or, with ``study``, a study's
+    ``--out`` (its runs are in runs/NAME): the directory meant. Else None."""
+    workdir = os.path.abspath(workdir)
+    for place in (workdir, os.path.dirname(workdir)):
+        if _holds_steps(place):
+            meant = shlex.quote(os.path.dirname(place))
+            return f"{place} is a run's checkpoint directory; the run is {meant}"
+    runs = sorted(glob.glob(os.path.join(glob.escape(workdir), "runs", "*", "checkpoints")))
+    if study and runs:
+        names = ", ".join(os.path.basename(os.path.dirname(r)) for r in runs)
+        meant = shlex.quote(os.path.dirname(runs[0]))
+        return f"{workdir} is a study's output with runs {names}; give one, e.g. {meant}"
+    return None
+
+
 def _open_run(workdir) -> Checkpointer:
     """A read-only Checkpointer on ``workdir``'s checkpoints, or the CheckpointError
     saying why there are none (decided by all processes together: what follows
@@ -956,6 +984,8 @@ def _open_run(workdir) -> Checkpointer:
     if not all_processes(os.path.isdir(directory)):
         if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
             raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")
+        if meant := misplaced_workdir(workdir):  # "train first" would make a run in there
+            raise CheckpointError(f"no checkpoint in {workdir}: {meant}")
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "
             + arg(

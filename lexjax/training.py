@@ -215,6 +215,9 @@ def _check_workdir(workdir: str) -> None:
         raise CheckpointError(
             f"workdir {workdir} is a file; choose a directory for {arg('workdir')}"
         )
+    inside = ckpt_lib.misplaced_workdir(workdir, study=False)
+    if inside and not ckpt_lib.has_steps(workdir):  # a new run inside another's checkpoints
+        raise CheckpointError(f"workdir {workdir} is inside another run: {inside}")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:

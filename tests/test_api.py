@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -162,6 +163,24 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(CheckpointError, match=r"workdir .*a_file is not a directory; give the"):
         lexjax.load(tmp_path / "a_file")
+    # One level too deep (the run's checkpoints/), or a study's --out: the advice made a
+    # new run in there; it names the directory meant.
+    run = tmp_path / "run_v1"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), run)
+    with pytest.raises(CheckpointError) as e:
+        lexjax.load(run / "checkpoints")
+    assert str(e.value) == (
+        f"no checkpoint in {run / 'checkpoints'}: {run / 'checkpoints'} is a run's "
+        f"checkpoint directory; the run is {run}"
+    )
+    (tmp_path / "study" / "runs" / "rope_s0" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "study" / "runs" / "xpos_s0" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"is a study's output with runs rope_s0, xpos_s0; "):
+        lexjax.load(tmp_path / "study")
+    # Runs named by number are not mistaken for a checkpoint directory's steps.
+    (tmp_path / "numbered" / "1" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="train first"):
+        lexjax.load(tmp_path / "numbered" / "2")
     # The run's tokenizer alone is read through the same door: it said "no checkpoint"
     # of the file, with no advice.
     with pytest.raises(CheckpointError, match=r"workdir .*a_file is not a directory; give the"):

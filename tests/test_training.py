@@ -352,6 +352,23 @@ def test_the_committed_older_run_resumes_under_its_own_settings(tmp_path):
     assert math.isfinite(summary["loss"])
 
 
+def test_a_new_run_inside_another_runs_checkpoints_is_refused(tmp_path):
+    """eval.py's "train first" advice, given the checkpoints/ of a run, trained a new
+    run in there. A folder of runs named by number is no checkpoint directory."""
+    from lexjax import training
+
+    run = tmp_path / "run_v1"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "run_v1"), run)
+    config = _train_config(tmp_path)
+    for inside in (run / "checkpoints", run / "checkpoints" / "new"):
+        with pytest.raises(CheckpointError, match=f"^workdir {inside} is inside another run: "):
+            train(config, str(inside), log=lambda _: None, progress=False)
+    assert sorted(os.listdir(run / "checkpoints")) == ["6"]
+    (tmp_path / "numbered" / "1" / "checkpoints").mkdir(parents=True)
+    training._check_workdir(str(tmp_path / "numbered" / "2"))
+    assert os.path.isdir(tmp_path / "numbered" / "2")
+
+
 def test_checkpoints_of_an_older_lexjax_carry_the_byte_tokenizer():
     fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_v1")
     assert ckpt_lib.load_tokenizer(fixture) is data_lib.BYTES
