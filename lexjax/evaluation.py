@@ -881,6 +881,7 @@ def check_settings(
         check_int(arg("max_length"), max_length)
         if lengths:  # before any work: the budget must hold the largest length
             budget(0, lengths, max_length)
+            _check_divides(lengths, max_length)
     check_int(arg("sinks"), sinks, 0, bound="an integer ≥ 0 (StreamingLLM uses 4)")
     check_int(arg("max_docs"), max_docs)
     if eval_files is not None and not isinstance(eval_files, (str, os.PathLike)):
@@ -890,6 +891,22 @@ def check_settings(
             f"{arg('eval_files')} is empty; give a glob of text files or leave it out"
         )
     return lengths
+
+
+def _check_divides(lengths: Sequence[int], max_length: int, given: bool = True) -> None:
+    """A ConfigError unless some length divides the budget (each cuts it into segments);
+    ``given``: the budget was asked for (else it is the default)."""
+    if any(max_length % n == 0 for n in lengths):
+        return
+    budget_flag, lcm = arg("max_length"), math.lcm(*lengths)
+    what = f"{budget_flag}={max_length}" if given else f"the default budget of {max_length} tokens"
+    nearest = -(-max_length // lcm) * lcm  # the next budget every length divides
+    such = f" such as {nearest}" if nearest <= 2**24 else ""
+    raise ConfigError(
+        f"no length can be evaluated as asked: none of {arg('lengths')}="
+        f"{','.join(map(str, lengths))} divides {what}; give lengths that divide it, or a "
+        f"{budget_flag} they divide{such}"
+    )
 
 
 def budget(train_len: int, lengths: Sequence[int], max_length: int | None = None) -> int:
@@ -1031,7 +1048,16 @@ def evaluate_run(
         )
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
-    max_length = budget(train_len, lengths, max_length)
+    given, max_length = max_length is not None, budget(train_len, lengths, max_length)
+    missing = [
+        {"mode": m, "length": n, "reason": problem}
+        for m in modes
+        for n in lengths
+        if (problem := cell_problem(config.model, m, n, max_length))
+    ]
+    if len(missing) == len(modes) * len(lengths):  # before any text is read
+        _check_divides(lengths, max_length, given)
+        raise ConfigError(f"no length can be evaluated as asked: {missing[0]['reason']}")
     # Read no further than scored: the budget and the token after it, and the 2×
     # train_len tokens resolution measures.
     needed = max(max_length + 1, 2 * train_len if resolution else 0)
@@ -1041,14 +1067,6 @@ def evaluate_run(
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     if resolution:  # refused before the perplexity run, not after it
         measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
-    missing = [
-        {"mode": m, "length": n, "reason": problem}
-        for m in modes
-        for n in lengths
-        if (problem := cell_problem(config.model, m, n, max_length))
-    ]
-    if len(missing) == len(modes) * len(lengths):
-        raise EvaluationError(f"no length can be evaluated as asked: {missing[0]['reason']}")
     out_dir = os.path.join(workdir, "eval")
     reports.check_writable(out_dir)  # every setting checked: before the computation, not after
     results = perplexity(

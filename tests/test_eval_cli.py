@@ -892,6 +892,13 @@ def test_settings_checked_after_loading_name_eval_pys_flags(tmp_path):
     for kwargs, message in (
         ({"rope_scaling": "ntk"}, "--rope_scaling=ntk extends a rotary encoding"),
         ({"modes": ["sinks"], "sinks": 9}, r"--sinks=9 must be an integer in \[0, 8\]"),
+        # Decided from the settings before any text is read (it was exit 6, after it).
+        (
+            {"lengths": [33, 40]},
+            "no length can be evaluated as asked: none of --lengths=33,40 divides the default "
+            "budget of 256 tokens; give lengths that divide it, or a --max_length they divide "
+            "such as 1320",
+        ),
     ):
         with naming_flags(), pytest.raises(ConfigError, match=f"^{message}"):
             evaluation.evaluate_run(alibi, None, 1, str(tmp_path / "run"), **kwargs)

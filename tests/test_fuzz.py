@@ -394,6 +394,13 @@ def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
             "--workdir=runs/x?)",
         ),
         (["train.py", "runs/x"], "error: unexpected argument 'runs/x': flags are"),
+        # Refused before the run is loaded (it was exit 6, after loading).
+        (
+            ["eval.py", "--max_length=48", "--lengths=32"],
+            "error: no length can be evaluated as asked: none of --lengths=32 divides "
+            "--max_length=48; give lengths that divide it, or a --max_length they divide such "
+            "as 64",
+        ),
         (["train.py", "--", "--workdir=x"], "error: unexpected argument '--workdir=x': flags"),
         (["eval.py", "--generate", "--top_p=1.5"], "error: --top_p must be in (0, 1], got 1.5"),
         # Named by its flag, with the range --help gives (it was "[1, 16777217)").
