@@ -223,6 +223,31 @@ def _exit_joining(message: str) -> None:
 
 
 def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
+    """Joins the multi-process run ``options`` describe (:func:`join`), then starts
+    JAX's backend (:func:`start_backend`)."""
+    how = join(options)
+    start_backend()
+    return how
+
+
+def start_backend() -> None:
+    """Starts JAX's backend: one that ``JAX_PLATFORMS`` names and this machine lacks
+    is a one-line :class:`ConfigError` (it was a traceback, for ``cuda`` a bare
+    AssertionError from inside JAX)."""
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        wanted = os.environ.get("JAX_PLATFORMS", "").strip()
+        if not wanted:
+            raise
+        reason = one_line(e) if str(e).strip() else "it is not installed"  # cuda's: no text
+        raise ConfigError(
+            f"JAX_PLATFORMS={wanted}: JAX cannot start that backend here ({reason}); unset "
+            "JAX_PLATFORMS, or install JAX for that accelerator"
+        ) from None
+
+
+def join(options: ClusterOptions = ClusterOptions()) -> str | None:
     """Joins the multi-process run ``options`` describe; returns how, or None if single.
 
     Call once, before any JAX computation. Raises :class:`ConfigError` for

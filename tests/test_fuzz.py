@@ -382,6 +382,29 @@ def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
 
 
 @pytest.mark.parametrize(
+    "program", [["train.py"], ["eval.py"], ["-m", "lexjax.experiments.extrapolation"]]
+)
+def test_a_backend_jax_platforms_names_and_the_machine_lacks_is_one_line(tmp_path, program):
+    """It was JAX's traceback, exit 1 (for cuda a bare AssertionError)."""
+    result = subprocess.run(
+        [sys.executable, *program, f"--workdir={tmp_path / 'w'}"]
+        if program[0] != "-m"
+        else [sys.executable, *program, f"--out={tmp_path / 'w'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "bogus"},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("error: JAX_PLATFORMS=bogus: JAX cannot start that backend here")
+    assert lines[0].endswith("; unset JAX_PLATFORMS, or install JAX for that accelerator")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     "program_args,expected",
     [
         (["train.py", "--config.optim.b2=1.5"], "error: optim.b2=1.5 must be in [0, 1)"),

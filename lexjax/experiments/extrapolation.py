@@ -56,7 +56,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from lexjax import checkpoint, evaluation, generation, lease, passkey, reports, signals
+from lexjax import checkpoint, distributed, evaluation, generation, lease, passkey, reports, signals
 from lexjax import data as data_lib
 from lexjax.config import (
     REMOVED_FIELDS,
@@ -825,6 +825,7 @@ def main(argv) -> int:
     # lexjax's own warnings (a damaged checkpoint skipped) still show.
     logging.set_verbosity(logging.ERROR)
     py_logging.getLogger("lexjax").setLevel(py_logging.WARNING)
+    distributed.start_backend()  # one JAX_PLATFORMS names and this machine lacks: one line
     collected = run_experiment(flags.FLAGS.config, _OUT.value)
     if _stopped_by_sigterm:
         # XLA may still be compiling what the SIGTERM interrupted, in threads of its own;
