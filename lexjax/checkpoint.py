@@ -149,6 +149,14 @@ class _Damaged(Exception):
     """A step is unreadable or fails verification (internal)."""
 
 
+class _IteratorDamaged(_Damaged):
+    """Only a step's data iterator state is unreadable or fails verification."""
+
+
+class _NoGoodStep(CheckpointError):
+    """Every step was tried and each is damaged."""
+
+
 # Readers take no lease: a training run's garbage collection may delete the step
 # being read. The steps are listed again this many times.
 _RELISTS = 5
@@ -692,18 +700,38 @@ class Checkpointer:
         and may raise to refuse it. Returns (state, config or None, step).
         """
 
-        def read(s: int) -> tuple[PyTree, dict[str, Any] | None]:
+        lost_position = []  # steps whole but for their data iterator state, newest first
+
+        def read(s: int, data_iter=data_iter) -> tuple[PyTree, dict[str, Any] | None]:
             integrity = self._read_integrity(s)  # read once: it checks the records too
             config = self._read_config(s, integrity)
             if check_config is not None:
                 check_config(config)
             self._read_tokenizer(s, integrity)
-            state = self._restore_step(s, abstract_state, data_iter, integrity)
+            try:
+                state = self._restore_step(s, abstract_state, data_iter, integrity)
+            except _IteratorDamaged:
+                lost_position.append(s)
+                raise
             self._verified[s] = True
             return state, config
 
         if step is None:
-            s, (state, config) = self._newest_good(read)
+            try:
+                s, (state, config) = self._newest_good(read)
+            except _NoGoodStep:
+                if not lost_position:
+                    raise
+                # Its training is whole: resumed with the data stream from its start
+                # rather than lost (the advice was to train from the start).
+                s = lost_position[0]
+                state, config = read(s, data_iter=None)
+                log.warning(
+                    "note: checkpoint step %d in %s is whole but for its data iterator state, "
+                    "and no step is whole; it resumes with the data stream from its beginning",
+                    s,
+                    self.directory,
+                )
             return state, config, s
         s = self._pick_step(step)
         state, config = self._read_one(read, s)
@@ -746,7 +774,7 @@ class Checkpointer:
                     else:
                         log.warning("%s", message)
             else:
-                raise CheckpointError(
+                raise _NoGoodStep(
                     f"no good checkpoint in {self.directory}: every step is damaged; restore "
                     "them from a copy, or move the directory aside to train from the start"
                 )
@@ -898,7 +926,7 @@ class Checkpointer:
         except Exception as e:
             error = f"unreadable ({one_line(e, innermost=True)})"
         if not all_processes(error is None):
-            raise _Damaged(f"data iterator state {error or 'damaged on another process'}")
+            raise _IteratorDamaged(f"data iterator state {error or 'damaged on another process'}")
         if isinstance(data_iter, grain.DatasetIterator):
             data_iter.set_state(json.loads(state))
         else:

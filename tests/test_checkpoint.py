@@ -527,6 +527,19 @@ def test_damaged_iterator_state_falls_back(tmp_path, caplog):
         ckpt.restore(abstract_state=abstract(state, mesh), data_iter=resumed)
     assert "data iterator state unreadable (JSONDecodeError: Expecting value" in caplog.text
     assert "StopIteration" not in caplog.text
+    # Every step's position lost, their training whole: the newest resumes with the data
+    # stream from its start (it was "every step is damaged; ... train from the start").
+    (tmp_path / "ckpt" / "1" / "data_iter" / "process_0-of-1.json").unlink()
+    caplog.clear()
+    restarted = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+        restored, _, step = ckpt.restore(abstract_state=abstract(state, mesh), data_iter=restarted)
+    assert step == 2 and next(restarted).tolist() == [0, 1, 2, 3]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
+    assert caplog.messages[-1] == (
+        f"note: checkpoint step 2 in {tmp_path / 'ckpt'} is whole but for its data iterator "
+        "state, and no step is whole; it resumes with the data stream from its beginning"
+    )
     ckpt.close()
 
 
