@@ -29,6 +29,7 @@ from lexjax import distributed, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import positions as pos_lib
 from lexjax import sharding as shard_lib
+from lexjax import steps as steps_lib
 from lexjax.config import (
     Config,
     check_int,
@@ -341,6 +342,23 @@ def _check_xpos_range(config: Config) -> None:
         )
 
 
+# The newest few TrainSetups of this process, by config and devices: a notebook's next
+# train() of the same config (stop_after=N again, another workdir) reuses the compiled
+# init, train and eval steps instead of compiling them anew.
+_SETUPS: dict[tuple, TrainSetup] = {}
+_KEEP_SETUPS = 4
+
+
+def _setup(config: Config) -> TrainSetup:
+    # The class and step function are part of the key: a test's wrapper is its own setup.
+    key = (TrainSetup, steps_lib.train_step, repr(config), tuple(jax.devices()))
+    setup = _SETUPS.pop(key, None) or TrainSetup(config)
+    _SETUPS[key] = setup  # the newest last
+    while len(_SETUPS) > _KEEP_SETUPS:
+        _SETUPS.pop(next(iter(_SETUPS)))
+    return setup
+
+
 def _check_param_dtype(config: Config) -> None:
     """float16 parameters are refused: AdamW keeps its moments in the parameters'
     dtype, where the second moment ((1 − b2)·g²) underflows to 0 for |g| below about
@@ -409,7 +427,7 @@ def _train(config, workdir, lease, say, show_progress, stop_after, peak_flops, s
             distributed.any_process(False)
         _check_corpus_outside(config, workdir)
         tokenizer = _tokenizer(config)
-        setup = TrainSetup(config)
+        setup = _setup(config)
         train_source = _train_source(config, tokenizer)
 
         def data_stream():

@@ -433,6 +433,28 @@ def test_low_precision_parameters_are_refused_or_noted(tmp_path):
     assert notes[1].startswith("note: model.dtype=float16 has no loss scaling")
 
 
+def test_a_second_training_of_the_same_config_compiles_nothing(tmp_path):
+    """A notebook's next train() of one config (another workdir, or stop_after=N
+    again) compiled its init, train and eval steps anew: seconds on a CPU, far more
+    for a real model on an accelerator."""
+    compiles = []
+
+    def count(name, *_, **__):
+        compiles.append(name == "/jax/core/compile/backend_compile_duration")
+
+    config = _train_config(tmp_path, num_train_steps=2, eval_every=2, checkpoint_every=2)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        train(config, str(tmp_path / "first"), log=lambda _: None, progress=False)
+        assert sum(compiles) > 0  # the listener hears compilations
+        compiles.clear()
+        second = train(config, str(tmp_path / "second"), log=lambda _: None, progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert second["step"] == 2 and sum(compiles) == 0
+    assert _losses(tmp_path / "first") == _losses(tmp_path / "second")
+
+
 def test_a_resume_may_compute_in_another_dtype(tmp_path):
     """Trained in float32 (a CPU), continued in bfloat16 (an accelerator): the
     compute dtype changes no parameter, and the resume was refused as "another
