@@ -43,7 +43,8 @@ train = training.train
 def make_config(overrides: Mapping[str, Any] | None = None) -> Config:
     """A validated :class:`lexjax.config.Config`: every field's default
     (``lexjax/config.py`` lists them) updated with ``overrides``, a nested
-    mapping such as ``{"train_len": 64, "model": {"num_layers": 2}}`` or an
+    mapping such as ``{"train_len": 64, "model": {"num_layers": 2}}`` (or with the
+    flags' dotted names, ``{"model.num_layers": 2}``), an
     ``ml_collections.ConfigDict`` (the ``get_config()`` of ``configs/*.py``), or
     a :class:`lexjax.config.Config` (a loaded run's ``run.config``), checked again.
 

@@ -398,7 +398,7 @@ def from_configdict(values) -> Config:
             file=sys.stderr,
             flush=True,
         )
-    return _validated(_build(Config, upgraded(values), ""))
+    return _validated(_build(Config, upgraded(_nested(values)), ""))
 
 
 def upgraded(values: Mapping) -> dict:
@@ -497,7 +497,7 @@ def _build(cls, values: Mapping, prefix: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for name, value in values.items():
+    for name, value in _nested(values).items():
         path = prefix + name
         if name not in names:
             raise unknown_field(path, [prefix + n for n in names])
@@ -506,6 +506,18 @@ def _build(cls, values: Mapping, prefix: str):
         else:
             kwargs[name] = _checked(path, value, hints[name])
     return cls(**kwargs)
+
+
+def _nested(values: Mapping) -> dict:
+    """``values`` with dotted names, the flags' and the messages' (``{"model.num_layers":
+    1}``), moved into their section (``{"model": {"num_layers": 1}}``), over its
+    nested entries."""
+    out = {k: v for k, v in values.items() if "." not in str(k)}
+    for key, value in values.items():
+        if "." in str(key):
+            head, rest = str(key).split(".", 1)
+            out[head] = {**_plain(out.get(head) or {}, head), rest: value}
+    return out
 
 
 def _checked(path: str, value, hint):

@@ -420,6 +420,17 @@ def test_a_changed_model_is_named_by_the_field_the_user_sets():
     assert cfg.model_differences(older, config(**{"model.d_model": 64})) == ["model.d_model"]
 
 
+def test_dotted_field_names_as_the_flags_and_messages_write_them():
+    """``make_config({"model.num_layers": 1})`` was "unknown config field
+    model.num_layers; known: model, data, …", though every message names fields so."""
+    config = cfg.from_configdict(
+        {"model.num_layers": 1, "model": {"d_model": 64}, "optim.learning_rate": 0.01}
+    )
+    assert (config.model.num_layers, config.model.d_model, config.learning_rate) == (1, 64, 0.01)
+    with pytest.raises(cfg.ConfigError, match="^unknown config field model.num_layer; did you"):
+        cfg.from_configdict({"model.num_layer": 1})
+
+
 def test_an_older_lexjaxs_field_names_still_load():
     """Until 2026-11-30 the peak rate and warmup were optim fields; checkpoints of then
     (and dicts written for then) were refused: "unknown config field
