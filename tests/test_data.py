@@ -958,16 +958,22 @@ def test_validation_and_test_files_selecting_the_same_files_are_refused(tmp_path
         f"{tmp_path / 'held2.txt'}), whose text would be in both splits; make the two "
         "globs select different files"
     )
-    # A copy, not the same file, is refused alike (it was in both held-out splits).
+    # A copy, not the same file, is refused alike (it was in both held-out splits), and
+    # said to be one (it said "both select", of globs selecting different files).
     (tmp_path / "val").mkdir()
     (tmp_path / "val" / "held2 copy.txt").write_bytes((tmp_path / "held2.txt").read_bytes())
-    with pytest.raises(DataError, match="both select 1 file .*held2 copy.txt"):
+    with pytest.raises(DataError) as e:
         data.plan_corpus(
             "textfiles",
             str(tmp_path / "*.txt"),
             validation_files=str(tmp_path / "val" / "*.txt"),
             test_files=str(tmp_path / "held2.txt"),
         )
+    assert str(e.value) == (
+        "data.validation_files selects 1 file with the text of a data.test_files file (first "
+        f"{tmp_path / 'val' / 'held2 copy.txt'}, a copy), which would be in both splits; "
+        "select files of other text"
+    )
 
 
 def test_held_out_globs_that_take_every_file_say_so(tmp_path):

@@ -424,13 +424,19 @@ def plan_splits(
     pieces: dict[str, list[Piece]] = {split: [] for split in SPLITS}
     for split, (root, relpaths) in sorted(explicit.items()):
         relpaths, both = _distinct(root, relpaths, taken)
-        earlier = {_file_digest(p.path) for p in pieces["test"]}  # test's: it comes first
-        both += [r for r in relpaths if _file_digest(os.path.join(root, r)) in earlier]
-        if both:  # the same file, or a copy of one
+        if both:  # the same file
             raise DataError(
                 f"data.validation_files and data.test_files both select {len(both)} "
                 f"file{'s' if len(both) > 1 else ''} (first {os.path.join(root, both[0])}), "
                 "whose text would be in both splits; make the two globs select different files"
+            )
+        earlier = {_file_digest(p.path) for p in pieces["test"]}  # test's: it comes first
+        copies = [r for r in relpaths if _file_digest(os.path.join(root, r)) in earlier]
+        if copies:
+            raise DataError(
+                f"data.{split}_files selects {len(copies)} file{'s' if len(copies) > 1 else ''}"
+                f" with the text of a data.test_files file (first {os.path.join(root, copies[0])}"
+                ", a copy), which would be in both splits; select files of other text"
             )
         kept = text_files(split, root, relpaths)
         if not kept:  # (not "the corpus is too small": it names this setting as the cure)
