@@ -752,6 +752,11 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
     out = os.path.abspath(os.path.expanduser(out))  # a shell leaves "--out=~/x" so
+    if checkpoint.has_steps(out):  # its runs/ and reports would sit inside that run
+        raise ExperimentError(
+            f"--out {out} is a training run's workdir (it holds checkpoints); choose another "
+            "directory"
+        )
     if "train" not in exp or "runs" not in exp:  # train.py's config has neither
         raise ExperimentError(
             "--config is not a study's config (it has no train and runs fields; a config "
