@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lexjax.errors import ConfigError, DistributedError, one_line
+from lexjax.errors import ConfigError, DistributedError, LexjaxError, one_line
 
 __all__ = [
     "ClusterOptions",
@@ -224,9 +224,10 @@ def _exit_joining(message: str) -> None:
 
 def initialize(options: ClusterOptions = ClusterOptions()) -> str | None:
     """Joins the multi-process run ``options`` describe (:func:`join`), then starts
-    JAX's backend (:func:`start_backend`)."""
-    how = join(options)
-    start_backend()
+    JAX's backend (:func:`start_backend`; joining may start it first)."""
+    with _named_backend():
+        how = join(options)
+        jax.devices()
     return how
 
 
@@ -234,11 +235,19 @@ def start_backend() -> None:
     """Starts JAX's backend: one that ``JAX_PLATFORMS`` names and this machine lacks
     is a one-line :class:`ConfigError` (it was a traceback, for ``cuda`` a bare
     AssertionError from inside JAX)."""
-    try:
+    with _named_backend():
         jax.devices()
+
+
+@contextlib.contextmanager
+def _named_backend():
+    """JAX's failure to start a backend ``JAX_PLATFORMS`` names, as a ConfigError."""
+    try:
+        yield
     except (RuntimeError, AssertionError) as e:
         wanted = os.environ.get("JAX_PLATFORMS", "").strip()
-        if not wanted:
+        about_backend = isinstance(e, AssertionError) or "backend" in str(e).lower()
+        if not wanted or isinstance(e, LexjaxError) or not about_backend:
             raise
         reason = one_line(e) if str(e).strip() else "it is not installed"  # cuda's: no text
         raise ConfigError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -382,10 +383,19 @@ def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
 
 
 @pytest.mark.parametrize(
-    "program", [["train.py"], ["eval.py"], ["-m", "lexjax.experiments.extrapolation"]]
+    "program",
+    [["train.py"], ["eval.py"], ["-m", "lexjax.experiments.extrapolation"], ["train.py", "join"]],
+    ids=["train", "eval", "study", "train_joining"],
 )
 def test_a_backend_jax_platforms_names_and_the_machine_lacks_is_one_line(tmp_path, program):
-    """It was JAX's traceback, exit 1 (for cuda a bare AssertionError)."""
+    """It was JAX's traceback, exit 1 (for cuda a bare AssertionError); also where
+    joining a multi-process run starts the backend first."""
+    if program[-1] == "join":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        program = [program[0], f"--coordinator_address=127.0.0.1:{port}", "--num_processes=1"]
+        program.append("--process_id=0")
     result = subprocess.run(
         [sys.executable, *program, f"--workdir={tmp_path / 'w'}"]
         if program[0] != "-m"
