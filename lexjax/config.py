@@ -453,8 +453,8 @@ def model_differences(stored: dict, config: Config) -> list[str]:
     """The fields to change in ``config`` to get the model of ``stored`` (a config
     dict stored with a checkpoint): ``model.*`` fields, or for one that follows
     another the field the user sets (``train_len`` for ``model.max_len``).
-    How the model runs (remat, attention_impl, the compute dtype) does not count; with no stored
-    model there is nothing to compare."""
+    How the model runs (remat, attention_impl, the compute and parameter dtypes) does
+    not count; with no stored model there is nothing to compare."""
     theirs, now = stored.get("model"), to_dict(config)
     if not theirs:
         return []
@@ -463,7 +463,9 @@ def model_differences(stored: dict, config: Config) -> list[str]:
     with contextlib.suppress(ConfigError):
         theirs = to_dict(_validated(_build(Config, upgraded(stored), "")))["model"]
     ours = now["model"]
-    for how_it_runs in ("remat", "remat_policy", "attention_impl", "dtype"):
+    # param_dtype too: a restore casts every array to the dtype asked for (a float16
+    # run, refused since, continues in float32).
+    for how_it_runs in ("remat", "remat_policy", "attention_impl", "dtype", "param_dtype"):
         ours.pop(how_it_runs)
 
     differences = set()

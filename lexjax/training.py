@@ -367,7 +367,8 @@ def _check_param_dtype(config: Config) -> None:
         raise ConfigError(
             "model.param_dtype=float16: AdamW's second moment, kept in the parameters' "
             "dtype, underflows to 0 there and its steps grow ~100× the learning rate; "
-            "use param_dtype=float32 (model.dtype=float16 computes in float16)"
+            "use param_dtype=float32, which also continues a run trained so "
+            "(model.dtype=float16 computes in float16)"
         )
 
 

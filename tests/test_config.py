@@ -406,6 +406,7 @@ def test_a_changed_model_is_named_by_the_field_the_user_sets():
     stored = cfg.to_dict(config())
     assert cfg.model_differences(stored, config(**{"model.remat_policy": "full"})) == []
     assert cfg.model_differences(stored, config(**{"model.dtype": "bfloat16"})) == []
+    assert cfg.model_differences(stored, config(**{"model.param_dtype": "bfloat16"})) == []
     # model.max_len and model.rope_train_len follow train_len: name train_len.
     assert cfg.model_differences(stored, config(train_len=32)) == ["train_len"]
     assert cfg.model_differences(stored, config(**{"model.max_len": 32})) == ["model.max_len"]

@@ -455,20 +455,31 @@ def test_a_second_training_of_the_same_config_compiles_nothing(tmp_path):
     assert _losses(tmp_path / "first") == _losses(tmp_path / "second")
 
 
-def test_a_resume_may_compute_in_another_dtype(tmp_path):
+def test_a_resume_may_compute_in_another_dtype_and_keep_parameters_in_another(tmp_path):
     """Trained in float32 (a CPU), continued in bfloat16 (an accelerator): the
     compute dtype changes no parameter, and the resume was refused as "another
-    model (differs in model.dtype)". The parameters stay in param_dtype."""
-    config = _train_config(tmp_path)
+    model (differs in model.dtype)". Likewise bfloat16 parameters continued in
+    float32 (the way on for a float16 run, whose parameters training now refuses):
+    the restore casts them."""
+    config = _train_config(tmp_path, num_train_steps=9)
     workdir = str(tmp_path / "run")
     train(config, workdir, log=lambda _: None, progress=False, stop_after=3)
     bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
-    second = train(bf16, workdir, log=lambda _: None, progress=False)
+    second = train(bf16, workdir, log=lambda _: None, progress=False, stop_after=3)
     assert second["start_step"] == 3 and second["step"] == 6
-    assert all(math.isfinite(loss) for loss in _losses(workdir).values())
     params, step = _final_params(workdir, bf16)
     assert step == 6
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {np.dtype("float32")}
+    low = dataclasses.replace(bf16, model=dataclasses.replace(bf16.model, param_dtype="bfloat16"))
+    train(low, workdir, log=lambda _: None, progress=False, stop_after=1)
+    params, step = _final_params(workdir, low)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.bfloat16.dtype}
+    third = train(config, workdir, log=lambda _: None, progress=False)
+    assert third["start_step"] == 7 and third["step"] == 9
+    params, step = _final_params(workdir, config)
+    assert step == 9
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {np.dtype("float32")}
+    assert all(math.isfinite(loss) for loss in _losses(workdir).values())
 
 
 def test_the_tensorboard_writers_start_is_not_timed(tmp_path, monkeypatch):
