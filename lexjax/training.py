@@ -703,8 +703,7 @@ class _Loop:
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
                     f"without saving that state (last checkpoint: {saved} in "
                     f"{self.checkpointer.directory}); lower learning_rate or raise "
-                    "warmup_steps (or optim.grad_clip below its value), then run again: it "
-                    "resumes from that checkpoint"
+                    "warmup_steps (or optim.grad_clip below its value) and train again"
                 )
         step, m = self.pending[-1][0], values[-1]
         self.pending.clear()

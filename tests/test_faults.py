@@ -586,8 +586,8 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_checkpoint(ctx, reference)
     assert "non-finite loss (nan) or gradient at step 5" in line, line
     assert "last checkpoint: step 4" in line, line
     assert line.endswith(
-        "; lower learning_rate or raise warmup_steps (or optim.grad_clip "
-        "below its value), then run again: it resumes from that checkpoint"
+        "; lower learning_rate or raise warmup_steps (or optim.grad_clip below its value) "
+        "and train again"
     )
     assert P.complete_steps(workdir) == [2, 4]
     assert_losses_match(workdir, ref_losses, steps=range(1, 5))
@@ -710,10 +710,12 @@ def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path, limit
             rlimits=None if limit == "tmpfs" else {"RLIMIT_FSIZE": 64 * 1024},
         )
         line = one_error_line(result)
-        reason = "No space left on device" if limit == "tmpfs" else "File too large"
+        reason, cure = ("No space left on device", "free space there")
+        if limit != "tmpfs":  # freeing space would not help
+            reason, cure = ("File too large", "raise the file-size limit (ulimit -f)")
         assert result.returncode == 3 and line == (
             f"error: data.data_dir={data_dir}: building the corpus textfiles failed "
-            f"({reason}); free space there or choose another data.data_dir"
+            f"({reason}); {cure} or choose another data.data_dir"
         ), result.stderr[-3000:]
         assert result.stdout.endswith("...\n"), result.stdout[-300:]  # the line is ended
         assert not [p for p in data_dir.rglob("*") if p.is_file() and p.suffix != ".lock"]

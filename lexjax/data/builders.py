@@ -844,9 +844,13 @@ def prepare(
                 print(flush=True)  # ends the "building dataset ..." line
                 if not isinstance(e, Exception) or (reason := _os_reason(e)) is None:
                     raise
+                cure = {
+                    "File too large": "raise the file-size limit (ulimit -f)",
+                    "Read-only file system": "make it writable",
+                }.get(reason, "free space there")
                 raise DataError(
                     f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
-                    "free space there or choose another data.data_dir"
+                    f"{cure} or choose another data.data_dir"
                 ) from None
             n = len(builder.replaced)
             replaced = f"; {n} file{'s' * (n != 1)} had invalid UTF-8, replaced by U+FFFD"
