@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -347,15 +348,19 @@ def _check_xpos_range(config: Config) -> None:
 # init, train and eval steps instead of compiling them anew.
 _SETUPS: dict[tuple, TrainSetup] = {}
 _KEEP_SETUPS = 4
+_SETUPS_LOCK = threading.Lock()  # train() may run in several threads of one process
 
 
 def _setup(config: Config) -> TrainSetup:
     # The class and step function are part of the key: a test's wrapper is its own setup.
     key = (TrainSetup, steps_lib.train_step, repr(config), tuple(jax.devices()))
-    setup = _SETUPS.pop(key, None) or TrainSetup(config)
-    _SETUPS[key] = setup  # the newest last
-    while len(_SETUPS) > _KEEP_SETUPS:
-        _SETUPS.pop(next(iter(_SETUPS)))
+    with _SETUPS_LOCK:
+        setup = _SETUPS.pop(key, None)
+    setup = setup or TrainSetup(config)  # (built outside the lock: it traces the model)
+    with _SETUPS_LOCK:
+        _SETUPS[key] = setup  # the newest last
+        while len(_SETUPS) > _KEEP_SETUPS:
+            _SETUPS.pop(next(iter(_SETUPS)))
     return setup
 
 
