@@ -62,18 +62,6 @@ class _DropOrbaxNotices(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_orbax_notices():
-    # orbax logs through absl, whose Python logger is "absl"; lexjax's own
-    # warnings (a damaged step skipped) come from the "lexjax" loggers and still show.
-    quiet, logger = _DropOrbaxNotices(), logging.getLogger("absl")
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
-
-
-@contextlib.contextmanager
 def _on_mesh(mesh, lower: str):
     """``jax.set_mesh(mesh)``; an allocation that fails inside is one
     :class:`EvaluationError` that says to lower ``lower`` or use BCA."""
@@ -310,7 +298,8 @@ def load(workdir: str | os.PathLike[str], *, check: Callable[[Config], None] | N
     # A damaged step's failed reads end in one warning, not in tracebacks of orbax's
     # threads and coroutines (a kernel collects them later, while it runs).
     checkpoint.quiet_background_errors()
-    with _quiet_orbax_notices():
+    # lexjax's own warnings (a damaged step skipped) come from the "lexjax" loggers.
+    with checkpoint.absl_filter(_DropOrbaxNotices()):
         loaded, mesh = evaluation.load_on_mesh(workdir, check=check)
     return Run(
         workdir, loaded.config, loaded.params, loaded.step, loaded.tokenizer, mesh, loaded.corpus

@@ -275,7 +275,7 @@ class Checkpointer:
         self._saved: set[int] = set()
         self._writing: int | None = None  # the step of the last save started
         self._check_directory()
-        with _notices_dropped():  # a read-only directory's two warnings: no news
+        with absl_filter(_NoOrbaxNotices()):  # a read-only directory's two warnings
             self._open(async_save)
 
     def _open(self, async_save: bool) -> None:
@@ -1191,8 +1191,9 @@ class _NoOrbaxNotices(logging.Filter):
 
 
 @contextlib.contextmanager
-def _notices_dropped():
-    quiet, logger = _NoOrbaxNotices(), logging.getLogger("absl")
+def absl_filter(quiet: logging.Filter):
+    """``quiet`` on the "absl" logger, which orbax logs to, within the block."""
+    logger = logging.getLogger("absl")
     logger.addFilter(quiet)
     try:
         yield
