@@ -308,9 +308,10 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
     traceback; an empty --out wrote the study into the current directory."""
     (tmp_path / "file").write_text("x")
     run = tmp_path / "run"  # a training's workdir: the study's runs were written into it
-    (run / "checkpoints" / "6").mkdir(parents=True)
+    (run / "checkpoints" / "6" / "state").mkdir(parents=True)
     for out, code, expected in [
         (run, 2, f"--out {run} is a training run's workdir (it holds checkpoints); choose"),
+        (run / "checkpoints", 2, f"--out {run / 'checkpoints'} is inside a training run: "),
         (tmp_path / "file", 4, f"cannot make --out {tmp_path / 'file'} (File exists)"),
         (tmp_path / "file" / "out", 4, "(Not a directory); choose another directory"),
         ("", 2, "--out is empty"),
@@ -326,7 +327,7 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
         assert done.returncode == code, done.stderr[-3000:]
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
-    assert os.listdir(run) == ["checkpoints"]
+    assert os.listdir(run) == ["checkpoints"] and os.listdir(run / "checkpoints") == ["6"]
 
 
 def _smoke_config(**overrides):

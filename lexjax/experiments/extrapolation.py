@@ -757,6 +757,8 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
             f"--out {out} is a training run's workdir (it holds checkpoints); choose another "
             "directory"
         )
+    if inside := checkpoint.misplaced_workdir(out, study=False):
+        raise ExperimentError(f"--out {out} is inside a training run: {inside}; choose another")
     if "train" not in exp or "runs" not in exp:  # train.py's config has neither
         raise ExperimentError(
             "--config is not a study's config (it has no train and runs fields; a config "
