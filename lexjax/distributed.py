@@ -246,7 +246,12 @@ def _named_backend():
         yield
     except (RuntimeError, AssertionError) as e:
         wanted = os.environ.get("JAX_PLATFORMS", "").strip()
-        about_backend = isinstance(e, AssertionError) or "backend" in str(e).lower()
+        # Not a peer's failure while a joined run creates its backend (jaxlib re-raises
+        # any as "Unable to initialize backend"): that is no JAX_PLATFORMS problem.
+        peers = ("DEADLINE_EXCEEDED", "oordination", "KeyValue", "arrier", "UNAVAILABLE")
+        about_backend = isinstance(e, AssertionError) or (
+            "backend" in str(e).lower() and not any(word in str(e) for word in peers)
+        )
         if not wanted or isinstance(e, LexjaxError) or not about_backend:
             raise
         reason = one_line(e) if str(e).strip() else "it is not installed"  # cuda's: no text

@@ -845,9 +845,11 @@ def prepare(
                 if not isinstance(e, Exception) or (reason := _os_reason(e)) is None:
                     raise
                 cure = {
+                    "No space left on device": "free space there",
+                    "Disk quota exceeded": "free space there",
                     "File too large": "raise the file-size limit (ulimit -f)",
                     "Read-only file system": "make it writable",
-                }.get(reason, "free space there")
+                }.get(reason, "fix that")
                 raise DataError(
                     f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
                     f"{cure} or choose another data.data_dir"
