@@ -579,7 +579,8 @@ def evaluate_passkey(
     if len(skipped) == len(modes) * len(lengths):
         shortest = min_length(tokenizer)
         advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)
-        raise EvaluationError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
+        # The settings' contradiction, as perplexity's "no length can be evaluated".
+        raise ConfigError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
     out_dir = os.path.join(workdir, "eval")
     reports.check_writable(out_dir)  # every setting checked: before the trials, not after
     results = passkey_accuracy(

@@ -431,7 +431,7 @@ def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params
     assert len(results) == len(rows)
 
     other = str(tmp_path / "other")
-    with pytest.raises(EvaluationError, match=r"of the format; use lengths of at least 69$"):
+    with pytest.raises(ConfigError, match=r"of the format; use lengths of at least 69$"):
         passkey.evaluate_passkey(config, params, 5, other, lengths=[48, 64], trials=1)
     with pytest.raises(ConfigError, match=r"seed=-1 must be an integer in \[0, 2\*\*32\)"):
         passkey.evaluate_passkey(config, params, 5, other, lengths=[96], trials=1, seed=-1)
