@@ -460,8 +460,8 @@ def model_differences(stored: dict, config: Config) -> list[str]:
         return []
     # With today's defaults for fields added since (None in the dict), derived ones too;
     # a config this version cannot read is compared as stored.
-    with contextlib.suppress(ConfigError):
-        theirs = to_dict(_validated(_build(Config, upgraded(stored), "")))["model"]
+    with contextlib.suppress(ConfigError):  # upgraded first: no note of a removed field
+        theirs = to_dict(from_configdict(upgraded(stored)))["model"]
     ours = now["model"]
     # param_dtype too: a restore casts every array to the dtype asked for (a float16
     # run, refused since, continues in float32).

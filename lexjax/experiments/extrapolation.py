@@ -59,7 +59,6 @@ import numpy as np
 from lexjax import checkpoint, distributed, evaluation, generation, lease, passkey, reports, signals
 from lexjax import data as data_lib
 from lexjax.config import (
-    REMOVED_FIELDS,
     ROPE_SCALINGS,
     ROTARY_ENCODINGS,
     Config,
@@ -67,6 +66,7 @@ from lexjax.config import (
     dotted,
     from_configdict,
     to_dict,
+    upgraded,
 )
 from lexjax.errors import CheckpointError, TrainingError, one_line, stdout_failures
 from lexjax.evaluation import MODES
@@ -188,7 +188,7 @@ def _stage_done(
         return None
     stored = reports.read_json(path)
     ours = _plain(to_dict(config))
-    theirs = {k: v for k, v in (stored.get("config") or {}).items() if k not in REMOVED_FIELDS}
+    theirs = upgraded(stored.get("config") or {})  # no note of a removed field: not the user's
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
         theirs = _plain(to_dict(from_configdict(theirs)))
     for name in _BOOKKEEPING:  # a resume may change them: no reported number depends on them
