@@ -31,6 +31,7 @@ from lexjax import masks
 from lexjax import positions as pos_lib
 from lexjax.config import ModelConfig, check_dtypes
 from lexjax.errors import ConfigError
+from lexjax.sharding import split_axes
 
 __all__ = ["Decoder", "count_params", "remat_policy"]
 
@@ -96,8 +97,7 @@ def _pin(x, rules, *names):
     mesh = jax.sharding.get_abstract_mesh()
     axes = dict(rules).get("batch")
     if "batch" in names and axes and not mesh.empty:
-        axes = (axes,) if isinstance(axes, str) else axes
-        parts = math.prod(mesh.shape[a] for a in axes)
+        parts = math.prod(mesh.shape[a] for a in split_axes(axes))
         if x.shape[names.index("batch")] % parts:
             rules = tuple((k, None if k == "batch" else v) for k, v in rules)
     return nn.with_logical_constraint(x, names, rules=rules)
