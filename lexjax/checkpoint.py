@@ -1211,8 +1211,11 @@ class _NoOrbaxErrors(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        notice = record.getMessage().startswith(_ORBAX_NOTICES)
+        if record.levelno < logging.ERROR and not notice:
+            return True  # every other record below ERROR, without a walk of the stack
         orbax = logged_by_orbax(record)
-        if orbax and record.getMessage().startswith(_ORBAX_NOTICES):
+        if orbax and notice:
             return False
         if record.levelno < logging.ERROR:
             return True
