@@ -430,6 +430,9 @@ def test_dotted_field_names_as_the_flags_and_messages_write_them():
     assert (config.model.num_layers, config.model.d_model, config.learning_rate) == (1, 64, 0.01)
     with pytest.raises(cfg.ConfigError, match="^unknown config field model.num_layer; did you"):
         cfg.from_configdict({"model.num_layer": 1})
+    # A name below a field that is not a section: as the flags say it, not "expected an integer".
+    with pytest.raises(cfg.ConfigError, match="^unknown config field train_len.x$"):
+        cfg.from_configdict({"train_len.x": 1})
 
 
 def test_an_older_lexjaxs_field_names_still_load():
