@@ -525,13 +525,13 @@ def _nested(values: Mapping) -> dict:
 def _checked(path: str, value, hint):
     """``value`` as the type of ``hint``, or a ConfigError naming ``path``."""
     value = as_python(value)
-    if isinstance(value, Mapping) and value:  # {"train_len": {"x": 1}}: not a section
-        raise unknown_field(f"{path}.{next(iter(value))}", [])
     if value is None and type(None) in typing.get_args(hint):
         return None
     kind = _base_type(hint)
     if kind is tuple:
         return _sharding_rules(value)
+    if isinstance(value, Mapping) and value:  # {"train_len": {"x": 1}}: not a section
+        raise unknown_field(f"{path}.{next(iter(value))}", [])
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # also NumPy's
     ok = {
         bool: isinstance(value, (bool, np.bool_)),
