@@ -222,6 +222,23 @@ class LowPrecisionTest(chex.TestCase):
             encoded = np.asarray(positions.xpos(x, pos, downscale=downscale), np.float32)
             self.assertTrue(np.all(np.isfinite(encoded)), (dtype, downscale, encoded))
 
+    def test_positions_beyond_float32s_range_are_refused(self):
+        # Far from the origin XPOS's float32 scale overflows (keys) or underflows
+        # (queries): jitted, where positions are not checked, the encoding is NaN.
+        x, far = jnp.ones((1, 2, 1, 8)), jnp.array([0, 200_000])
+        jitted = jax.jit(functools.partial(positions.xpos, downscale=True))
+        self.assertTrue(np.isnan(np.asarray(jitted(x, far))).any())
+        for downscale in (False, True):
+            with self.assertRaisesRegex(ValueError, "position 200000 is beyond XPOS's float32"):
+                positions.xpos(x, far, downscale=downscale)
+        # Up to the limit the scale itself stays finite, and so does a key whose pairs
+        # have norm below 1 (the refusal is of the scale, not of large keys).
+        limit = int(positions.max_safe_position(512.0, margin=1.0))
+        near = jnp.array([-limit, limit])
+        for downscale in (False, True):
+            encoded = positions.xpos(x / 2, near, downscale=downscale)
+            self.assertTrue(np.isfinite(np.asarray(encoded)).all())
+
     def test_float16_overflows_beyond_the_safe_range(self):
         # 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
         encoded = positions.xpos(
