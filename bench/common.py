@@ -55,8 +55,11 @@ class ArgumentParser(argparse.ArgumentParser):
             if os.path.isdir(path):
                 raise IsADirectoryError(21, "Is a directory")
             directory = os.path.dirname(os.path.abspath(path))
-            if os.path.exists(directory) and not os.path.isdir(directory):
-                raise NotADirectoryError(20, f"Not a directory: {directory} is a file")
+            existing = directory
+            while not os.path.exists(existing):  # the nearest ancestor that exists
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(20, f"Not a directory: {existing} is a file")
             os.makedirs(directory, exist_ok=True)
             with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here
                 pass
