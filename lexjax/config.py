@@ -208,7 +208,7 @@ class Config:
     train_len: int = 256
     batch_size: int = 16
     num_train_steps: int = 200
-    learning_rate: float = 2e-3  # peak, after a linear warmup
+    learning_rate: float = 2e-3  # peak, after a linear warmup from 0 (optim.learning_rate_schedule)
     warmup_steps: int = 20
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
