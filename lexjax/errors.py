@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 import os
 import signal
 import sys
@@ -164,6 +165,23 @@ class StdoutClosed(Exception):
     """What a program printed to could not take it: stdout's reader went away."""
 
 
+def _to_devnull(fd: int) -> None:
+    """Points file descriptor ``fd`` at /dev/null (no descriptor left open)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+class _Nowhere(io.TextIOBase):
+    """A text stream that discards what it is given: the last place for output once
+    stdout and stderr have both failed (it holds no file)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 class _GuardedStdout:
     """stdout whose failures are the program's: a reader gone (``eval.py | head``)
     is :class:`StdoutClosed` (a quiet exit 141), any other (a full disk, ``>
@@ -208,8 +226,8 @@ class _GuardedStdout:
                 "device with room"
             ) from None
         with contextlib.suppress(OSError, ValueError):  # what it still holds goes nowhere
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
-        self._stream = self._next.pop(0) or open(os.devnull, "w")  # noqa: SIM115
+            _to_devnull(self._stream.fileno())
+        self._stream = self._next.pop(0) or _Nowhere()
         text = "".join(self._unflushed)
         if self._next:  # on the fallback
             reason = error.strerror or error
@@ -290,7 +308,7 @@ def report(program, *args, **kwargs) -> int:
         raise
     except StdoutClosed:
         # Python would flush stdout once more at exit, and fail again: it goes nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _to_devnull(sys.stdout.fileno())
         return STDOUT_CLOSED
     except LexjaxError as e:
         end_open_line()

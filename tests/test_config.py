@@ -462,17 +462,27 @@ def test_an_error_line_keeps_its_advice_after_long_paths(capsys):
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
-def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypatch):
+def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypatch, request):
     """train.py's stdout (errors.stdout_failures(to_stderr=True)): the lines since the
     last flush and every later one go to stderr; should stderr fail too, nowhere."""
     import io
 
     from lexjax import errors
 
+    def stream(fd, **kwargs):  # closed when the test ends (else ResourceWarnings)
+        f = open(fd, "w", **kwargs)  # noqa: SIM115
+
+        def close():
+            with contextlib.suppress(OSError):  # a broken pipe's last flush
+                f.close()
+
+        request.addfinalizer(close)
+        return f
+
     def closed_pipe():
         read, write = os.pipe()
         os.close(read)
-        return os.fdopen(write, "w")
+        return stream(write)
 
     err = io.StringIO()
     monkeypatch.setattr(sys, "stdout", closed_pipe())
@@ -491,7 +501,7 @@ def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypa
     # Lines a line-buffered stdout delivered before its reader went are not repeated.
     read, write = os.pipe()
     err = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", open(write, "w", buffering=1))  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", stream(write, buffering=1))
     monkeypatch.setattr(sys, "stderr", err)
     with errors.stdout_failures(to_stderr=True):
         print("step 1/3")
@@ -503,7 +513,7 @@ def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypa
     # repeated some and lost others).
     read, write = os.pipe()
     err = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", open(write, "w"))  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", stream(write))
     monkeypatch.setattr(sys, "stderr", err)
     lines = [f"step {i}/401 loss 1.234 tokens/s 12,345 eta 10s".ljust(49) for i in range(401)]
     with errors.stdout_failures(to_stderr=True):
