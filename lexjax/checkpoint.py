@@ -280,7 +280,6 @@ class Checkpointer:
 
     def _open(self, async_save: bool) -> None:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None,
             save_interval_steps=1,
             create=False,
             cleanup_tmp_directories=not self.read_only,
