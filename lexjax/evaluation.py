@@ -53,6 +53,7 @@ the default factor, ``ntk`` instead takes s = L/train_len for every chunk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -1110,26 +1111,38 @@ def evaluate_run(
     curves = [
         (label, m, sorted((r.length, r.perplexity) for r in results if r.mode == m)) for m in modes
     ]
-    written = []
-    for stem in stems:
-        written += [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.png")]
-        reports.write_json(written[-2], summary)
-        reports.plot_perplexity(
-            curves, written[-1], train_len=train_len, title=f"{label}, train_len {train_len}"
-        )
-    # Printed once written: a stdout that fails (`| head`) loses nothing.
-    print(
-        f"perplexity of {workdir} (step {step}, position={label}, train_len={train_len}) "
-        f"on {where}\n"
-    )
-    print(reports.perplexity_table(results, label, missing=missing))
-    if sink_info:
+
+    def show():
         print(
-            f"sinks + window: each token sees the first {sinks} tokens of its segment and its "
-            f"{2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
+            f"perplexity of {workdir} (step {step}, position={label}, train_len={train_len}) "
+            f"on {where}\n"
         )
-    print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
-    print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
+        print(reports.perplexity_table(results, label, missing=missing))
+        if sink_info:
+            print(
+                f"sinks + window: each token sees the first {sinks} tokens of its segment and "
+                f"its {2 * config.block - sinks} most recent, at StreamingLLM's cache positions"
+            )
+        print(f"\nbits per byte ({tokenizer.describe()} tokens; lengths are in tokens)\n")
+        print(reports.perplexity_table(results, label, missing=missing, metric="bits_per_byte"))
+
+    # The settings' own files first; the latest pair last, figure before record, so a
+    # write cut short (a full disk) leaves the pair before it whole.
+    written = [
+        os.path.join(out_dir, f"{stem}.{kind}") for stem in stems for kind in ("json", "png")
+    ]
+    try:
+        for stem in reversed(stems):
+            path = os.path.join(out_dir, stem)
+            title = f"{label}, train_len {train_len}"
+            reports.plot_perplexity(curves, f"{path}.png", train_len=train_len, title=title)
+            reports.write_json(f"{path}.json", summary)
+    except LexjaxError:  # what was computed is shown before the error ends the program
+        with contextlib.suppress(Exception):
+            show()
+        raise
+    # Printed once written: a stdout that fails (`| head`) loses nothing.
+    show()
     if resolution:
         if len(resolution_modes) < len(modes):
             unmeasured = ", ".join(m for m in modes if m not in RESOLUTION_MODES)

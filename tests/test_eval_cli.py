@@ -881,6 +881,37 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         assert "\n" not in str(error.value) and not list(path.parent.glob("*.tmp"))
 
 
+def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
+    workdir, tmp_path, capsys
+):
+    """A full disk while eval.py wrote its reports lost what it had computed (the tables
+    were printed only after the writes) and left perplexity.json new beside the
+    perplexity.png before it."""
+    import lexjax
+    from lexjax.errors import CheckpointError
+
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval", "lease.json"))
+    run = lexjax.load(str(copy))
+    run.evaluate([32], max_length=64, modes=["bca"], max_docs=1)
+    before = {
+        name: (copy / "eval" / name).read_bytes() for name in ("perplexity.json", "perplexity.png")
+    }
+    capsys.readouterr()
+    # The latest figure's temporary file (a name per process) is on a full device.
+    (copy / "eval" / f"perplexity.png.{os.getpid()}.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError, match="perplexity.png \\(No space left on device\\)"):
+        run.evaluate([64], max_length=64, modes=["bca"], max_docs=1)
+    shown = capsys.readouterr().out
+    assert f"perplexity of {copy} (step 2" in shown and "| 64 " in shown, shown
+    for name, content in before.items():  # the pair before, both unchanged
+        assert (copy / "eval" / name).read_bytes() == content, name
+    # The settings' own record and figure were written before the latest pair.
+    own = {p.name: json.loads(p.read_text()) for p in (copy / "eval").glob("perplexity-*.json")}
+    assert sorted(r["settings"]["lengths"] for r in own.values()) == [[32], [64]], own
+    assert all((copy / "eval" / name).with_suffix(".png").exists() for name in own)
+
+
 def test_settings_checked_after_loading_name_eval_pys_flags(tmp_path):
     """Checks that need the run's config said "rope_scaling=ntk extends …" and "sinks
     must be …" to eval.py's user, who has --rope_scaling and --sinks."""
