@@ -873,7 +873,7 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
     (a long build elsewhere would be a silent wait here). A lock that cannot be made
     (a read-only data_dir) is the error of writing ``writes`` (default: the lock)."""
     try:
-        lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError as e:
         raise _unwritable(data_dir, e, writes or e.filename) from e
     with os.fdopen(lock_fd, "a") as lock:

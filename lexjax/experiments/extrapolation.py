@@ -316,7 +316,9 @@ def _only_study(out: str):
     """Holds ``OUT/.study.lock`` (an flock, released however the process ends); a
     second study on ``out`` is refused at once, in one line (exit 4)."""
     try:
-        fd = os.open(os.path.join(out, ".study.lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        fd = os.open(
+            os.path.join(out, ".study.lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
     except OSError as e:
         raise CheckpointError(
             f"cannot write in --out {out} ({e.strerror}); choose another directory"
