@@ -556,11 +556,16 @@ class Checkpointer:
                 )
                 ok = False
             except Exception as e:
+                # A step moved or deleted away under a running job (its workdir renamed)
+                # is not damaged: the job's next write says what happened.
+                gone = not os.path.isdir(self._step_dir(step))
                 log.warning(
-                    "checkpoint step %d in %s is damaged: %s; older steps are kept",
+                    "checkpoint step %d in %s is %s; older steps are kept",
                     step,
                     self.directory,
-                    one_line(e, innermost=True),
+                    "gone (moved or deleted)"
+                    if gone
+                    else f"damaged: {one_line(e, innermost=True)}",
                 )
                 ok = False
             self._verified[step] = all_processes(ok)

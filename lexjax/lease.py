@@ -155,6 +155,7 @@ class WorkdirLease:
         self.log = log
         self.token = uuid.uuid4().hex
         self.held = False
+        self._taken_in: list[int] | None = None  # the workdir's device and inode then
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._record = {
@@ -278,6 +279,7 @@ class WorkdirLease:
         if not taken:
             raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
         self.held = True
+        self._taken_in = self._directory()
         _HELD.add(self.token)
         self._thread = threading.Thread(target=self._heartbeat, name="lexjax-lease", daemon=True)
         self._thread.start()
@@ -396,6 +398,11 @@ class WorkdirLease:
         self.held = False
         _HELD.discard(self.token)
 
+    def moved(self) -> bool:
+        """Whether the workdir this lease was taken in is no longer at its path (moved,
+        renamed or deleted; another directory there since is not it)."""
+        return self._taken_in is not None and self._directory() != self._taken_in
+
     def owned(self) -> bool:
         """Whether the lease file still holds this job's lease (re-read now)."""
         record = self._read() if self.held else None
@@ -432,6 +439,15 @@ def hold(workdir: str, *, timeout_s: float, log=print) -> Iterator[WorkdirLease 
         )
     try:
         yield lease
+    except Exception:
+        if lease is not None and lease.moved():  # what failed is the missing workdir
+            raise CheckpointError(
+                f"workdir {workdir} was moved, renamed or deleted while this job trained; "
+                "stopped without saving (a directory written there since holds only fragments "
+                f"of the save in progress); resume the run where it is now, with "
+                f"{arg('workdir')} its new path"
+            ) from None
+        raise
     finally:
         if lease is not None:
             lease.release()

@@ -690,6 +690,26 @@ def test_disk_filling_up_between_saves(ctx):
     ), line
 
 
+def test_a_workdir_moved_while_training_is_named_as_moved(ctx):
+    """The workdir renamed under a running job: it said the lease "was taken over by
+    another job while this one was stalled … free space or fix the directory", or
+    "No such file or directory; free space …", after calling the step being verified
+    "damaged"; none of it was so."""
+    workdir, moved = ctx[0] / "moving", ctx[0] / "moved"
+    proc = P.start(args(ctx, workdir, num_train_steps=5000, checkpoint_every=2), ctx[3])
+    P.wait_until(lambda: P.last_step(workdir) >= 6, proc)
+    os.rename(workdir, moved)
+    out, err = proc.communicate(timeout=240)
+    line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert proc.returncode == 4 and line == (
+        f"error: workdir {workdir} was moved, renamed or deleted while this job trained; "
+        "stopped without saving (a directory written there since holds only fragments of "
+        "the save in progress); resume the run where it is now, with --workdir its new path"
+    ), err[-3000:]
+    assert "damaged" not in err, err[-3000:]
+    assert P.complete_steps(moved), os.listdir(moved)
+
+
 @pytest.mark.parametrize("limit", ["tmpfs", "file size"])
 def test_a_data_dir_that_fills_up_while_the_corpus_is_built(ctx, tmp_path, limit):
     """Was TFDS's RuntimeError traceback, exit 1, on the open "building dataset" line.
