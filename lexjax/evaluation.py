@@ -768,7 +768,8 @@ def held_out_documents(
         # Not a flag of eval.py's: say what was moved.
         raise DataError(
             f"{e.what}={e.pattern!r}, the files this run trained on, matches no files now; "
-            f"restore them, or evaluate on other text with {arg('eval_files')}"
+            "put them back at that path (a symlink to where they are now will do), or "
+            f"evaluate on held-out text of your own with {arg('eval_files')}"
         ) from None
     except (ValueError, OSError) as e:
         if isinstance(e, LexjaxError):

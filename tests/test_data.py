@@ -320,7 +320,8 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     names = _write_corpus(str(root), 5)
     data.load_source("textfiles", "train", tmp_path / "tfds", str(root / "**" / "*.txt"))
     out, err = capfd.readouterr()
-    line = f"building dataset textfiles ({len(names)} files, split by file)... done"
+    where = tmp_path / "tfds"  # said: a copied run's stored data_dir may be another's
+    line = f"building dataset textfiles ({len(names)} files, split by file) in {where}... done"
     invalid = len(range(0, len(names), 5))  # _write_corpus ends every fifth file with 0xFF
     replaced = f"; {invalid} file{'s' * (invalid != 1)} had invalid UTF-8, replaced by U+FFFD"
     assert out.splitlines() == [line + replaced], out
@@ -1321,8 +1322,9 @@ def test_evaluation_of_a_run_whose_corpus_files_moved_says_so(tmp_path, corpus):
     with pytest.raises(DataError) as e, errors.naming_flags():  # as eval.py names its flags
         evaluation.held_out_documents(config, corpus=corpus)
     assert str(e.value) == (
-        f"data.files={files!r}, the files this run trained on, matches no files now; restore "
-        "them, or evaluate on other text with --eval_files"
+        f"data.files={files!r}, the files this run trained on, matches no files now; put them "
+        "back at that path (a symlink to where they are now will do), or evaluate on held-out "
+        "text of your own with --eval_files"
     )
 
 

@@ -834,7 +834,7 @@ def prepare(
             try:  # the line is ended whatever stops the build (a signal: also in print)
                 print(
                     f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
-                    f"{'; skipped ' + skipped if skipped else ''})...",
+                    f"{'; skipped ' + skipped if skipped else ''}) in {data_dir}...",
                     end="",
                     flush=True,
                 )
@@ -924,8 +924,8 @@ def _os_reason(error: BaseException) -> str | None:
 
 def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
     return DataError(
-        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); "
-        "choose a writable data.data_dir"
+        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); make it writable "
+        "(a symlink to a writable directory will do) or choose another data.data_dir"
     )
 
 
