@@ -784,7 +784,8 @@ def test_train_program_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"next: python eval.py --workdir='{workdir}'" in result.stdout
     # The corpus build is one plain line: no TFDS progress bars or warnings.
-    assert "building dataset textfiles (40 files, split by file)... done" in result.stdout
+    built = f"building dataset textfiles (40 files, split by file) in {tmp_path / 'tfds'}... done"
+    assert built in result.stdout
     assert "\x1b" not in result.stdout + result.stderr
     assert "Downloading and preparing" not in result.stdout
     assert "dataset_info.json" not in result.stderr
