@@ -1,7 +1,10 @@
-"""The paper's length-extrapolation experiment (Tables 2, 3, 5; Figure 1), resumable.
+"""The paper's length-extrapolation experiment (Tables 2–5; Figure 1), resumable.
 
     python -m lexjax.experiments.extrapolation --out=runs/extrapolation
     python -m lexjax.experiments.extrapolation --out=DIR --config=configs/extrapolation.py:paper
+
+Flags: ``--out=DIR``, ``--config=FILE[:PRESET]`` (default configs/extrapolation.py)
+and ``--config.FIELD=VALUE``; ``--helpfull`` lists every flag.
 
 The configuration (``configs/extrapolation.py``) holds one training config
 shared by every run and a list of runs that differ only in position encoding,
@@ -15,9 +18,11 @@ Layout of ``OUT``::
     runs/<run>/train_started.json   its training config and the seconds trained so far,
                                     written when its training starts
     runs/<run>/train.json           written when its training has finished
-    runs/<run>/perplexity_bca.json, perplexity_full.json, resolution.json
-    table2.md table3.md table5.md seeds.md results.json summary.md
-    perplexity.png figure1.png scores.png timing.json
+    runs/<run>/perplexity_bca.json, perplexity_full.json, perplexity_sinks.json,
+                perplexity_full_<scaling>.json (RoPE scalings), resolution.json, passkey.json
+    table2.md table3.md table4.md table5.md scalings.md passkey.md seeds.md
+    results.json summary.md perplexity.png scalings.png passkey.png figure1.png
+    scores.png timing.json
 
 Every stage writes its file when it completes, and a stage whose file exists
 is skipped, so running the command again continues where it stopped (an
