@@ -227,7 +227,8 @@ class WorkdirLease:
         if self._pids_comparable(record) and record.get("directory", self._directory()) != (
             self._directory()
         ):  # (device and inode numbers compare on one host, not across a network)
-            return f"it was copied from another workdir, which pid {pid} trains"
+            alive = isinstance(pid, int) and _pid_alive(pid)
+            return f"it was copied from another workdir{f', which pid {pid} trains' * alive}"
         if self._pids_comparable(record) and isinstance(pid, int):
             reused = "(the holder is gone and its pid was reused)"
             if pid == os.getpid() and record.get("token") not in _HELD:
