@@ -141,6 +141,7 @@ class Run:
         figure: bool = False,
         rope_scaling: str = "none",
         rope_factor: float = 0.0,
+        out_dir: str | os.PathLike[str] | None = None,
     ) -> list[evaluation.PerplexityResult]:
         """Perplexity by length exactly as ``eval.py`` computes it.
 
@@ -159,6 +160,8 @@ class Run:
           rope_scaling, rope_factor: an inference-time RoPE extension of an
             xpos/rope run (``pi``, ``ntk``, ``dynamic_ntk``, ``yarn``; factor 0:
             each length / train_len), in the results and the files' names.
+          out_dir: where the reports go instead of ``WORKDIR/eval`` (a run on
+            read-only storage).
 
         Prints the table, shows progress on stderr and writes
         ``WORKDIR/eval/perplexity.{json,png}`` (see
@@ -191,6 +194,7 @@ class Run:
                 mesh=self.mesh,
                 rope_scaling=rope_scaling,
                 rope_factor=rope_factor,
+                out_dir=out_dir,
             )
         return results
 
@@ -205,6 +209,7 @@ class Run:
         eval_files: str | None = None,
         max_docs: int | None = None,
         seed: int = 0,
+        out_dir: str | os.PathLike[str] | None = None,
     ) -> list[passkey.PasskeyResult]:
         """Passkey retrieval exactly as ``eval.py --passkey`` measures it: the
         fraction of ``trials`` keys the model's greedy continuation gives, at each
@@ -212,7 +217,7 @@ class Run:
         mode; ``filler`` ``"repeat"`` (a sentence) or ``"text"`` (the first
         ``max_docs`` held-out documents, default 20, or ``eval_files``). Prints the tables and
         writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
-        (:func:`lexjax.passkey.evaluate_passkey`)."""
+        (:func:`lexjax.passkey.evaluate_passkey`), or in ``out_dir``."""
         depths, trials, max_docs, seed = map(as_python, (depths, trials, max_docs, seed))
         with _on_mesh(self.mesh, arg("lengths")):
             results, _ = passkey.evaluate_passkey(
@@ -231,6 +236,7 @@ class Run:
                 tokenizer=self.tokenizer,
                 corpus=self.corpus,
                 mesh=self.mesh,
+                out_dir=out_dir,
             )
         return results
 

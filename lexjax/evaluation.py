@@ -89,6 +89,7 @@ from lexjax.config import (
     ConfigError,
     ModelConfig,
     check_int,
+    check_path,
     check_rope_scaling,
 )
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
@@ -1008,6 +1009,7 @@ def evaluate_run(
     mesh: jax.sharding.Mesh | None = None,
     rope_scaling: str = "none",
     rope_factor: float = 0.0,
+    out_dir: str | None = None,
 ) -> tuple[list[PerplexityResult], list[str]]:
     """eval.py's evaluation of a trained run: perplexity by length (default 1, 2,
     4, 8, 16 × train_len) on a fixed token budget (:func:`budget`) in each of
@@ -1016,7 +1018,8 @@ def evaluate_run(
     Prints the tables on stdout and writes
     ``WORKDIR/eval/perplexity.{json,png}`` (the latest run) and the same under a
     name derived from the settings (:func:`settings_name`), which later runs with
-    other settings leave in place (likewise ``resolution``); ``expectation.png``.
+    other settings leave in place (likewise ``resolution``); ``expectation.png``;
+    in ``out_dir`` instead of ``WORKDIR/eval`` where given.
     ``mesh``: the evaluation mesh (``sharding.eval_mesh``; ``params`` sharded on
     it): documents are split over its batch axes (data × fsdp). ``rope_scaling``,
     ``rope_factor``: an inference-time RoPE extension of an xpos/rope run
@@ -1069,7 +1072,7 @@ def evaluate_run(
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     if resolution:  # refused before the perplexity run, not after it
         measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
-    out_dir = os.path.join(workdir, "eval")
+    out_dir = os.path.join(workdir, "eval") if out_dir is None else check_path("out_dir", out_dir)
     reports.check_writable(out_dir)  # every setting checked: before the computation, not after
     results = perplexity(
         model,

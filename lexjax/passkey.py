@@ -52,7 +52,15 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
+from lexjax.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    check_int,
+    check_path,
+    check_seed,
+    is_real,
+)
 from lexjax.errors import DataError, EvaluationError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -534,6 +542,7 @@ def evaluate_passkey(
     corpus: str | None = None,
     say: Callable[[str], None] = _stderr,
     mesh: jax.sharding.Mesh | None = None,
+    out_dir: str | None = None,
 ) -> tuple[list[PasskeyResult], list[str]]:
     """``eval.py --passkey``: accuracy at each length (default 1, 2, 4, 8 ×
     train_len), depth (default :data:`DEPTHS`) and mode, ``trials`` keys each.
@@ -581,7 +590,7 @@ def evaluate_passkey(
         advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)
         # The settings' contradiction, as perplexity's "no length can be evaluated".
         raise ConfigError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
-    out_dir = os.path.join(workdir, "eval")
+    out_dir = os.path.join(workdir, "eval") if out_dir is None else check_path("out_dir", out_dir)
     reports.check_writable(out_dir)  # every setting checked: before the trials, not after
     results = passkey_accuracy(
         Decoder(config.model, shard_lib.rules(config)),

@@ -866,6 +866,30 @@ def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workd
         assert not (copy / "eval").exists()
 
 
+def test_a_read_only_run_is_evaluated_into_another_directory(tmp_path):
+    """A run on read-only storage (someone else's, shared) could not be evaluated
+    through the API: every report went to WORKDIR/eval. ``out_dir`` takes them."""
+    import lexjax
+    from lexjax.errors import CheckpointError, ConfigError
+
+    out, text = tmp_path / "reports", os.path.join(ROOT, "tests", "fixtures", "eval_text.txt")
+    with tmpfs(tmp_path / "ro", "4m") as mount:
+        run = (mount or tmp_path / "ro") / "run_v1"
+        shutil.copytree(FIXTURE, run)
+        make_read_only(mount, run)
+        loaded = lexjax.load(str(run))
+        with pytest.raises(CheckpointError, match=f"cannot write {run / 'eval'}"):
+            loaded.evaluate([16], max_length=32, eval_files=text)
+        kept = loaded.evaluate([16], max_length=32, eval_files=text, out_dir=out)
+        keys = loaded.passkey([96], depths=[0.5], trials=1, modes=["bca"], out_dir=str(out))
+        assert not (run / "eval").exists()
+    assert kept and keys
+    assert json.loads((out / "perplexity.json").read_text())["results"][0]["length"] == 16
+    assert json.loads((out / "passkey.json").read_text())["results"][0]["length"] == 96
+    with pytest.raises(ConfigError, match="^out_dir is empty; give a path"):
+        loaded.evaluate([16], max_length=32, out_dir=" ")
+
+
 def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_path):
     from lexjax import reports
     from lexjax.errors import CheckpointError
