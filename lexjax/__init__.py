@@ -8,7 +8,8 @@ may change between versions.
 resolution and expected-score curves (Figure 1) in `resolution`.
 
 **The model**: `Decoder`, a Flax Linen module over token ids (UTF-8 bytes, or a
-run's SentencePiece pieces).
+run's SentencePiece pieces), and `blockwise`: its key/value cache (`KVCache`) and
+the block step and scan of blockwise causal attention, for loops of your own.
 
 **Verbs** (what ``train.py`` and ``eval.py`` run):
 
@@ -40,6 +41,7 @@ _EXPORTS = {
     "attention": None,
     "resolution": None,
     "Decoder": "lexjax.model",
+    "blockwise": None,
     "Config": "lexjax.config",
     "make_config": "lexjax.api",
     "train": "lexjax.api",

@@ -287,12 +287,19 @@ class Run:
             )
 
 
-def load(workdir: str | os.PathLike[str], *, check: Callable[[Config], None] | None = None) -> Run:
+def load(
+    workdir: str | os.PathLike[str],
+    *,
+    check: Callable[[Config], None] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Run:
     """Loads the newest good checkpoint of a training workdir (params only,
     checksums verified; a damaged step falls back to the one before). ``check``:
     called with the run's :class:`lexjax.config.Config` before its parameters are
     read, to refuse settings that do not suit the run early (its exception
-    propagates).
+    propagates). ``devices``: the devices its mesh spans (default all of them);
+    ``devices=jax.devices()[:1]`` gives parameters on one device, to mix with arrays
+    placed there in code of your own.
 
     Raises :class:`lexjax.errors.CheckpointError` when there is none. Needs no
     lease: it reads while training runs, and only complete steps.
@@ -301,12 +308,17 @@ def load(workdir: str | os.PathLike[str], *, check: Callable[[Config], None] | N
     workdir = os.path.abspath(check_path("workdir", workdir))
     if check is not None and not callable(check):
         raise ConfigError(f"check must be a function of the run's Config or None, got {check!r}")
+    if devices is not None:
+        given = devices
+        devices = list(devices) if isinstance(devices, Iterable) else []
+        if not devices or not all(isinstance(d, jax.Device) for d in devices):
+            raise ConfigError(f"devices must be a non-empty list of jax devices, got {given!r}")
     # A damaged step's failed reads end in one warning, not in tracebacks of orbax's
     # threads and coroutines (a kernel collects them later, while it runs).
     checkpoint.quiet_background_errors()
     # lexjax's own warnings (a damaged step skipped) come from the "lexjax" loggers.
     with checkpoint.absl_filter(_DropOrbaxNotices()):
-        loaded, mesh = evaluation.load_on_mesh(workdir, check=check)
+        loaded, mesh = evaluation.load_on_mesh(workdir, devices, check=check)
     return Run(
         workdir, loaded.config, loaded.params, loaded.step, loaded.tokenizer, mesh, loaded.corpus
     )

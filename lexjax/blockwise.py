@@ -39,7 +39,18 @@ window, so no key is seen twice.
 
 This module sits above :mod:`lexjax.model` (it calls the :class:`Decoder` with
 a :class:`KVCache`) and below :mod:`lexjax.evaluation` and
-:mod:`lexjax.generation`; all window arithmetic lives here.
+:mod:`lexjax.generation`; all window arithmetic lives here. It is public
+(``lexjax.blockwise``): code of one's own scores a long sequence block by block as
+
+    model, w = run.model, run.config.block              # a loaded run (lexjax.load)
+    previous = KVCache.empty(run.config.model, batch, w)
+    for i in range(n):                                  # tokens_BxN: n·w tokens (pad_to)
+        logits_BxWxV, previous, _ = block_step(model, run.params, previous,
+                                               tokens_BxN[:, i * w:(i + 1) * w], i == 0)
+
+or all at once with :func:`scan_blocks` (one compiled step); token-by-token
+decoding over a 2w-slot cache (:meth:`KVCache.write`, :meth:`KVCache.rotate`) is
+what :mod:`lexjax.generation` does.
 """
 
 from __future__ import annotations
@@ -169,10 +180,11 @@ def block_step(
       ``return_scores``, else None.
     """
     B, W = tokens_BxW.shape
-    if previous.valid.shape[1] != W:
+    if previous.valid.shape != (B, W):
         raise ValueError(
-            f"the previous block's cache has {previous.valid.shape[1]} slots for a block of "
-            f"{W} tokens; give KVCache.empty(config, batch, {W})"
+            f"the previous block's cache holds {previous.valid.shape[0]} rows of "
+            f"{previous.valid.shape[1]} slots for {B} rows of a block of {W} tokens; give "
+            f"KVCache.empty(config, {B}, {W})"
         )
     positions_BxW = jnp.broadcast_to(window_positions(W, first=first), (B, W))
     out = model.apply(
@@ -246,6 +258,8 @@ def _scan(step: Callable, carry, tokens_BxN, block: int, emit: Callable | None, 
     over the blocks of ``tokens_BxN`` (``extra_BxN`` cut alongside), each block's
     outputs reduced by ``emit`` as :func:`scan_blocks` describes."""
     B, N = tokens_BxN.shape
+    if N % block:
+        raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
     n = N // block
     to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
 

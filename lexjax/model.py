@@ -61,6 +61,9 @@ def _check_config(c) -> None:
     """A ModelConfig built by hand (not by :func:`lexjax.config.make_config`, which
     checks everything) fails here with one line, not deep inside Flax (an unknown
     ``position`` fails in :func:`lexjax.attention.context`)."""
+    if not isinstance(c, ModelConfig):
+        given = "the whole Config: give config.model" if hasattr(c, "model") else repr(c)[:80]
+        raise ConfigError(f"Decoder takes a ModelConfig (a Config's .model), got {given}")
     check_dtypes(c)
     if not isinstance(c.vocab_size, int) or c.vocab_size < 1:
         raise ConfigError(
@@ -272,9 +275,14 @@ class Decoder(nn.Module):
     ``jnp.take``, which gives NaN for a larger id and wraps a negative one (ids
     are traced values, so no error can be raised for them).
 
-    ``init`` creates only ``params``. Tests that differentiate with respect to
-    each token's input vector pass ``{"perturbations": {"embedded":
-    zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
+    ``block``, ``window`` and ``return_scores`` are Python values: under
+    ``jax.jit`` make them static (``static_argnames``, or ``functools.partial``).
+
+    ``init`` creates only ``params``, each array boxed with its logical axes
+    (``nn.LogicallyPartitioned``, for sharding); ``flax.linen.unbox`` gives plain
+    arrays, the layout :func:`lexjax.load`'s ``run.params`` has. Tests that
+    differentiate with respect to each token's input vector pass
+    ``{"perturbations": {"embedded": zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
     """
 
     config: ModelConfig

@@ -49,6 +49,7 @@ def test_public_names_resolve_and_nothing_else_does():
     # The package's docstring names `attention` among the pure functions' modules; it
     # resolved only once something else had imported lexjax.attention.
     assert "attention" in lexjax.__all__ and lexjax.attention.multihead_attention
+    assert lexjax.blockwise.KVCache and lexjax.blockwise.block_step  # the Decoder's cache
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lexjax.nope  # noqa: B018
 
@@ -223,6 +224,17 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         assert run.metrics() == [json.loads(line) for line in f]
     assert [r["step"] for r in run.metrics() if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # On several devices the run spans them all; code of one's own mixing its params with
+    # arrays on one device failed ("incompatible devices") with no way to choose.
+    assert run.params["embed"]["embedding"].sharding.device_set == set(jax.devices())
+    one = lexjax.load(workdir, devices=jax.devices()[:1])
+    assert dict(one.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    here = jax.device_put(jnp.ones((2, 4), jnp.int32), jax.devices()[0])
+    logits = jax.jit(one.model.apply)({"params": one.params}, here)[0]
+    assert logits.shape == (2, 4, config.model.vocab_size)
+    for bad in ([], "cpu", 3):
+        with pytest.raises(ConfigError, match="^devices must be a non-empty list of jax devices"):
+            lexjax.load(workdir, devices=bad)
 
     text = "λ-calculus\n"
     ids = run.tokenizer.encode(text)

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from lexjax import masks
-from lexjax.blockwise import KVCache, block_step, scan_sinks, window_mask, window_positions
+from lexjax.blockwise import (
+    KVCache,
+    block_step,
+    scan_blocks,
+    scan_sinks,
+    window_mask,
+    window_positions,
+)
 from lexjax.config import ModelConfig
 from lexjax.model import Decoder
 
@@ -49,8 +56,15 @@ def test_a_write_past_the_cache_or_a_step_of_another_block_size_is_refused():
     model = Decoder(CONFIG)
     tokens = jnp.ones((1, W - 1), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
-    with pytest.raises(ValueError, match=f"cache has {W} slots for a block of {W - 1}"):
+    with pytest.raises(
+        ValueError, match=f"holds 1 rows of {W} slots for 1 rows of a block of {W - 1}"
+    ):
         block_step(model, params, cache, tokens, False)
+    # Another batch, or tokens that are not whole blocks: were reshape/concatenate TypeErrors.
+    with pytest.raises(ValueError, match=rf"KVCache.empty\(config, 2, {W}\)$"):
+        block_step(model, params, cache, jnp.ones((2, W), jnp.int32), False)
+    with pytest.raises(ValueError, match=f"{3 * W - 1} tokens are not whole blocks of {W}; pad"):
+        scan_blocks(model, params, jnp.ones((1, 3 * W - 1), jnp.int32), W)
 
 
 @pytest.mark.parametrize("length", [W, 3 * W, 3 * W - 1])

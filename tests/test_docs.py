@@ -33,8 +33,8 @@ def test_api_docs_render_the_public_api_only(tmp_path):
         warnings.simplefilter("error")  # a module that fails to import is a warning in pdoc
         pdoc.pdoc("lexjax", output_directory=tmp_path)
     pages = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.html"))
-    # The submodules the package names: attention, masks, resolution.
-    submodules = ["lexjax/attention.html", "lexjax/masks.html", "lexjax/resolution.html"]
+    # The submodules the package names: attention, blockwise, masks, resolution.
+    submodules = [f"lexjax/{m}.html" for m in ("attention", "blockwise", "masks", "resolution")]
     assert pages == ["index.html", "lexjax.html", *submodules]
     page = (tmp_path / "lexjax.html").read_text(encoding="utf-8")
     for name in lexjax.__all__:
