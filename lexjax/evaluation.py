@@ -53,7 +53,6 @@ the default factor, ``ntk`` instead takes s = L/train_len for every chunk.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -1135,18 +1134,16 @@ def evaluate_run(
     written = [
         os.path.join(out_dir, f"{stem}.{kind}") for stem in stems for kind in ("json", "png")
     ]
-    try:
+
+    def write():
         for stem in reversed(stems):
             path = os.path.join(out_dir, stem)
             title = f"{label}, train_len {train_len}"
             reports.plot_perplexity(curves, f"{path}.png", train_len=train_len, title=title)
             reports.write_json(f"{path}.json", summary)
-    except LexjaxError:  # what was computed is shown before the error ends the program
-        with contextlib.suppress(Exception):
-            show()
-        raise
+
     # Printed once written: a stdout that fails (`| head`) loses nothing.
-    show()
+    reports.write_then_show(write, show)
     if resolution:
         if len(resolution_modes) < len(modes):
             unmeasured = ", ".join(m for m in modes if m not in RESOLUTION_MODES)
@@ -1166,11 +1163,21 @@ def evaluate_run(
         settings = dict(settings, max_length=2 * train_len, kind="resolution")
         settings.update(documents=len(measured_docs), modes=resolution_modes)
         settings.update(scored_sha256=scored_digest(measured_docs, 2 * train_len))
-        for stem in ("resolution", settings_name("resolution", settings)):
-            written.append(os.path.join(out_dir, f"{stem}.json"))
-            reports.write_json(written[-1], reports.resolution_json(measured, **info))
-        print("\nattention resolution (paper eq. 3 with eq. 11)\n")
-        print(reports.resolution_table(measured, label))
+        paths = [
+            os.path.join(out_dir, f"{stem}.json")
+            for stem in ("resolution", settings_name("resolution", settings))
+        ]
+        written += paths
+
+        def show_resolution():
+            print("\nattention resolution (paper eq. 3 with eq. 11)\n")
+            print(reports.resolution_table(measured, label))
+
+        def write_resolution():  # the settings' own record first, the latest last
+            for path in reversed(paths):
+                reports.write_json(path, reports.resolution_json(measured, **info))
+
+        reports.write_then_show(write_resolution, show_resolution)
     if figure:
         m = config.model
         written.append(os.path.join(out_dir, "expectation.png"))

@@ -632,24 +632,32 @@ def evaluate_passkey(
         os.path.join(out_dir, f"{stem}.json")
         for stem in ("passkey", evaluation.settings_name("passkey", settings))
     ]
-    for path in written:
-        reports.write_json(path, summary)
     drawn = dict.fromkeys(r.mode for r in results)
-    for mode in set(evaluation.MODES) - set(drawn):  # a heat map of an earlier run's mode
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, f"passkey-{mode}.png"))
-    for mode in drawn:
-        written.append(os.path.join(out_dir, f"passkey-{mode}.png"))
-        reports.plot_passkey(
-            [r for r in results if r.mode == mode],
-            written[-1],
-            train_len=train_len,
-            title=f"passkey, {position} {reports.MODE_NAMES.get(mode, mode)}",
+    written += [os.path.join(out_dir, f"passkey-{mode}.png") for mode in drawn]
+
+    def show():
+        print(
+            f"passkey retrieval of {workdir} (step {step}, position={position}, "
+            f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
         )
-    print(
-        f"passkey retrieval of {workdir} (step {step}, position={position}, "
-        f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
-    )
-    print(reports.passkey_table(results, position, skipped=skipped))
+        print(reports.passkey_table(results, position, skipped=skipped))
+
+    # The settings' own record first, passkey.json (the latest) last, after its heat
+    # maps, as perplexity's reports: a write cut short keeps the latest record as it was.
+    def write():
+        reports.write_json(written[1], summary)
+        for mode in set(evaluation.MODES) - set(drawn):  # a heat map of an earlier run's mode
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out_dir, f"passkey-{mode}.png"))
+        for mode, path in zip(drawn, written[2:]):
+            reports.plot_passkey(
+                [r for r in results if r.mode == mode],
+                path,
+                train_len=train_len,
+                title=f"passkey, {position} {reports.MODE_NAMES.get(mode, mode)}",
+            )
+        reports.write_json(written[0], summary)
+
+    reports.write_then_show(write, show)
     print(f"\nwrote {', '.join(written)}")
     return results, written

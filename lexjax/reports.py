@@ -14,14 +14,14 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS
-from lexjax.errors import CheckpointError
+from lexjax.errors import CheckpointError, LexjaxError
 
 __all__ = [
     "MODE_NAMES",
@@ -151,6 +151,19 @@ def check_writable(directory: str) -> None:
             tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"),
         ):
             pass
+
+
+def write_then_show(write: Callable[[], None], show: Callable[[], None]) -> None:
+    """``write()`` an evaluation's reports, then ``show()`` its tables on stdout; when a
+    write fails (a full disk), the tables are shown before its error propagates, so
+    what was computed is not lost (a stdout that fails then changes nothing)."""
+    try:
+        write()
+    except LexjaxError:
+        with contextlib.suppress(Exception):
+            show()
+        raise
+    show()
 
 
 def write_json(path: str, value: dict) -> None:

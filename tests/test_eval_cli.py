@@ -934,6 +934,20 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
     own = {p.name: json.loads(p.read_text()) for p in (copy / "eval").glob("perplexity-*.json")}
     assert sorted(r["settings"]["lengths"] for r in own.values()) == [[32], [64]], own
     assert all((copy / "eval" / name).with_suffix(".png").exists() for name in own)
+    # Passkey and attention resolution alike (they printed nothing, and passkey.json
+    # was written before its heat maps and its settings' copy).
+    (copy / "eval" / f"passkey.json.{os.getpid()}.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError, match="passkey.json \\(No space left on device\\)"):
+        run.passkey([96], depths=[0.5], trials=1, modes=["bca"])
+    assert "passkey retrieval of" in capsys.readouterr().out
+    assert (copy / "eval" / "passkey-bca.png").exists() and not (
+        copy / "eval" / "passkey.json"
+    ).exists()
+    assert len(list((copy / "eval").glob("passkey-step*.json"))) == 1
+    (copy / "eval" / f"resolution.json.{os.getpid()}.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError, match="resolution.json \\(No space left on device\\)"):
+        run.evaluate([32], max_length=64, modes=["bca"], max_docs=1, resolution=True)
+    assert "attention resolution (paper eq. 3" in capsys.readouterr().out
 
 
 def test_settings_checked_after_loading_name_eval_pys_flags(tmp_path):
