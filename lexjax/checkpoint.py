@@ -547,25 +547,16 @@ class Checkpointer:
                 if digests != sorted(r["sha256"] for r in integrity["leaves"].values()):
                     raise _Damaged("checksum mismatch")
                 ok = True
-            except _Damaged as e:
-                log.warning(
-                    "checkpoint step %d in %s is damaged: %s; older steps are kept",
-                    step,
-                    self.directory,
-                    e,
-                )
-                ok = False
             except Exception as e:
                 # A step moved or deleted away under a running job (its workdir renamed)
                 # is not damaged: the job's next write says what happened.
-                gone = not os.path.isdir(self._step_dir(step))
+                gone = not self._step_dir(step).is_dir()  # (epath: gs:// too)
+                reason = e if isinstance(e, _Damaged) else one_line(e, innermost=True)
                 log.warning(
                     "checkpoint step %d in %s is %s; older steps are kept",
                     step,
                     self.directory,
-                    "gone (moved or deleted)"
-                    if gone
-                    else f"damaged: {one_line(e, innermost=True)}",
+                    "gone (moved or deleted)" if gone else f"damaged: {reason}",
                 )
                 ok = False
             self._verified[step] = all_processes(ok)

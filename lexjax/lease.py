@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import jax
 
 from lexjax import distributed
-from lexjax.errors import CheckpointError, arg
+from lexjax.errors import CheckpointError, LexjaxError, arg
 
 __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held", "try_flock"]
 
@@ -227,7 +227,9 @@ class WorkdirLease:
         if self._pids_comparable(record) and record.get("directory", self._directory()) != (
             self._directory()
         ):  # (device and inode numbers compare on one host, not across a network)
+            start = record.get("pid_start")
             alive = isinstance(pid, int) and _pid_alive(pid)
+            alive = alive and start in (None, _process_start(pid))  # not a pid reused since
             return f"it was copied from another workdir{f', which pid {pid} trains' * alive}"
         if self._pids_comparable(record) and isinstance(pid, int):
             reused = "(the holder is gone and its pid was reused)"
@@ -401,8 +403,17 @@ class WorkdirLease:
 
     def moved(self) -> bool:
         """Whether the workdir this lease was taken in is no longer at its path (moved,
-        renamed or deleted; another directory there since is not it)."""
-        return self._taken_in is not None and self._directory() != self._taken_in
+        renamed or deleted; another directory there since is not it). A path that
+        cannot be read for another reason (permissions) is not called moved."""
+        if self._taken_in is None:
+            return False
+        try:
+            stat = os.stat(os.path.dirname(self.path))
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:
+            return False
+        return [stat.st_dev, stat.st_ino] != self._taken_in
 
     def owned(self) -> bool:
         """Whether the lease file still holds this job's lease (re-read now)."""
@@ -440,14 +451,14 @@ def hold(workdir: str, *, timeout_s: float, log=print) -> Iterator[WorkdirLease 
         )
     try:
         yield lease
-    except Exception:
+    except (LexjaxError, OSError) as e:  # a write that failed (others pass unchanged)
         if lease is not None and lease.moved():  # what failed is the missing workdir
             raise CheckpointError(
                 f"workdir {workdir} was moved, renamed or deleted while this job trained; "
                 "stopped without saving (a directory written there since holds only fragments "
                 f"of the save in progress); resume the run where it is now, with "
                 f"{arg('workdir')} its new path"
-            ) from None
+            ) from e  # what failed, for a traceback's reader
         raise
     finally:
         if lease is not None:

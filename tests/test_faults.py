@@ -566,6 +566,24 @@ def test_a_step_deleted_while_being_read_is_not_damage(ctx, reference, monkeypat
     assert P.complete_steps(workdir) == [6, 8, 10]
 
 
+def test_a_step_verified_after_its_workdir_moved_is_gone_not_damaged(ctx, reference, caplog):
+    """Training verifies its newest step before deleting older ones; with the workdir
+    renamed meanwhile the step "is damaged: its directory is gone" was the note."""
+    workdir, away = ctx[0] / "verified-then-moved", ctx[0] / "verified-moved-away"
+    shutil.copytree(reference[0], workdir)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    workdir.rename(away)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert not ckpt._verify_on_host(N)
+    finally:
+        ckpt.close()
+    assert f"checkpoint step {N} in {workdir / 'checkpoints'} is gone (moved or deleted)" in (
+        caplog.text
+    )
+    assert "damaged" not in caplog.text
+
+
 def test_damage_with_on_corrupt_error_stops_and_changes_nothing(ctx, reference):
     workdir = ctx[0] / "strict"
     shutil.copytree(reference[0], workdir)

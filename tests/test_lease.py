@@ -265,6 +265,35 @@ def test_an_unreadable_lease_says_so_and_when_it_is_taken_over(tmp_path):
     ), notes
 
 
+def test_a_write_that_fails_in_a_moved_workdir_says_it_moved_and_nothing_else_changes(tmp_path):
+    """Only a failed write (a LexjaxError or OSError) in a workdir no longer at its path
+    becomes "was moved"; the failure stays its cause, and any other error, or one in a
+    workdir still in place (moved and moved back included), is raised as it was."""
+    workdir, away = tmp_path / "run", tmp_path / "away"
+    workdir.mkdir()
+    failed = CheckpointError("writing checkpoint step 4 failed: No such file or directory")
+    moved = r"^workdir .*/run was moved, renamed or deleted while this job trained; stopped"
+    with (
+        pytest.raises(CheckpointError, match=moved) as e,
+        lease_lib.hold(str(workdir), timeout_s=60),
+    ):
+        workdir.rename(away)
+        raise failed
+    assert e.value.__cause__ is failed
+    away.rename(workdir)
+    for error in (ValueError("a bug"), MemoryError()):  # not a write: unchanged
+        with pytest.raises(type(error)) as e, lease_lib.hold(str(workdir), timeout_s=60):
+            workdir.rename(away)
+            raise error
+        assert e.value is error
+        away.rename(workdir)
+    with pytest.raises(CheckpointError) as e, lease_lib.hold(str(workdir), timeout_s=60):
+        workdir.rename(away)
+        away.rename(workdir)  # back where it was
+        raise failed
+    assert e.value is failed
+
+
 def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_path):
     with lease_lib.WorkdirLease(tmp_path, timeout_s=0.4) as lease:
         first = lease_record(tmp_path)["heartbeat"]
