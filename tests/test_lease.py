@@ -227,16 +227,17 @@ def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path):
             f"{lease_record(original)['started']}): it was copied from another workdir, "
             f"which pid {os.getpid()} trains"
         ]
-        # The original's job gone too: not said to train (it was, whatever the pid).
-        gone = dead_pid()
-        (copy / lease_lib.LEASE_FILE).write_text(json.dumps(lease_record(original) | {"pid": gone}))
-        notes = []
-        with lease_lib.WorkdirLease(copy, log=notes.append):
-            pass
-        assert notes[0].endswith(
-            f"pid {gone} (started {lease_record(original)['started']}): it "
-            "was copied from another workdir"
-        ), notes
+        # The original's job gone too, or its pid another process's now: not said to train.
+        for gone in ({"pid": dead_pid()}, {"pid_start": -1}):
+            record = lease_record(original) | gone
+            (copy / lease_lib.LEASE_FILE).write_text(json.dumps(record))
+            notes = []
+            with lease_lib.WorkdirLease(copy, log=notes.append):
+                pass
+            assert notes[0].endswith(
+                f"pid {record['pid']} (started {record['started']}): it was copied from another "
+                "workdir"
+            ), notes
         (copy / lease_lib.LEASE_FILE).write_text(
             json.dumps(lease_record(original) | {"host": "elsewhere"})
         )
