@@ -462,6 +462,32 @@ def test_an_error_line_keeps_its_advice_after_long_paths(capsys):
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_failed_stdout_and_stderr_leave_no_descriptor_open(monkeypatch):
+    """Each failure pointed the stream at /dev/null through a descriptor it never
+    closed: two leaked per failed stdout and stderr."""
+    from lexjax import errors
+
+    def closed_pipe():
+        read, write = os.pipe()
+        os.close(read)
+        return open(write, "w")
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        out, err = closed_pipe(), closed_pipe()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        with errors.stdout_failures(to_stderr=True):
+            print("step 1/2", flush=True)
+            print("step 2/2", flush=True)
+        for stream in (out, err):
+            with contextlib.suppress(OSError):
+                stream.close()
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_closed_stdout_sends_a_trainings_lines_to_stderr_then_nowhere(monkeypatch, request):
     """train.py's stdout (errors.stdout_failures(to_stderr=True)): the lines since the
     last flush and every later one go to stderr; should stderr fail too, nowhere."""

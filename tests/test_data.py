@@ -326,6 +326,8 @@ def test_building_a_corpus_is_one_plain_line(tmp_path, capfd):
     replaced = f"; {invalid} file{'s' * (invalid != 1)} had invalid UTF-8, replaced by U+FFFD"
     assert out.splitlines() == [line + replaced], out
     assert err == "", err
+    locks = list((where / "textfiles").glob(".*.lock"))  # the build's lock: was executable
+    assert locks and all(lock.stat().st_mode & 0o111 == 0 for lock in locks)
     data.load_source("textfiles", "validation", tmp_path / "tfds", str(root / "**" / "*.txt"))
     assert capfd.readouterr() == ("", "")  # built once
 

@@ -67,6 +67,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     out = tmp_path / "out"
     done = _run(out)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert os.stat(out / ".study.lock").st_mode & 0o111 == 0  # was made executable
 
     header, rows = _table(out / "table2.md")
     assert header == ["model", "16", "32"]
