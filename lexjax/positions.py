@@ -368,33 +368,34 @@ def xpos(
     float16 results and 65·b for float32/bfloat16 (keys of magnitude ≤ 1000). Scores depend only on
     ``m − n``, so callers shift both position sets to keep |p| small: lexjax's
     model uses window-relative positions under blockwise attention and centred
-    positions otherwise. Concrete positions whose float32 scale overflows (|p| >
-    ``max_safe_position(scale_base, gamma, margin=1)``, about 70·b) raise
-    ValueError; traced ones are not checked.
+    positions otherwise. Concrete positions whose scale overflows ``x``'s dtype
+    (|p| > ``max_safe_position(scale_base, gamma, x.dtype, margin=1)``, about 70·b
+    in float32, 8.9·b in float16) raise ValueError; traced ones are not checked.
     """
     x, positions = _check_positions(x, positions)
     tables = xpos_tables(
         positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale
     )
-    _check_xpos_range(positions, scale_base, gamma)
+    _check_xpos_range(positions, scale_base, gamma, x.dtype)
     return apply_rotary(x, *tables)
 
 
-def _check_xpos_range(positions, scale_base, gamma) -> None:
-    """ValueError where concrete positions put XPOS's float32 scale ζ_0^(±p/b)
-    out of range (inf, or 0 for a query far ahead): the encoding is then NaN or
-    zero. Traced values are not checked (the model centres its positions)."""
+def _check_xpos_range(positions, scale_base, gamma, dtype) -> None:
+    """ValueError where concrete positions put XPOS's scale ζ_0^(±p/b) out of the
+    result dtype's range (inf, or 0 for a query far ahead): the encoding is then
+    NaN, inf or zero. Traced values are not checked (the model centres its positions)."""
     try:
-        limit = max_safe_position(scale_base, gamma, margin=1.0)
-        largest = int(np.abs(np.asarray(positions, np.int64)).max(initial=0))
-        beyond = bool(largest > limit)
+        limit = max_safe_position(scale_base, gamma, dtype, margin=1.0)
+        flat = np.asarray(positions, np.int64).ravel()
+        farthest = int(flat[np.argmax(np.abs(flat))]) if flat.size else 0
+        beyond = bool(abs(farthest) > limit)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return
     if beyond:
         raise ValueError(
-            f"position {largest} is beyond XPOS's float32 range (|p| ≤ {int(limit)} at "
-            f"scale_base={scale_base}: ζ^(±p/b) overflows); scores depend only on m − n, so "
-            "subtract one offset from both the query and the key positions"
+            f"position {farthest} is beyond XPOS's range in {jnp.dtype(dtype).name} (|p| ≤ "
+            f"{int(limit)} with this scale_base: ζ^(±p/b) overflows); scores depend only on "
+            "m − n, so subtract one offset from both the query and the key positions"
         )
 
 

@@ -229,8 +229,12 @@ class LowPrecisionTest(chex.TestCase):
         jitted = jax.jit(functools.partial(positions.xpos, downscale=True))
         self.assertTrue(np.isnan(np.asarray(jitted(x, far))).any())
         for downscale in (False, True):
-            with self.assertRaisesRegex(ValueError, "position 200000 is beyond XPOS's float32"):
+            with self.assertRaisesRegex(
+                ValueError, "position 200000 is beyond XPOS's range in float32"
+            ):
                 positions.xpos(x, far, downscale=downscale)
+        with self.assertRaisesRegex(ValueError, "^position -200000 is beyond"):  # its sign too
+            positions.xpos(x, -far)
         # Up to the limit the scale itself stays finite, and so does a key whose pairs
         # have norm below 1 (the refusal is of the scale, not of large keys).
         limit = int(positions.max_safe_position(512.0, margin=1.0))
@@ -240,11 +244,13 @@ class LowPrecisionTest(chex.TestCase):
             self.assertTrue(np.isfinite(np.asarray(encoded)).all())
 
     def test_float16_overflows_beyond_the_safe_range(self):
-        # 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real.
-        encoded = positions.xpos(
-            jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512]), downscale=True
-        )
-        self.assertTrue(np.isinf(np.asarray(encoded, np.float32)).any())
+        # 3.5^(p/b) itself overflows float16 near p ≈ 8.9·b, so the limit is real: jitted
+        # (unchecked) the key is inf; called eagerly it is refused, float16's limit named.
+        x, far = jnp.ones((1, 1, 1, 8), jnp.float16), jnp.array([9 * 512])
+        jitted = jax.jit(functools.partial(positions.xpos, downscale=True))
+        self.assertTrue(np.isinf(np.asarray(jitted(x, far), np.float32)).any())
+        with self.assertRaisesRegex(ValueError, "position 4608 is beyond XPOS's range in float16"):
+            positions.xpos(x, far, downscale=True)
 
 
 class AlibiTest(chex.TestCase):
