@@ -88,7 +88,6 @@ from lexjax.config import (
     ConfigError,
     ModelConfig,
     check_int,
-    check_path,
     check_rope_scaling,
 )
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
@@ -1071,7 +1070,7 @@ def evaluate_run(
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     if resolution:  # refused before the perplexity run, not after it
         measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
-    out_dir = os.path.join(workdir, "eval") if out_dir is None else check_path("out_dir", out_dir)
+    out_dir = reports.output_dir(workdir, out_dir)
     reports.check_writable(out_dir)  # every setting checked: before the computation, not after
     results = perplexity(
         model,

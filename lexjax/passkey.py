@@ -52,15 +52,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
-from lexjax.config import (
-    Config,
-    ConfigError,
-    ModelConfig,
-    check_int,
-    check_path,
-    check_seed,
-    is_real,
-)
+from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import DataError, EvaluationError, arg
 from lexjax.model import Decoder
 from lexjax.progress import Progress
@@ -590,7 +582,7 @@ def evaluate_passkey(
         advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)
         # The settings' contradiction, as perplexity's "no length can be evaluated".
         raise ConfigError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
-    out_dir = os.path.join(workdir, "eval") if out_dir is None else check_path("out_dir", out_dir)
+    out_dir = reports.output_dir(workdir, out_dir)
     reports.check_writable(out_dir)  # every setting checked: before the trials, not after
     results = passkey_accuracy(
         Decoder(config.model, shard_lib.rules(config)),

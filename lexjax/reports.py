@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from lexjax import resolution as res_lib
-from lexjax.config import ABSOLUTE_ENCODINGS
-from lexjax.errors import CheckpointError, LexjaxError
+from lexjax.config import ABSOLUTE_ENCODINGS, check_path
+from lexjax.errors import CheckpointError, ConfigError, LexjaxError
 
 __all__ = [
     "MODE_NAMES",
@@ -138,6 +138,24 @@ def _writing(path: str, what: str | None = None):
             f"cannot write {what or path} ({e.strerror or e}); make its directory writable or free "
             "space, then run again"
         ) from None
+
+
+def output_dir(workdir: str, out_dir=None) -> str:
+    """Where an evaluation of the run in ``workdir`` writes its reports: ``WORKDIR/eval``,
+    or ``out_dir`` (a :class:`~lexjax.errors.ConfigError` for a file, or a place among
+    the run's checkpoints, whose listing is the run's steps)."""
+    if out_dir is None:
+        return os.path.join(workdir, "eval")
+    out = os.path.abspath(check_path("out_dir", out_dir))
+    checkpoints = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if os.path.commonpath([out, checkpoints]) == checkpoints:
+        raise ConfigError(
+            f"out_dir={out_dir} is inside the run's checkpoints ({checkpoints}); give a "
+            "directory outside them"
+        )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"out_dir={out_dir} is a file; give a directory")
+    return out
 
 
 def check_writable(directory: str) -> None:

@@ -888,6 +888,12 @@ def test_a_read_only_run_is_evaluated_into_another_directory(tmp_path):
     assert json.loads((out / "passkey.json").read_text())["results"][0]["length"] == 96
     with pytest.raises(ConfigError, match="^out_dir is empty; give a path"):
         loaded.evaluate([16], max_length=32, out_dir=" ")
+    # A file, or a place among the run's steps (its listing is the run's checkpoints).
+    with pytest.raises(ConfigError, match=r"^out_dir=.*perplexity.json is a file; give a dir"):
+        loaded.evaluate([16], max_length=32, out_dir=out / "perplexity.json")
+    for inside in (run / "checkpoints", run / "checkpoints" / "mine"):
+        with pytest.raises(ConfigError, match="is inside the run's checkpoints"):
+            loaded.passkey([96], out_dir=inside)
 
 
 def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_path):
