@@ -56,10 +56,11 @@ class ArgumentParser(argparse.ArgumentParser):
                 raise IsADirectoryError(21, "Is a directory")
             directory = os.path.dirname(os.path.abspath(path))
             existing = directory
-            while not os.path.exists(existing):  # the nearest ancestor that exists
+            while not os.path.lexists(existing):  # the nearest ancestor there (a link too)
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):
-                raise NotADirectoryError(20, f"Not a directory: {existing} is a file")
+                what = "a link to nothing" if os.path.islink(existing) else "a file"
+                raise NotADirectoryError(20, f"Not a directory: {existing} is {what}")
             os.makedirs(directory, exist_ok=True)
             with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here
                 pass

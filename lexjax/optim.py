@@ -18,7 +18,9 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
     The warmup rises from 0 at step 0 (so the first update changes no parameter;
     its gradient still enters Adam's moments) to the peak at ``warmup_steps``, as
     optax's and most JAX trainers' warmups do. The decay reaches ``peak ·
-    end_lr_fraction`` at step ``num_train_steps``, one past the last update.
+    end_lr_fraction`` at step ``num_train_steps``, one past the last update
+    (``constant`` stays at the peak; with ``num_train_steps ≤ warmup_steps`` the
+    peak itself is never reached).
     The schedule is a function of the step count only, so it depends on
     ``num_train_steps``: a resumed run with another total follows the new curve.
     """

@@ -159,6 +159,10 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
     deeper = ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/a/x.json"]
     proc = _run(deeper, tmp_path)  # a file further up: was "(Not a directory)"
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # was "(File exists)"
+    dangling = ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/dangling/x.json"]
+    proc = _run(dangling, tmp_path)
+    assert proc.returncode == 2 and f"{tmp_path}/dangling is a link to nothing)" in proc.stderr
     # profile_step.py's flags too (a bad --position was a ConfigError traceback).
     proc = _run(["bench/profile_step.py", "--position", "bogus"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: model.position='bogus'")

@@ -1048,8 +1048,8 @@ def test_read_only_data_dir_without_this_vocab_size(ctx, tmp_path):
         assert result.returncode == 3, line
         assert re.fullmatch(
             rf"error: data\.data_dir={data_dir}: cannot create \S+/sentencepiece-280\.model "
-            r"\(Read-only file system\); make it writable \(a symlink to a writable directory "
-            r"will do\) or choose another data\.data_dir",
+            r"\(Read-only file system\); choose another data\.data_dir, or make this one a "
+            r"writable directory \(a symlink to one will do\)",
             line,
         ), line
         assert tree_digest(data_dir) == before

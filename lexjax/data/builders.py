@@ -924,8 +924,8 @@ def _os_reason(error: BaseException) -> str | None:
 
 def _unwritable(data_dir: str, error: OSError, path: str) -> DataError:
     return DataError(
-        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); make it writable "
-        "(a symlink to a writable directory will do) or choose another data.data_dir"
+        f"data.data_dir={data_dir}: cannot create {path} ({error.strerror}); choose another "
+        "data.data_dir, or make this one a writable directory (a symlink to one will do)"
     )
 
 
