@@ -59,7 +59,7 @@ class ArgumentParser(argparse.ArgumentParser):
             while not os.path.lexists(existing):  # the nearest ancestor there (a link too)
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):
-                what = "a link to nothing" if os.path.islink(existing) else "a file"
+                what = "a file" if os.path.exists(existing) else "a link to nothing"
                 raise NotADirectoryError(20, f"Not a directory: {existing} is {what}")
             os.makedirs(directory, exist_ok=True)
             with tempfile.TemporaryFile(dir=directory):  # a read-only one refuses here

@@ -313,6 +313,10 @@ def load(
         devices = list(devices) if isinstance(devices, Iterable) else []
         if not devices or not all(isinstance(d, jax.Device) for d in devices):
             raise ConfigError(f"devices must be a non-empty list of jax devices, got {given!r}")
+        if len(set(devices)) < len(devices):
+            raise ConfigError(f"devices names a device twice: {given!r}; give each once")
+        if jax.process_count() > 1:  # a mesh of some processes' devices hangs the others
+            raise ConfigError("devices= is for one process; a multi-process job loads on all")
     # A damaged step's failed reads end in one warning, not in tracebacks of orbax's
     # threads and coroutines (a kernel collects them later, while it runs).
     checkpoint.quiet_background_errors()

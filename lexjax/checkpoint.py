@@ -550,7 +550,10 @@ class Checkpointer:
             except Exception as e:
                 # A step moved or deleted away under a running job (its workdir renamed)
                 # is not damaged: the job's next write says what happened.
-                gone = not self._step_dir(step).is_dir()  # (epath: gs:// too)
+                try:
+                    gone = not self._step_dir(step).is_dir()  # (epath: gs:// too)
+                except Exception:  # a store that cannot say: judged as before
+                    gone = False
                 reason = e if isinstance(e, _Damaged) else one_line(e, innermost=True)
                 log.warning(
                     "checkpoint step %d in %s is %s; older steps are kept",

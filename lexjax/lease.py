@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import jax
 
 from lexjax import distributed
-from lexjax.errors import CheckpointError, LexjaxError, arg
+from lexjax.errors import CheckpointError, arg
 
 __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held", "try_flock"]
 
@@ -229,7 +229,8 @@ class WorkdirLease:
         ):  # (device and inode numbers compare on one host, not across a network)
             start = record.get("pid_start")
             alive = isinstance(pid, int) and _pid_alive(pid)
-            alive = alive and start in (None, _process_start(pid))  # not a pid reused since
+            # not a pid reused since (a start time unknown here: taken as the same)
+            alive = alive and (start is None or _process_start(pid) in (None, start))
             return f"it was copied from another workdir{f', which pid {pid} trains' * alive}"
         if self._pids_comparable(record) and isinstance(pid, int):
             reused = "(the holder is gone and its pid was reused)"
@@ -451,7 +452,7 @@ def hold(workdir: str, *, timeout_s: float, log=print) -> Iterator[WorkdirLease 
         )
     try:
         yield lease
-    except (LexjaxError, OSError) as e:  # a write that failed (others pass unchanged)
+    except (CheckpointError, OSError) as e:  # a write that failed (others pass unchanged)
         if lease is not None and lease.moved():  # what failed is the missing workdir
             raise CheckpointError(
                 f"workdir {workdir} was moved, renamed or deleted while this job trained; "

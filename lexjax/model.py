@@ -62,7 +62,7 @@ def _check_config(c) -> None:
     checks everything) fails here with one line, not deep inside Flax (an unknown
     ``position`` fails in :func:`lexjax.attention.context`)."""
     if not isinstance(c, ModelConfig):
-        given = "the whole Config: give config.model" if hasattr(c, "model") else repr(c)[:80]
+        given = "the whole Config: give config.model" if hasattr(c, "model") else type(c).__name__
         raise ConfigError(f"Decoder takes a ModelConfig (a Config's .model), got {given}")
     check_dtypes(c)
     if not isinstance(c.vocab_size, int) or c.vocab_size < 1:

@@ -38,7 +38,6 @@ almost no rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -639,8 +638,7 @@ def evaluate_passkey(
     def write():
         reports.write_json(written[1], summary)
         for mode in set(evaluation.MODES) - set(drawn):  # a heat map of an earlier run's mode
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(out_dir, f"passkey-{mode}.png"))
+            reports.remove(os.path.join(out_dir, f"passkey-{mode}.png"))
         for mode, path in zip(drawn, written[2:]):
             reports.plot_passkey(
                 [r for r in results if r.mode == mode],

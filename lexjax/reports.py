@@ -147,14 +147,17 @@ def output_dir(workdir: str, out_dir=None) -> str:
     if out_dir is None:
         return os.path.join(workdir, "eval")
     out = os.path.abspath(check_path("out_dir", out_dir))
-    checkpoints = os.path.join(os.path.abspath(workdir), "checkpoints")
-    if os.path.commonpath([out, checkpoints]) == checkpoints:
+    checkpoints = os.path.realpath(os.path.join(workdir, "checkpoints"))  # links resolved
+    if os.path.commonpath([os.path.realpath(out), checkpoints]) == checkpoints:
         raise ConfigError(
             f"out_dir={out_dir} is inside the run's checkpoints ({checkpoints}); give a "
             "directory outside them"
         )
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"out_dir={out_dir} is a file; give a directory")
+    there = out
+    while not os.path.exists(there) and there != os.path.dirname(there):
+        there = os.path.dirname(there)  # the nearest part of the path that exists
+    if not os.path.isdir(there):
+        raise ConfigError(f"out_dir={out_dir}: {there} is a file; give a directory")
     return out
 
 
@@ -182,6 +185,14 @@ def write_then_show(write: Callable[[], None], show: Callable[[], None]) -> None
             show()
         raise
     show()
+
+
+def remove(path: str) -> None:
+    """Deletes the report at ``path`` if there is one (process 0 only); a refusal is
+    one :class:`~lexjax.errors.CheckpointError` line, as a failed write is."""
+    if _writes():
+        with _writing(path), contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def write_json(path: str, value: dict) -> None:

@@ -235,6 +235,8 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     for bad in ([], "cpu", 3):
         with pytest.raises(ConfigError, match="^devices must be a non-empty list of jax devices"):
             lexjax.load(workdir, devices=bad)
+    with pytest.raises(ConfigError, match="^devices names a device twice"):  # was "damaged"
+        lexjax.load(workdir, devices=jax.devices()[:1] * 2)
 
     text = "λ-calculus\n"
     ids = run.tokenizer.encode(text)

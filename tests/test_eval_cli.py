@@ -891,7 +891,10 @@ def test_a_read_only_run_is_evaluated_into_another_directory(tmp_path):
     # A file, or a place among the run's steps (its listing is the run's checkpoints).
     with pytest.raises(ConfigError, match=r"^out_dir=.*perplexity.json is a file; give a dir"):
         loaded.evaluate([16], max_length=32, out_dir=out / "perplexity.json")
-    for inside in (run / "checkpoints", run / "checkpoints" / "mine"):
+    with pytest.raises(ConfigError, match=r"perplexity.json is a file; give a dir"):  # further up
+        loaded.evaluate([16], max_length=32, out_dir=out / "perplexity.json" / "sub")
+    (tmp_path / "link").symlink_to(run / "checkpoints")  # the checkpoints under another name
+    for inside in (run / "checkpoints", run / "checkpoints" / "mine", tmp_path / "link" / "mine"):
         with pytest.raises(ConfigError, match="is inside the run's checkpoints"):
             loaded.passkey([96], out_dir=inside)
 

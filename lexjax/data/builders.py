@@ -848,7 +848,7 @@ def prepare(
                     "No space left on device": "free space there",
                     "Disk quota exceeded": "free space there",
                     "File too large": "raise the file-size limit (ulimit -f)",
-                    "Read-only file system": "make it writable",
+                    "Read-only file system": "make data_dir writable",
                 }.get(reason, "fix that")
                 raise DataError(
                     f"data.data_dir={data_dir}: building the corpus {name} failed ({reason}); "
