@@ -210,7 +210,7 @@ def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     assert len(notes) == 1 and re.search(r"no heartbeat for 7\d s \(timeout 60 s\)$", notes[0])
 
 
-def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path):
+def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path, monkeypatch):
     """``cp -a`` of a workdir a job trains copies its lease too: the copy was "in use by"
     the original's job, which renews only its own file, until the copy's heartbeat
     timed out. The lease records which directory it belongs to; another host's lease
@@ -238,6 +238,14 @@ def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path):
                 f"pid {record['pid']} (started {record['started']}): it was copied from another "
                 "workdir"
             ), notes
+        # A start time this host cannot read (no /proc) is no sign of another process.
+        monkeypatch.setattr(lease_lib, "_process_start", lambda pid: None)
+        (copy / lease_lib.LEASE_FILE).write_text(json.dumps(lease_record(original)))
+        notes = []
+        with lease_lib.WorkdirLease(copy, log=notes.append):
+            pass
+        assert notes[0].endswith(f"which pid {os.getpid()} trains"), notes
+        monkeypatch.undo()
         (copy / lease_lib.LEASE_FILE).write_text(
             json.dumps(lease_record(original) | {"host": "elsewhere"})
         )
