@@ -56,17 +56,29 @@ _HELD: set[str] = set()  # the tokens of the leases this process holds now
 _LOCK_WAIT_S = 10.0  # a lease change holds the lock for a few file operations
 
 
+def open_lock(path: str):
+    """The lock file at ``path`` (made if missing, rw for all less the umask, as any
+    file) opened for :func:`try_flock`: for writing, or for reading where its mode
+    refuses another user that (a data_dir a group shares, the lock made under umask 022)."""
+    try:
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666), "ab")
+    except PermissionError:
+        return os.fdopen(os.open(path, os.O_RDONLY), "rb")  # flock takes either
+
+
 def try_flock(file) -> bool | None:
     """An exclusive ``flock`` on ``file`` (a descriptor or an open file), not waiting:
     True (held until it closes, however the process ends), False (another holder
-    has it), or None on a filesystem without ``flock`` (some NFS): nothing held."""
+    has it), or None on a filesystem without ``flock`` (some NFS; EBADF: one that
+    locks only files open for writing): nothing held."""
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
     except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+        unsupported = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+        if e.errno in (*unsupported, errno.EBADF):
             return None
         raise
 

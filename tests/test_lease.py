@@ -303,6 +303,30 @@ def test_a_write_that_fails_in_a_moved_workdir_says_it_moved_and_nothing_else_ch
     assert e.value is failed
 
 
+def test_a_lock_file_follows_the_umask_and_another_users_can_still_be_held(tmp_path, monkeypatch):
+    """The corpus build's and the study's locks were made 0644 whatever the umask: in a
+    data_dir a group shares (umask 002), a second member could not open the first's lock
+    for writing, "cannot create … .lock (Permission denied)"; a read-only open is enough."""
+    path = str(tmp_path / ".build.lock")
+    old = os.umask(0o002)
+    try:
+        with lease_lib.open_lock(path) as lock:
+            assert lease_lib.try_flock(lock) is True
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o664
+    real_open = os.open
+
+    def another_users(name, flags, *mode):  # the file's mode refuses this user writing
+        if flags & os.O_WRONLY:
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        return real_open(name, flags, *mode)
+
+    monkeypatch.setattr(os, "open", another_users)
+    with lease_lib.open_lock(path) as lock, lease_lib.open_lock(path) as other:
+        assert lease_lib.try_flock(lock) is True and lease_lib.try_flock(other) is False
+
+
 def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_path):
     with lease_lib.WorkdirLease(tmp_path, timeout_s=0.4) as lease:
         first = lease_record(tmp_path)["heartbeat"]

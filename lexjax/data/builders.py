@@ -79,7 +79,7 @@ import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.errors import DataError, one_line
-from lexjax.lease import try_flock
+from lexjax.lease import open_lock, try_flock
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
 SPLITS = ("train", "validation", "test")
@@ -873,10 +873,10 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
     (a long build elsewhere would be a silent wait here). A lock that cannot be made
     (a read-only data_dir) is the error of writing ``writes`` (default: the lock)."""
     try:
-        lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        lock = open_lock(lock_path)
     except OSError as e:
         raise _unwritable(data_dir, e, writes or e.filename) from e
-    with os.fdopen(lock_fd, "a") as lock:
+    with lock:
         if try_flock(lock) is False:  # None: no flock here, unlocked as before
             print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)

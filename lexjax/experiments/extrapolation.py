@@ -321,14 +321,12 @@ def _only_study(out: str):
     """Holds ``OUT/.study.lock`` (an flock, released however the process ends); a
     second study on ``out`` is refused at once, in one line (exit 4)."""
     try:
-        fd = os.open(
-            os.path.join(out, ".study.lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
-        )
+        lock = lease.open_lock(os.path.join(out, ".study.lock"))
     except OSError as e:
         raise CheckpointError(
             f"cannot write in --out {out} ({e.strerror}); choose another directory"
         ) from None
-    with os.fdopen(fd, "a") as lock:
+    with lock:
         if lease.try_flock(lock) is False:  # None: no flock here, unlocked as before
             raise CheckpointError(
                 f"another study is writing --out {out}; wait for it to finish or use another --out"
