@@ -37,6 +37,7 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import socket
 import threading
 import time
@@ -66,19 +67,29 @@ def open_lock(path: str):
         return os.fdopen(os.open(path, os.O_RDONLY), "rb")  # flock takes either
 
 
+def _refused_by(path: str) -> str:
+    """`` (Permission denied: user U's)`` where ``path`` exists but this process may not
+    read it (another user's lease, umask 077): its owner says whose job it may be."""
+    if os.path.exists(path) and not os.access(path, os.R_OK):
+        try:
+            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        except (KeyError, OSError):
+            owner = "another"
+        return f" (Permission denied: user {owner}'s)"
+    return ""
+
+
 def try_flock(file) -> bool | None:
     """An exclusive ``flock`` on ``file`` (a descriptor or an open file), not waiting:
     True (held until it closes, however the process ends), False (another holder
-    has it), or None on a filesystem without ``flock`` (some NFS; EBADF: one that
-    locks only files open for writing): nothing held."""
+    has it), or None on a filesystem without ``flock`` (some NFS): nothing held."""
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
     except OSError as e:
-        unsupported = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
-        if e.errno in (*unsupported, errno.EBADF):
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
             return None
         raise
 
@@ -317,9 +328,9 @@ class WorkdirLease:
                 raise self._in_use(record)
             if reason is None:
                 raise CheckpointError(
-                    f"the workdir lease {self.path} cannot be read; it is taken over once it "
-                    f"is {self.timeout_s:g} s old (--lease_timeout_s), or delete it if no "
-                    "training job uses this workdir"
+                    f"the workdir lease {self.path} cannot be read{_refused_by(self.path)}; it "
+                    f"is taken over once it is {self.timeout_s:g} s old (--lease_timeout_s), or "
+                    "delete it if no training job uses this workdir"
                 )
             if self._take_over(record):
                 whose = f"the stale lease of {holder}" if holder else f"the unreadable {self.path}"
@@ -368,11 +379,10 @@ class WorkdirLease:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return False
-        with open(aside, encoding="utf-8", errors="replace") as f:
-            moved = f.read()
-        try:
-            moved_token = json.loads(moved).get("token")
-        except ValueError:
+        try:  # another user's lease, mode 600, is judged by its age as a torn one is
+            with open(aside, encoding="utf-8", errors="replace") as f:
+                moved_token = json.loads(f.read()).get("token")
+        except (OSError, ValueError, AttributeError):
             moved_token = None
         if moved_token != stale.get("token"):
             with contextlib.suppress(OSError):  # FileExistsError: never over a newer lease

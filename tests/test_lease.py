@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import pathlib
+import pwd
 import re
 import shutil
 import signal
@@ -272,6 +273,42 @@ def test_an_unreadable_lease_says_so_and_when_it_is_taken_over(tmp_path):
         r"\(timeout 60 s\)",
         notes[0],
     ), notes
+
+
+def test_another_users_unreadable_lease_names_its_owner_and_is_taken_over_when_stale(
+    tmp_path, monkeypatch
+):
+    """A lease this user may not read (another user's, umask 077): "cannot be read"
+    named no reason, which invited deleting a live job's lease; once stale its takeover
+    failed after renaming it aside ("cannot create the workdir lease … Permission
+    denied"), leaving the workdir with no lease and a .stale file for good."""
+    path = tmp_path / lease_lib.LEASE_FILE
+    path.write_text(json.dumps({"token": "theirs", "host": HOST, "pid": os.getpid()}))
+    real_open, real_access = open, os.access
+    refused = lambda p: str(p) == str(path) or str(p).endswith(".stale")
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda p, *a, **k: (
+            (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied", str(p)))
+            if refused(p)
+            else real_open(p, *a, **k)
+        ),
+    )
+    monkeypatch.setattr(os, "access", lambda p, mode: not refused(p) and real_access(p, mode))
+    with pytest.raises(CheckpointError) as e:
+        lease_lib.WorkdirLease(tmp_path, timeout_s=60).acquire()
+    owner = pwd.getpwuid(os.getuid()).pw_name
+    assert str(e.value).startswith(
+        f"the workdir lease {path} cannot be read (Permission denied: user {owner}'s); it is "
+    )
+    then = time.time() - 70
+    os.utime(path, (then, then))
+    notes = []
+    with lease_lib.WorkdirLease(tmp_path, timeout_s=60, log=notes.append) as held:
+        assert held.held and notes[0].startswith(f"note: took over the unreadable {path}")
+        assert os.listdir(tmp_path) == [lease_lib.LEASE_FILE]  # ours; no .stale left
+        monkeypatch.undo()  # (ours is readable: released as usual)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_write_that_fails_in_a_moved_workdir_says_it_moved_and_nothing_else_changes(tmp_path):
