@@ -72,10 +72,16 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         if enabled and os.path.isfile(self.path) and os.path.getsize(self.path):
             # A writer killed mid-line left a torn record: start on a line of our own.
-            with open(self.path, "rb+") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+            try:
+                with open(self.path, "rb+") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+            except OSError as e:  # another user's file, a full disk: before any step
+                raise CheckpointError(
+                    f"cannot write {self.path} ({e.strerror or e}); make it writable or "
+                    "free space, then restart (the checkpoints are kept)"
+                ) from None
         # Opened at the first record: a run that fails before it leaves no event file
         # (and a workdir it created can be removed as empty).
         self.tb, self._tb_dir = None, os.path.join(workdir, "tensorboard")

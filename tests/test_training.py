@@ -1,6 +1,7 @@
 """Training: over-fitting, sharded meshes equal one device, resume equals uninterrupted."""
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -696,6 +697,30 @@ def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_pa
     assert records == [{"step": 12, "loss": 1.0}, {"step": 13, "loss": 0.5}]
     (note,) = [r.getMessage() for r in caplog.records if r.name == "lexjax.metrics"]
     assert note.startswith("note: skipped 1 torn line(s) of ")
+
+
+def test_a_metrics_file_this_user_cannot_write_is_one_line(tmp_path, monkeypatch):
+    """Another user's metrics.jsonl (a workdir shared writable, the file not): resuming
+    was a PermissionError traceback, exit 1; TensorBoard's directory was one line."""
+    workdir = str(tmp_path)
+    writer = metrics.MetricsWriter(workdir)
+    writer.write(1, {"loss": 1.0})
+    writer.close()
+    path = os.path.join(workdir, "metrics.jsonl")
+    real_open = open
+
+    def refused(name, mode="r", *args, **kwargs):
+        if str(name) == path and mode != "r":
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        return real_open(name, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refused)
+    with pytest.raises(CheckpointError) as e:
+        metrics.MetricsWriter(workdir)
+    assert str(e.value) == (
+        f"cannot write {path} (Permission denied); make it writable or free space, then "
+        "restart (the checkpoints are kept)"
+    )
 
 
 def test_peak_flops_from_the_datasheet_table_or_an_override():
