@@ -78,7 +78,7 @@ from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
 from lexjax.distributed import all_processes, process_0s
-from lexjax.errors import CheckpointError, DataError, arg, one_line
+from lexjax.errors import CheckpointError, DataError, arg, one_line, refused_by
 from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -616,6 +616,11 @@ class Checkpointer:
             return True
         if not self._step_dir(step).is_dir():
             raise _Damaged("its directory is gone")
+        if why := refused_by(self._step_dir(step), os.R_OK | os.X_OK):  # not damage
+            raise CheckpointError(
+                f"cannot read checkpoint step {step} in {self.directory}{why}; ask its owner "
+                "to share it (chmod -R a+rX)"
+            )
         return False
 
     def _read_config(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
@@ -1007,6 +1012,11 @@ def _open_run(workdir) -> Checkpointer:
     saying why there are none (decided by all processes together: what follows
     collects)."""
     directory = checkpoint_dir(workdir)
+    for place in (workdir, directory):  # another user's run: not "does not exist"
+        if os.path.isdir(place) and (why := refused_by(place, os.R_OK | os.X_OK)):
+            raise CheckpointError(
+                f"cannot read {place}{why}; ask its owner to share it (chmod -R a+rX)"
+            )
     if not all_processes(os.path.isdir(directory)):
         if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
             raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")

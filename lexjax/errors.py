@@ -106,6 +106,21 @@ class DistributedError(LexjaxError, RuntimeError):
 _NAMING_FLAGS = contextvars.ContextVar("lexjax_naming_flags", default=False)
 
 
+def refused_by(path, access: int = os.R_OK) -> str:
+    """`` (Permission denied: user U's)`` where ``path`` exists but this process may not
+    use it so (another user's file or directory, umask 077; a directory needs
+    ``os.R_OK | os.X_OK`` to be listed and entered), naming its owner; else ``""``."""
+    if not os.path.exists(path) or os.access(path, access):
+        return ""
+    try:
+        import pwd
+
+        owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+    except (ImportError, KeyError, OSError):
+        owner = "another"
+    return f" (Permission denied: user {owner}'s)"
+
+
 def arg(name: str, flag: str | None = None) -> str:
     """How a message names an argument of the API: ``name`` (the Python API's), or
     inside :func:`naming_flags` the program's flag (``flag``, default ``--name``),

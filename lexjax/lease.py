@@ -37,7 +37,6 @@ import errno
 import fcntl
 import json
 import os
-import pwd
 import socket
 import threading
 import time
@@ -47,7 +46,7 @@ from collections.abc import Iterator
 import jax
 
 from lexjax import distributed
-from lexjax.errors import CheckpointError, arg
+from lexjax.errors import CheckpointError, arg, refused_by
 
 __all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held", "try_flock"]
 
@@ -65,18 +64,6 @@ def open_lock(path: str):
         return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666), "ab")
     except PermissionError:
         return os.fdopen(os.open(path, os.O_RDONLY), "rb")  # flock takes either
-
-
-def _refused_by(path: str) -> str:
-    """`` (Permission denied: user U's)`` where ``path`` exists but this process may not
-    read it (another user's lease, umask 077): its owner says whose job it may be."""
-    if os.path.exists(path) and not os.access(path, os.R_OK):
-        try:
-            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-        except (KeyError, OSError):
-            owner = "another"
-        return f" (Permission denied: user {owner}'s)"
-    return ""
 
 
 def try_flock(file) -> bool | None:
@@ -328,7 +315,7 @@ class WorkdirLease:
                 raise self._in_use(record)
             if reason is None:
                 raise CheckpointError(
-                    f"the workdir lease {self.path} cannot be read{_refused_by(self.path)}; it "
+                    f"the workdir lease {self.path} cannot be read{refused_by(self.path)}; it "
                     f"is taken over once it is {self.timeout_s:g} s old (--lease_timeout_s), or "
                     "delete it if no training job uses this workdir"
                 )

@@ -190,6 +190,30 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
         checkpoint.load_tokenizer(tmp_path / "none")
 
 
+def test_another_users_run_that_cannot_be_read_says_so(tmp_path, monkeypatch):
+    """A run of another user's (umask 077) was "no checkpoint … does not exist; train
+    first", or, with only its top directories shared, every step "damaged", with the
+    advice to move the directory aside. (As root, os.access stands in for the modes.)"""
+    import pwd
+
+    run = tmp_path / "run_v1"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), run)
+    owner = pwd.getpwuid(os.getuid()).pw_name
+    real_access = os.access
+    for hidden, said in (
+        (run, f"cannot read {run} (Permission denied: user {owner}'s); ask its owner"),
+        (run / "checkpoints" / "6", f"cannot read checkpoint step 6 in {run / 'checkpoints'} "),
+    ):
+        monkeypatch.setattr(
+            os, "access", lambda p, m, h=hidden: str(p) != str(h) and real_access(p, m)
+        )
+        with pytest.raises(CheckpointError) as e:
+            lexjax.load(run)
+        assert str(e.value).startswith(said) and "chmod -R a+rX" in str(e.value), str(e.value)
+    monkeypatch.undo()
+    assert lexjax.load(run).step == 6
+
+
 def _direct_nll(run, rows_BxN):
     """Mean NLL of ``rows[:, 1:]`` given ``rows[:, :-1]``: one plain causal forward pass."""
     logits, _ = run.model.apply({"params": run.params}, jnp.asarray(rows_BxN[:, :-1]))
