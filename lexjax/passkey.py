@@ -581,8 +581,7 @@ def evaluate_passkey(
         advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)
         # The settings' contradiction, as perplexity's "no length can be evaluated".
         raise ConfigError(f"no passkey cell can be measured: {skipped[0]['reason']}{advice}")
-    out_dir = reports.output_dir(workdir, out_dir)
-    reports.check_writable(out_dir)  # every setting checked: before the trials, not after
+    out_dir = reports.output_dir(workdir, out_dir)  # every setting checked: before the trials
     results = passkey_accuracy(
         Decoder(config.model, shard_lib.rules(config)),
         params,

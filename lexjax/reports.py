@@ -21,7 +21,7 @@ import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS, check_path
-from lexjax.errors import CheckpointError, ConfigError, LexjaxError
+from lexjax.errors import CheckpointError, ConfigError, LexjaxError, arg
 
 __all__ = [
     "MODE_NAMES",
@@ -143,9 +143,20 @@ def _writing(path: str, what: str | None = None):
 def output_dir(workdir: str, out_dir=None) -> str:
     """Where an evaluation of the run in ``workdir`` writes its reports: ``WORKDIR/eval``,
     or ``out_dir`` (a :class:`~lexjax.errors.ConfigError` for a file, or a place among
-    the run's checkpoints, whose listing is the run's steps)."""
+    the run's checkpoints, whose listing is the run's steps), checked writable
+    (:func:`check_writable`) before anything is computed."""
     if out_dir is None:
-        return os.path.join(workdir, "eval")
+        out = os.path.join(workdir, "eval")
+        try:
+            check_writable(out)
+        except CheckpointError as e:  # another user's run, read-only storage
+            elsewhere = arg(
+                "or pass out_dir=DIR",
+                f"eval.py has no --out_dir: from Python, lexjax.load({workdir!r})"
+                ".evaluate(…) and .passkey(…) take out_dir=DIR",
+            )
+            raise CheckpointError(f"{e}; {elsewhere}") from None
+        return out
     out = os.path.abspath(check_path("out_dir", out_dir))
     checkpoints = os.path.realpath(os.path.join(workdir, "checkpoints"))  # links resolved
     if os.path.commonpath([os.path.realpath(out), checkpoints]) == checkpoints:
@@ -158,6 +169,7 @@ def output_dir(workdir: str, out_dir=None) -> str:
         there = os.path.dirname(there)  # the nearest part of the path that exists
     if not os.path.isdir(there):
         raise ConfigError(f"out_dir={out_dir}: {there} is a file; give a directory")
+    check_writable(out)
     return out
 
 

@@ -862,6 +862,10 @@ def test_a_workdir_eval_cannot_write_to_is_one_line_before_any_computation(workd
             assert errors == done.stderr.strip().splitlines()[-1:], done.stderr[-2000:]
             assert f"cannot write {copy / 'eval'}" in errors[0], errors
             assert "make its directory writable" in errors[0], errors
+            assert errors[0].endswith(  # the way that works for a run one cannot write
+                f"eval.py has no --out_dir: from Python, lexjax.load('{copy}').evaluate(…) and "
+                ".passkey(…) take out_dir=DIR"
+            ), errors
             assert "perplexity of" not in done.stdout and "passkey retrieval" not in done.stdout
         assert not (copy / "eval").exists()
 
