@@ -477,13 +477,13 @@ class Checkpointer:
             aside.mkdir(parents=True, exist_ok=True)
             for s in steps:
                 target = aside / f"{s}-{stamp}"
+                self._step_dir(s).rename(target)  # said once done (it may be refused)
                 log.warning(
                     "checkpoint step %d in %s moved to %s before saving over it",
                     s,
                     self.directory,
                     target,
                 )
-                self._step_dir(s).rename(target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"lexjax_supersede_{steps[0]}")
         for s in steps:
