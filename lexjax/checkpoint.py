@@ -762,6 +762,15 @@ class Checkpointer:
                 try:
                     return s, read(s)
                 except _Damaged as e:
+                    if _denied(e):  # files this user may not read: not damage
+                        why = (
+                            refused_by(self._step_dir(s), os.R_OK | os.X_OK)
+                            or " (Permission denied)"
+                        )
+                        raise CheckpointError(
+                            f"cannot read checkpoint step {s} in {self.directory}{why}; ask its "
+                            "owner to share it (chmod -R a+rX)"
+                        ) from e
                     if self._gone(s):
                         log.info(
                             "checkpoint step %d in %s was deleted while being read",
@@ -1007,13 +1016,29 @@ def misplaced_workdir(workdir, *, study: bool = True) -> str | None:
     return None
 
 
+def _denied(error: BaseException) -> bool:
+    """Whether ``error`` comes of a PermissionError (its causes and contexts walked)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, PermissionError) or "Permission denied" in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _open_run(workdir) -> Checkpointer:
     """A read-only Checkpointer on ``workdir``'s checkpoints, or the CheckpointError
     saying why there are none (decided by all processes together: what follows
     collects)."""
     directory = checkpoint_dir(workdir)
-    for place in (workdir, directory):  # another user's run: not "does not exist"
-        if os.path.isdir(place) and (why := refused_by(place, os.R_OK | os.X_OK)):
+    # Another user's run: not "does not exist". Reading passes through the workdir (and
+    # the directories above it, the nearest existing one checked) and lists checkpoints/.
+    above = os.path.abspath(workdir)
+    while not os.path.exists(above) and above != os.path.dirname(above):
+        above = os.path.dirname(above)
+    for place, access in ((above, os.X_OK), (directory, os.R_OK | os.X_OK)):
+        if os.path.isdir(place) and (why := refused_by(place, access)):
             raise CheckpointError(
                 f"cannot read {place}{why}; ask its owner to share it (chmod -R a+rX)"
             )

@@ -115,7 +115,10 @@ def refused_by(path, access: int = os.R_OK) -> str:
     try:
         import pwd
 
-        owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        uid = os.stat(path).st_uid
+        if uid == os.getuid():
+            return " (Permission denied, though it is yours: chmod it)"
+        owner = pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError, OSError):
         owner = "another"
     return f" (Permission denied: user {owner}'s)"

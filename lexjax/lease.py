@@ -62,8 +62,22 @@ def open_lock(path: str):
     refuses another user that (a data_dir a group shares, the lock made under umask 022)."""
     try:
         return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666), "ab")
-    except PermissionError:
-        return os.fdopen(os.open(path, os.O_RDONLY), "rb")  # flock takes either
+    except PermissionError as e:
+        refused = e
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # none to read (a directory this user cannot write)
+        raise refused from None
+    try:  # NFS locks only files open for writing (EBADF): the refusal above, then
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        pass  # held by another: locking works on this descriptor
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            os.close(fd)
+            raise refused from None
+    return os.fdopen(fd, "rb")
 
 
 def try_flock(file) -> bool | None:
@@ -211,6 +225,7 @@ class WorkdirLease:
         tmp, content = f"{self.path}.{self.token}.tmp", self._content()
         try:
             with open(tmp, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)  # readable by all (umask 077 too): whose job it is
                 f.write(content)
             if replace:
                 os.replace(tmp, self.path)
@@ -307,6 +322,11 @@ class WorkdirLease:
             record = self._read()
             if record is None:
                 continue
+            if not record and (why := refused_by(self.path)):  # another user's, umask 077
+                raise CheckpointError(  # its age cannot tell: its holder's timeout is unread
+                    f"the workdir lease {self.path} cannot be read{why}; it may be a live "
+                    "job's: ask its owner, who can delete it if no training job uses this workdir"
+                )
             reason = self._stale_reason(record)
             holder = _describe(record)
             if reason is None and holder:
@@ -315,9 +335,9 @@ class WorkdirLease:
                 raise self._in_use(record)
             if reason is None:
                 raise CheckpointError(
-                    f"the workdir lease {self.path} cannot be read{refused_by(self.path)}; it "
-                    f"is taken over once it is {self.timeout_s:g} s old (--lease_timeout_s), or "
-                    "delete it if no training job uses this workdir"
+                    f"the workdir lease {self.path} cannot be read; it is taken over once it "
+                    f"is {self.timeout_s:g} s old (--lease_timeout_s), or delete it if no "
+                    "training job uses this workdir"
                 )
             if self._take_over(record):
                 whose = f"the stale lease of {holder}" if holder else f"the unreadable {self.path}"

@@ -192,25 +192,46 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
 
 def test_another_users_run_that_cannot_be_read_says_so(tmp_path, monkeypatch):
     """A run of another user's (umask 077) was "no checkpoint … does not exist; train
-    first", or, with only its top directories shared, every step "damaged", with the
-    advice to move the directory aside. (As root, os.access stands in for the modes.)"""
+    first", or, with only its directories shared, every step "damaged", with the advice
+    to move the directory aside. (As root, os.access and getuid stand in for the modes.)"""
     import pwd
 
     run = tmp_path / "run_v1"
     shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), run)
-    owner = pwd.getpwuid(os.getuid()).pw_name
+    uid = os.getuid()
+    owner = pwd.getpwuid(uid).pw_name
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # not the owner
     real_access = os.access
-    for hidden, said in (
-        (run, f"cannot read {run} (Permission denied: user {owner}'s); ask its owner"),
-        (run / "checkpoints" / "6", f"cannot read checkpoint step 6 in {run / 'checkpoints'} "),
+    step = run / "checkpoints" / "6"
+
+    def denied(hidden, mode=os.R_OK | os.X_OK):  # `hidden` refuses `mode`'s bits
+        return lambda p, m: not (str(p) == str(hidden) and m & mode) and real_access(p, m)
+
+    for access, said in (
+        (denied(run, os.X_OK), f"cannot read {run} (Permission denied: user {owner}'s); ask"),
+        (denied(step), f"cannot read checkpoint step 6 in {run / 'checkpoints'} (Permission"),
     ):
-        monkeypatch.setattr(
-            os, "access", lambda p, m, h=hidden: str(p) != str(h) and real_access(p, m)
-        )
+        monkeypatch.setattr(os, "access", access)
         with pytest.raises(CheckpointError) as e:
             lexjax.load(run)
         assert str(e.value).startswith(said) and "chmod -R a+rX" in str(e.value), str(e.value)
-    monkeypatch.undo()
+    # A workdir that may be entered but not listed (711) is read as before.
+    monkeypatch.setattr(os, "access", denied(run, os.R_OK))
+    assert lexjax.load(run).step == 6
+    # Directories shared, files not: a read's PermissionError is not damage either.
+    monkeypatch.setattr(os, "access", real_access)
+    real_read = checkpoint.Checkpointer._read_integrity
+
+    def unreadable(self, s):
+        try:
+            raise PermissionError(13, "Permission denied", str(step / "integrity"))
+        except PermissionError as cause:
+            raise checkpoint._Damaged("integrity record unreadable (Permission denied)") from cause
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "_read_integrity", unreadable)
+    with pytest.raises(CheckpointError, match=r"^cannot read checkpoint step 6 in .*a\+rX\)$"):
+        lexjax.load(run)
+    monkeypatch.setattr(checkpoint.Checkpointer, "_read_integrity", real_read)
     assert lexjax.load(run).step == 6
 
 

@@ -275,17 +275,18 @@ def test_an_unreadable_lease_says_so_and_when_it_is_taken_over(tmp_path):
     ), notes
 
 
-def test_another_users_unreadable_lease_names_its_owner_and_is_taken_over_when_stale(
+def test_another_users_unreadable_lease_names_its_owner_and_is_never_taken_over(
     tmp_path, monkeypatch
 ):
     """A lease this user may not read (another user's, umask 077): "cannot be read"
-    named no reason, which invited deleting a live job's lease; once stale its takeover
-    failed after renaming it aside ("cannot create the workdir lease … Permission
-    denied"), leaving the workdir with no lease and a .stale file for good."""
+    named no reason and invited deleting it; once old its takeover failed after renaming
+    it aside, leaving no lease and a .stale file. Its age proves nothing (the holder's
+    timeout is in it, unread): it is refused, naming its owner. Leases are now written
+    readable by all, so only older ones are so."""
     path = tmp_path / lease_lib.LEASE_FILE
     path.write_text(json.dumps({"token": "theirs", "host": HOST, "pid": os.getpid()}))
     real_open, real_access = open, os.access
-    refused = lambda p: str(p) == str(path) or str(p).endswith(".stale")
+    refused = lambda p: str(p) == str(path)
     monkeypatch.setattr(
         "builtins.open",
         lambda p, *a, **k: (
@@ -295,20 +296,28 @@ def test_another_users_unreadable_lease_names_its_owner_and_is_taken_over_when_s
         ),
     )
     monkeypatch.setattr(os, "access", lambda p, mode: not refused(p) and real_access(p, mode))
-    with pytest.raises(CheckpointError) as e:
-        lease_lib.WorkdirLease(tmp_path, timeout_s=60).acquire()
-    owner = pwd.getpwuid(os.getuid()).pw_name
-    assert str(e.value).startswith(
-        f"the workdir lease {path} cannot be read (Permission denied: user {owner}'s); it is "
-    )
-    then = time.time() - 70
-    os.utime(path, (then, then))
-    notes = []
-    with lease_lib.WorkdirLease(tmp_path, timeout_s=60, log=notes.append) as held:
-        assert held.held and notes[0].startswith(f"note: took over the unreadable {path}")
-        assert os.listdir(tmp_path) == [lease_lib.LEASE_FILE]  # ours; no .stale left
-        monkeypatch.undo()  # (ours is readable: released as usual)
-    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 1)  # another user here
+    owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+    for age in (0, 7000):
+        then = time.time() - age
+        os.utime(path, (then, then))
+        with pytest.raises(CheckpointError) as e:
+            lease_lib.WorkdirLease(tmp_path, timeout_s=60).acquire()
+        assert str(e.value) == (
+            f"the workdir lease {path} cannot be read (Permission denied: user {owner}'s); it "
+            "may be a live job's: ask its owner, who can delete it if no training job uses "
+            "this workdir"
+        )
+        assert os.listdir(tmp_path) == [lease_lib.LEASE_FILE]  # nothing renamed aside
+    monkeypatch.undo()
+    new = tmp_path / "new"
+    new.mkdir()
+    umask = os.umask(0o077)  # a private umask: the lease is still readable by all
+    try:
+        with lease_lib.WorkdirLease(new, timeout_s=60):
+            assert os.stat(new / lease_lib.LEASE_FILE).st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
 
 
 def test_a_write_that_fails_in_a_moved_workdir_says_it_moved_and_nothing_else_changes(tmp_path):
@@ -362,6 +371,15 @@ def test_a_lock_file_follows_the_umask_and_another_users_can_still_be_held(tmp_p
     monkeypatch.setattr(os, "open", another_users)
     with lease_lib.open_lock(path) as lock, lease_lib.open_lock(path) as other:
         assert lease_lib.try_flock(lock) is True and lease_lib.try_flock(other) is False
+    # No lock there to read (a directory this user cannot write): the refusal, not ENOENT.
+    with pytest.raises(PermissionError):
+        lease_lib.open_lock(str(tmp_path / "none.lock"))
+    # NFS locks only files open for writing (EBADF): the refusal, not a traceback later.
+    monkeypatch.setattr(
+        lease_lib.fcntl, "flock", lambda *_: (_ for _ in ()).throw(OSError(errno.EBADF, "nfs"))
+    )
+    with pytest.raises(PermissionError):
+        lease_lib.open_lock(path)
 
 
 def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_path):
