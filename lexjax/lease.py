@@ -225,7 +225,8 @@ class WorkdirLease:
         tmp, content = f"{self.path}.{self.token}.tmp", self._content()
         try:
             with open(tmp, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # readable by all (umask 077 too): whose job it is
+                with contextlib.suppress(OSError):  # a filesystem without modes: as it is
+                    os.fchmod(f.fileno(), 0o644)  # readable by all (umask 077 too): whose job
                 f.write(content)
             if replace:
                 os.replace(tmp, self.path)
