@@ -387,7 +387,7 @@ class WorkdirLease:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return False
-        try:  # another user's lease, mode 600, is judged by its age as a torn one is
+        try:  # unreadable (torn, or replaced meanwhile by one this user may not read): as torn
             with open(aside, encoding="utf-8", errors="replace") as f:
                 moved_token = json.loads(f.read()).get("token")
         except (OSError, ValueError, AttributeError):

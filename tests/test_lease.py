@@ -322,7 +322,7 @@ def test_another_users_unreadable_lease_names_its_owner_and_is_never_taken_over(
 
 
 def test_a_write_that_fails_in_a_moved_workdir_says_it_moved_and_nothing_else_changes(tmp_path):
-    """Only a failed write (a LexjaxError or OSError) in a workdir no longer at its path
+    """Only a failed write (a CheckpointError or OSError) in a workdir no longer at its path
     becomes "was moved"; the failure stays its cause, and any other error, or one in a
     workdir still in place (moved and moved back included), is raised as it was."""
     workdir, away = tmp_path / "run", tmp_path / "away"
