@@ -117,7 +117,7 @@ def refused_by(path, access: int = os.R_OK) -> str:
 
         uid = os.stat(path).st_uid
         if uid == os.getuid():
-            return " (Permission denied, though it is yours: chmod it)"
+            return " (Permission denied; it is yours)"
         owner = pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError, OSError):
         owner = "another"
