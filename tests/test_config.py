@@ -612,3 +612,18 @@ def test_an_interrupt_or_error_during_a_progress_bar_starts_a_line_of_its_own(mo
     bar.close()
     errors.report(lambda: (_ for _ in ()).throw(errors.DataError("gone")))
     assert terminal.getvalue().split("\n")[1:] == ["error: gone", ""]
+
+
+def test_refused_by_names_whose_file_this_user_may_not_read(tmp_path, monkeypatch):
+    import pwd
+
+    from lexjax import errors
+
+    path, uid = tmp_path / "lease.json", os.getuid()
+    path.write_text("{}")
+    assert errors.refused_by(path) == "" and errors.refused_by(tmp_path / "none") == ""
+    monkeypatch.setattr(os, "access", lambda p, mode: False)  # (root may read anything)
+    assert errors.refused_by(path) == " (Permission denied; it is yours)"
+    assert errors.refused_by(tmp_path / "none") == ""  # missing is not refused
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    assert errors.refused_by(path) == f" (Permission denied: user {pwd.getpwuid(uid).pw_name}'s)"
