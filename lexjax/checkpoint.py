@@ -78,7 +78,7 @@ from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
 from lexjax.distributed import all_processes, process_0s
-from lexjax.errors import CheckpointError, DataError, arg, one_line, refused_by
+from lexjax.errors import CheckpointError, DataError, arg, nearest_existing, one_line, refused_by
 from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -617,10 +617,7 @@ class Checkpointer:
         if not self._step_dir(step).is_dir():
             raise _Damaged("its directory is gone")
         if why := refused_by(self._step_dir(step), os.R_OK | os.X_OK):  # not damage
-            raise CheckpointError(
-                f"cannot read checkpoint step {step} in {self.directory}{why}; ask its owner "
-                "to share it (chmod -R a+rX)"
-            )
+            raise _unreadable(f"checkpoint step {step} in {self.directory}", why)
         return False
 
     def _read_config(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
@@ -763,14 +760,9 @@ class Checkpointer:
                     return s, read(s)
                 except _Damaged as e:
                     if _denied(e):  # files this user may not read: not damage
-                        why = (
-                            refused_by(self._step_dir(s), os.R_OK | os.X_OK)
-                            or " (Permission denied)"
-                        )
-                        raise CheckpointError(
-                            f"cannot read checkpoint step {s} in {self.directory}{why}; ask its "
-                            "owner to share it (chmod -R a+rX)"
-                        ) from e
+                        why = refused_by(self._step_dir(s), os.R_OK | os.X_OK)
+                        what = f"checkpoint step {s} in {self.directory}"
+                        raise _unreadable(what, why or " (Permission denied)") from e
                     if self._gone(s):
                         log.info(
                             "checkpoint step %d in %s was deleted while being read",
@@ -1016,6 +1008,11 @@ def misplaced_workdir(workdir, *, study: bool = True) -> str | None:
     return None
 
 
+def _unreadable(what, why: str) -> CheckpointError:
+    """The error for a part of a run this user may not read (``why``: :func:`refused_by`'s)."""
+    return CheckpointError(f"cannot read {what}{why}; ask its owner to share it (chmod -R a+rX)")
+
+
 def _denied(error: BaseException) -> bool:
     """Whether ``error`` comes of a PermissionError (its causes and contexts walked)."""
     seen = set()
@@ -1034,14 +1031,9 @@ def _open_run(workdir) -> Checkpointer:
     directory = checkpoint_dir(workdir)
     # Another user's run: not "does not exist". Reading passes through the workdir (and
     # the directories above it, the nearest existing one checked) and lists checkpoints/.
-    above = os.path.abspath(workdir)
-    while not os.path.exists(above) and above != os.path.dirname(above):
-        above = os.path.dirname(above)
-    for place, access in ((above, os.X_OK), (directory, os.R_OK | os.X_OK)):
+    for place, access in ((nearest_existing(workdir), os.X_OK), (directory, os.R_OK | os.X_OK)):
         if os.path.isdir(place) and (why := refused_by(place, access)):
-            raise CheckpointError(
-                f"cannot read {place}{why}; ask its owner to share it (chmod -R a+rX)"
-            )
+            raise _unreadable(place, why)
     if not all_processes(os.path.isdir(directory)):
         if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
             raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")

@@ -124,6 +124,15 @@ def refused_by(path, access: int = os.R_OK) -> str:
     return f" (Permission denied: user {owner}'s)"
 
 
+def nearest_existing(path) -> str:
+    """``path`` made absolute, or its nearest ancestor that exists (a path to be made, or
+    one this user cannot see into: what is there decides why)."""
+    there = os.path.abspath(path)
+    while not os.path.exists(there) and there != os.path.dirname(there):
+        there = os.path.dirname(there)
+    return there
+
+
 def arg(name: str, flag: str | None = None) -> str:
     """How a message names an argument of the API: ``name`` (the Python API's), or
     inside :func:`naming_flags` the program's flag (``flag``, default ``--name``),

@@ -21,7 +21,7 @@ import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS, check_path
-from lexjax.errors import CheckpointError, ConfigError, LexjaxError, arg
+from lexjax.errors import CheckpointError, ConfigError, LexjaxError, arg, nearest_existing
 
 __all__ = [
     "MODE_NAMES",
@@ -164,9 +164,7 @@ def output_dir(workdir: str, out_dir=None) -> str:
             f"out_dir={out_dir} is inside the run's checkpoints ({checkpoints}); give a "
             "directory outside them"
         )
-    there = out
-    while not os.path.exists(there) and there != os.path.dirname(there):
-        there = os.path.dirname(there)  # the nearest part of the path that exists
+    there = nearest_existing(out)
     if not os.path.isdir(there):
         raise ConfigError(f"out_dir={out_dir}: {there} is a file; give a directory")
     check_writable(out)
