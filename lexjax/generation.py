@@ -351,6 +351,13 @@ def generate(
     max_new_tokens = int(max_new_tokens)  # numpy's too
     if mode not in MODES:
         raise ConfigError(f"{arg('mode')}={mode!r}: generation decodes in {' or '.join(MODES)}")
+    if allowed_V is not None:
+        allowed_V = np.asarray(allowed_V, bool)
+        if allowed_V.shape != (model.config.vocab_size,) or not allowed_V.any():
+            raise ConfigError(
+                f"{arg('allowed_V')} (shape {allowed_V.shape}, {int(allowed_V.sum())} true) must be"
+                f" a bool [{model.config.vocab_size}] mask allowing at least one id"
+            )
     if mode == "bca":
         logits, state = prefill(model, params, prompt_BxP, block=block)
     else:

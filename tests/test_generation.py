@@ -339,6 +339,14 @@ def test_only_allowed_ids_are_sampled(model_params):
         assert set(np.unique(tokens)) <= {5, 7}, temperature
     sampleable = data_lib.BYTES.sampleable(320)  # a run's model: 258 ids padded to 320
     assert sampleable[:256].all() and sampleable[data_lib.EOS] and sampleable.sum() == 257
+    # A mask allowing nothing sampled id 0 every time, silently; a wrong length
+    # broadcast or failed deep in the compiled step.
+    for bad in (np.zeros(vocab, bool), np.ones(vocab - 1, bool), np.ones((1, vocab), bool)):
+        with pytest.raises(ConfigError, match=rf"allowed_V \(shape .*must be a bool \[{vocab}\]"):
+            generation.generate(
+                model, params, jnp.ones((1, 3), jnp.int32), block=W, max_new_tokens=4,
+                rng=jax.random.key(0), allowed_V=bad,
+            )  # fmt: skip
 
 
 def _stream_in_pieces(tokenizer, ids, rng, most=3):
