@@ -901,8 +901,11 @@ def _check_divides(lengths: Sequence[int], max_length: int, given: bool = True) 
         return
     budget_flag, lcm = arg("max_length"), math.lcm(*lengths)
     what = f"{budget_flag}={max_length}" if given else f"the default budget of {max_length} tokens"
-    nearest = -(-max_length // lcm) * lcm  # the next budget every length divides
-    such = f" such as {nearest}" if nearest <= 2**24 else ""
+    # The budgets every length divides on either side (the one below keeps within
+    # documents that only just hold max_length, if it still holds the largest length).
+    below, above = max_length // lcm * lcm, -(-max_length // lcm) * lcm
+    such = [n for n in (below, above) if max(lengths) <= n <= 2**24]
+    such = f" such as {' or '.join(map(str, such))}" if such else ""
     raise ConfigError(
         f"no length can be evaluated as asked: none of {arg('lengths')}="
         f"{','.join(map(str, lengths))} divides {what}; give lengths that divide it, or a "

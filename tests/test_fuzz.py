@@ -432,7 +432,7 @@ def test_a_backend_jax_platforms_names_and_the_machine_lacks_is_one_line(tmp_pat
             ["eval.py", "--max_length=48", "--lengths=32"],
             "error: no length can be evaluated as asked: none of --lengths=32 divides "
             "--max_length=48; give lengths that divide it, or a --max_length they divide such "
-            "as 64",
+            "as 32 or 64",  # 32 too: a document of 48 tokens cannot hold 64
         ),
         (["train.py", "--", "--workdir=x"], "error: unexpected argument '--workdir=x': flags"),
         (["eval.py", "--generate", "--top_p=1.5"], "error: --top_p must be in (0, 1], got 1.5"),
