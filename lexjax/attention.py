@@ -31,6 +31,7 @@ import numpy as np
 from flax import struct
 
 from lexjax import positions as pos_lib
+from lexjax.config import PAIRED_ENCODINGS
 from lexjax.errors import ConfigError
 
 __all__ = [
@@ -113,7 +114,7 @@ def context(
     q_positions = jnp.atleast_1d(pos_lib.as_positions(q_positions, "q_positions"))
     k_positions = jnp.atleast_1d(pos_lib.as_positions(k_positions, "k_positions"))
     q_rotary = k_rotary = bias = None
-    if position in ("xpos", "rope", "xpos_norotate"):
+    if position in PAIRED_ENCODINGS:
         extension, decay_base = {}, scale_base
         if position == "xpos_norotate":
             extension = dict(inv_freq=jnp.zeros(head_dim // 2, jnp.float32))
@@ -133,14 +134,14 @@ def context(
         # may sit at different offsets; written so that no int32 sum overflows.
         low = jnp.min(k_positions, axis=-1, keepdims=True)
         shift = low + (jnp.max(q_positions, axis=-1, keepdims=True) - low) // 2
-        if position == "rope":
+        if position == "rope":  # a new paired kind needs its own branch (tested)
             q_rotary = pos_lib.rotary_tables(
                 q_positions - shift, head_dim, theta=theta, **extension
             )
             k_rotary = pos_lib.rotary_tables(
                 k_positions - shift, head_dim, theta=theta, **extension
             )
-        else:
+        elif position in ("xpos", "xpos_norotate"):
             tables = functools.partial(
                 pos_lib.xpos_tables,
                 head_dim=head_dim,
@@ -150,6 +151,8 @@ def context(
             )
             q_rotary = tables(q_positions - shift)
             k_rotary = tables(k_positions - shift, downscale=True)
+        else:  # not XPOS's tables by default: a new kind would silently decay
+            raise NotImplementedError(f"position={position!r} has no rotary tables in context")
     elif position == "alibi":
         bias = logit_bias(q_positions, k_positions, num_heads, position=position)
     q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids

@@ -42,6 +42,8 @@ __all__ = [
     "ABSOLUTE_ENCODINGS",
     "POSITION_KINDS",
     "ROTARY_ENCODINGS",
+    "PAIRED_ENCODINGS",
+    "DECAYING_ENCODINGS",
     "ROPE_SCALINGS",
     "check_rope_scaling",
     "check_int",
@@ -78,6 +80,13 @@ ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 POSITION_KINDS = RELATIVE_ENCODINGS + ABSOLUTE_ENCODINGS + ("none",)
 # The encodings that rotate query/key pairs; the only ones a RoPE scaling applies to.
 ROTARY_ENCODINGS = ("xpos", "rope")
+# The encodings applied as tables on query/key pairs (head_dim must be even), and those
+# of them that decay with distance (their positions have a dtype-set range). A new kind
+# goes in these lists, lexjax.attention.PositionKind and the branch of
+# lexjax.attention.context that builds its tables (docs/design.md, "Adding a position
+# encoding").
+PAIRED_ENCODINGS = ROTARY_ENCODINGS + ("xpos_norotate",)
+DECAYING_ENCODINGS = ("xpos", "xpos_norotate")
 # Inference-time RoPE extensions (lexjax.positions.rope_scaling; the same tuple there).
 ROPE_SCALINGS = ("none", "pi", "ntk", "dynamic_ntk", "yarn")
 # "explicit": scores materialised (and available for resolution measurements);
@@ -604,7 +613,8 @@ def check_rope_scaling(
         )
     if scaling != "none" and position is not None and position not in ROTARY_ENCODINGS:
         raise ConfigError(
-            f"{scaling_name}={scaling} extends a rotary encoding (xpos or rope); "
+            f"{scaling_name}={scaling} extends a rotary encoding "
+            f"({' or '.join(ROTARY_ENCODINGS)}); "
             f"position {position} has no rotation to scale"
         )
 
@@ -758,7 +768,7 @@ def _validated(config: Config) -> Config:
             f"model.num_heads={m.num_heads} does not divide model.d_model="
             f"{m.d_model}; pick heads that divide it"
         )
-    if m.position in ("xpos", "rope", "xpos_norotate") and m.head_dim % 2:
+    if m.position in PAIRED_ENCODINGS and m.head_dim % 2:
         raise ConfigError(
             f"head_dim = d_model/num_heads = {m.head_dim} is odd, but "
             f"model.position={m.position} rotates pairs; make it even"

@@ -84,6 +84,7 @@ from lexjax.blockwise import (
 )
 from lexjax.config import (
     ABSOLUTE_ENCODINGS,
+    DECAYING_ENCODINGS,
     Config,
     ConfigError,
     ModelConfig,
@@ -285,7 +286,7 @@ def full_length_limit(config: ModelConfig) -> float:
     """The most positions :func:`check_full_length` accepts (``inf``: no limit)."""
     if config.position == "learned":
         return config.max_len
-    if config.position in ("xpos", "xpos_norotate"):
+    if config.position in DECAYING_ENCODINGS:
         return math.floor(2 * pos_lib.max_safe_position(config.scale_base, dtype=config.dtype))
     return math.inf
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from lexjax import resolution as res_lib
-from lexjax.config import ABSOLUTE_ENCODINGS, check_path
+from lexjax.config import ABSOLUTE_ENCODINGS, ROTARY_ENCODINGS, check_path
 from lexjax.errors import CheckpointError, ConfigError, LexjaxError, arg, nearest_existing
 
 __all__ = [
@@ -912,7 +912,7 @@ def _scaling_rows(c):
     """``(label, extension name or None, key, runs)`` for each rotary variant without and
     with each RoPE extension, over the seeds that were evaluated so."""
     for label, position, _, group in _variants(c["runs"]):
-        if position not in ("rope", "xpos"):
+        if position not in ROTARY_ENCODINGS:
             continue
         for key in ["full"] + [f"full+{s}" for s in SCALING_NAMES]:
             runs = [r for r in group if key in r["perplexity"]]

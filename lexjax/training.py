@@ -32,6 +32,7 @@ from lexjax import positions as pos_lib
 from lexjax import sharding as shard_lib
 from lexjax import steps as steps_lib
 from lexjax.config import (
+    DECAYING_ENCODINGS,
     Config,
     check_int,
     check_path,
@@ -326,7 +327,7 @@ def _check_xpos_range(config: Config) -> None:
     within it: refused before any work, not a non-finite loss at step 1. Under PI
     the decay sees p/s, so its base is b·s; the other RoPE scalings keep b."""
     m = config.model
-    if m.position not in ("xpos", "xpos_norotate"):
+    if m.position not in DECAYING_ENCODINGS:
         return
     base = m.scale_base
     if m.rope_scaling == "pi":  # s: rope_factor, or (0) this length / rope_train_len

@@ -3,6 +3,7 @@
 import functools
 import math
 import re
+from typing import get_args
 
 import chex
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from lexjax import attention, masks, positions
+from lexjax import attention, config, masks, positions, reports
 from tests import paper
 
 B, TQ, TK, H, D = 2, 4, 6, 2, 8
@@ -39,6 +40,8 @@ def _reference(q, k, v, q_pos, k_pos, position, mask):
     elif position == "alibi":
         slopes = np.asarray(paper.alibi_slopes(H))
         bias = -slopes[None, :, None, None] * (q_pos[:, None, :, None] - k_pos[:, None, None, :])
+    elif position in config.RELATIVE_ENCODINGS:
+        raise NotImplementedError(f"add the paper's equations of position={position!r} here")
     return paper.attention(q, k, v, logit_bias=bias, mask=mask)
 
 
@@ -53,9 +56,25 @@ def _padded_causal_mask():
     return pos, mask
 
 
+def test_the_position_kinds_are_one_list():
+    """attention.PositionKind (the type) and config.POSITION_KINDS (what make_config
+    accepts) name the same kinds, and each paired (table) encoding is built by
+    context: a kind added to one list only was accepted and then refused, or fell
+    through to XPOS's decaying tables."""
+    assert sorted(get_args(attention.PositionKind)) == sorted(config.POSITION_KINDS)
+    # The tables' names (XPOS's, "XPOS b=…", is made where it is shown).
+    assert sorted([*reports.POSITION_NAMES, "xpos"]) == sorted(config.POSITION_KINDS)
+    assert set(config.DECAYING_ENCODINGS) <= set(config.PAIRED_ENCODINGS)
+    assert set(config.PAIRED_ENCODINGS) <= set(config.RELATIVE_ENCODINGS)
+    for kind in config.PAIRED_ENCODINGS:
+        ctx = attention.context(np.arange(4), np.arange(4), num_heads=H, head_dim=D, position=kind)
+        assert ctx.q_rotary is not None and ctx.k_rotary is not None, kind
+
+
 class MultiheadAttentionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters("xpos", "rope", "alibi", "xpos_norotate", "none")
+    # Every kind attention encodes (the absolute ones are added to the embeddings).
+    @parameterized.parameters(*config.RELATIVE_ENCODINGS, "none")
     def test_matches_explicit_softmax_with_mask(self, position):
         q, k, v = _qkv(0)
         # Queries are the last 4 of 6 tokens at positions 20 …; the second example has

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lexjax import blockwise, evaluation, reports
+from lexjax import config as config_lib
 from lexjax.model import Decoder
 from tests.helpers import SMALL_MODEL, TRAIN_LEN
 
@@ -25,7 +26,7 @@ def _model(position):
     return model, params
 
 
-KINDS = ("xpos", "rope", "alibi", "xpos_norotate", "sinusoidal", "learned", "none")
+KINDS = config_lib.POSITION_KINDS  # every kind, a new one included
 
 
 @pytest.fixture(scope="module")

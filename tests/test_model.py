@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lexjax import config as cfg_lib
 from lexjax.blockwise import KVCache
 from lexjax.model import Decoder
 from tests import paper
 from tests.helpers import packed_batch, small_config
 
-POSITIONS = ["xpos", "rope", "alibi", "sinusoidal", "learned", "none"]
+POSITIONS = cfg_lib.POSITION_KINDS  # every kind, a new one included
 
 
 def _init(config, length=16):
