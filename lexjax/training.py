@@ -335,7 +335,11 @@ def _check_xpos_range(config: Config) -> None:
         base *= m.rope_factor or pos_lib.length_factor(config.train_len, rope_train_len)
     limit = pos_lib.max_safe_position(base, dtype=m.dtype, margin=1.0)
     if config.train_len // 2 > limit:
-        least = m.scale_base * (config.train_len // 2) / limit  # the limit grows with b
+        # The advice keeps the room for the keys' own magnitude (max_safe_position's
+        # default margin) that the refusal does not ask for: its b at no margin put
+        # the scale on the edge, and the first step was not finite.
+        room = pos_lib.max_safe_position(base, dtype=m.dtype)
+        least = m.scale_base * (config.train_len // 2) / room  # the limit grows with b
         raise ConfigError(
             f"model.scale_base={m.scale_base:g} lets XPOS's scale overflow {m.dtype} beyond "
             f"positions ±{limit:.1f}, and train_len={config.train_len} trains at "

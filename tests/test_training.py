@@ -103,7 +103,7 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
     config = _train_config(tmp_path, **{"model.scale_base": 0.1})
     said = (
         "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±7.1, and "
-        "train_len=16 trains at ±8; use model.scale_base ≥ 0.12 or a shorter train_len"
+        "train_len=16 trains at ±8; use model.scale_base ≥ 0.13 or a shorter train_len"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
         train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
@@ -121,15 +121,28 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
     for scaling, factor in (("pi", 0.0), ("ntk", 2.0), ("yarn", 2.0)):
         with pytest.raises(ConfigError, match="^model.scale_base=0.1 lets XPOS's scale"):
             training._check_xpos_range(scaled(rope_scaling=scaling, rope_factor=factor))
-    # Without the check, the first step is indeed not finite; 0.2 (±14) trains.
+    # Without the check, the first step is indeed not finite; the advised 0.13 trains
+    # (the first advice, 0.12, was on the edge: not finite at step 1 either).
     monkeypatch.setattr(training, "_check_xpos_range", lambda config: None)
     with pytest.raises(TrainingError, match="step 1"):
         train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
     fits = dataclasses.replace(
-        config, num_train_steps=1, model=dataclasses.replace(config.model, scale_base=0.2)
+        config, num_train_steps=1, model=dataclasses.replace(config.model, scale_base=0.13)
     )
     monkeypatch.undo()
     assert train(fits, str(tmp_path / "fits"), log=lambda _: None, progress=False)["step"] == 1
+
+    # Following the advice trains: at train_len 256 it said 1.81, on the edge of the
+    # overflow, and the first step was not finite.
+    def long(scale_base):
+        model = dataclasses.replace(config.model, max_len=256, scale_base=scale_base)
+        return dataclasses.replace(config, train_len=256, num_train_steps=1, model=model)
+
+    with pytest.raises(ConfigError, match="use model.scale_base ≥ ") as refused:
+        train(long(1.0), str(tmp_path / "r"))
+    advised = float(re.search(r"≥ ([0-9.]+) ", str(refused.value)).group(1))
+    advice = long(advised)
+    assert train(advice, str(tmp_path / "advised"), log=lambda _: None, progress=False)["step"] == 1
 
 
 @pytest.mark.parametrize("devices", [1, 8])
