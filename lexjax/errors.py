@@ -9,7 +9,7 @@ Every error lexjax raises for something the user can change derives from
 ======  =============================================  ======================
 status  kind                                           class
 ======  =============================================  ======================
-0       success (also: stopped by SIGTERM and saved)
+0       success (also: stopped by SIGTERM or SIGHUP and saved)
 1       an unexpected failure (a bug): a traceback
 2       configuration, flags, a missing config file     :class:`ConfigError`
 3       data: corpus, files, documents                  :class:`DataError`
@@ -20,8 +20,9 @@ status  kind                                           class
         asked
 7       the processes of a multi-host run cannot join   :class:`DistributedError`
 130     interrupted by Ctrl-C where the program does
-        not stop cleanly itself (eval.py; train.py's
-        second Ctrl-C): ``interrupted (Ctrl-C)``, then
+        not stop cleanly itself (eval.py; the study
+        outside a training; train.py's second
+        Ctrl-C): ``interrupted (Ctrl-C)``, then
         the process ends by SIGINT, as Python does, so
         that a shell loop running it stops too
 141     stdout's reader went away (``eval.py

@@ -1,4 +1,5 @@
-"""SIGTERM / Ctrl-C that arrive while a program is still starting (importing JAX,
+"""SIGTERM / Ctrl-C (and SIGHUP, a closed terminal or dropped ssh session, which
+the programs treat as SIGTERM) that arrive while a program is still starting (importing JAX,
 parsing flags, joining its peers), before :func:`lexjax.training.train` installs
 its own handlers (and eval.py's Ctrl-C while it imports, :func:`end_on_interrupt`).
 
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 
 __all__ = [
+    "STOP_SIGNALS",
     "defer",
     "ignored",
     "take_deferred",
@@ -35,6 +37,11 @@ __all__ = [
     "interrupt_main_later",
 ]
 
+# The signals that stop a training (finish the step, save, return) or the study. SIGHUP,
+# a terminal that closed (a dropped ssh session), is one more SIGTERM: by default it
+# ended the process at once, losing the save under way.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 _received: list[str] = []
 
 
@@ -45,20 +52,21 @@ def _record(signum, frame):
 
 
 def defer() -> None:
-    """Records SIGTERM and SIGINT from now on (main thread only) until ``train()``
-    takes them over (:func:`take_deferred`). A SIGINT that whoever started the
-    program ignores (a shell's background job, ``nohup … &``) stays ignored, here
-    and in ``train()``: a Ctrl-C meant for the terminal's foreground program does
-    not stop the run."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    """Records the :data:`STOP_SIGNALS` from now on (main thread only) until ``train()``
+    takes them over (:func:`take_deferred`). A SIGINT or SIGHUP that whoever started
+    the program ignores (a shell's background job, ``nohup … &``) stays ignored,
+    here and in ``train()``: a Ctrl-C meant for the terminal's foreground program, or
+    the hangup ``nohup`` is for, does not stop the run."""
+    for sig in STOP_SIGNALS:
         if not ignored(sig):
             signal.signal(sig, _record)
 
 
 def ignored(sig: signal.Signals) -> bool:
-    """Whether ``sig`` is SIGINT and ignored (inherited so; Python itself then keeps
-    it ignored instead of raising KeyboardInterrupt). Other signals: False."""
-    return sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN
+    """Whether ``sig`` is SIGINT or SIGHUP and ignored (inherited so: a background
+    job's Ctrl-C, ``nohup``'s hangup; Python itself then keeps SIGINT ignored instead
+    of raising KeyboardInterrupt). Other signals: False."""
+    return sig in (signal.SIGINT, signal.SIGHUP) and signal.getsignal(sig) is signal.SIG_IGN
 
 
 def take_deferred() -> str | None:
@@ -75,6 +83,7 @@ def end_deferral() -> str | None:
     :func:`take_deferred` does."""
     for sig, handler in (
         (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGHUP, signal.SIG_DFL),
         (signal.SIGINT, signal.default_int_handler),
     ):
         if signal.getsignal(sig) is _record:

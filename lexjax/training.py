@@ -78,8 +78,8 @@ class _StopFlag:
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if signals.ignored(sig):  # a background job's Ctrl-C: not for this run
+        for sig in signals.STOP_SIGNALS:  # SIGHUP (a closed terminal) as SIGTERM
+            if signals.ignored(sig):  # a background job's Ctrl-C, nohup's hangup: not for us
                 continue
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)

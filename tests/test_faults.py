@@ -232,6 +232,55 @@ def test_a_background_runs_ignored_ctrl_c_leaves_it_training(ctx):
     assert P.complete_steps(workdir) == [int(found.group(1))]
 
 
+# train.py on a terminal of its own (stdin, stdout and stderr the pty's slave), as the
+# controlling process of a new session: closing the master is a hangup (SIGHUP), as
+# when an ssh session drops. SIGHUP's action reset: a suite run under nohup ignores it.
+_ON_A_TERMINAL = (
+    "import fcntl, os, signal, sys, termios; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def test_a_closed_terminal_saves_the_current_step_and_the_run_resumes(ctx):
+    """A dropped ssh session (SIGHUP) ended train.py by the default action (status 129),
+    losing the save under way and the steps since the last one; the terminal it
+    printed to then fails every write (EIO). It now stops as on SIGTERM."""
+    import pty
+    import select
+    import threading
+
+    workdir = ctx[0] / "hangup"
+    long_run = args(ctx, workdir, num_train_steps=10**6, checkpoint_every=10**6)
+    argv = [sys.executable, "-c", _ON_A_TERMINAL, sys.executable, str(P.ROOT / "train.py")]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [*argv, *long_run], cwd=P.ROOT, env=ctx[3], stdin=slave, stdout=slave, stderr=slave
+    )
+    os.close(slave)
+    reading, shown = True, []
+
+    def drain():  # the terminal's reader: a full pty would block the run's writes
+        while reading:
+            if select.select([master], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    shown.append(os.read(master, 65536))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        P.wait_until(lambda: P.last_step(workdir) >= 3, proc)
+    finally:
+        reading = False
+        reader.join()
+        os.close(master)  # the hangup
+    assert proc.wait(timeout=240) == 0, b"".join(shown)[-3000:]
+    (saved,) = P.complete_steps(workdir)  # the step it was on, saved
+    assert saved >= 3 and not (workdir / "lease.json").exists()
+    result = P.run(args(ctx, workdir, num_train_steps=saved + 1), ctx[3])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {workdir / 'checkpoints'} at step {saved}" in result.stdout
+
+
 def test_ctrl_c_is_handled_while_train_runs_and_left_alone_where_ignored():
     """In-process: train()'s handlers take SIGINT over from Python's and give it back;
     an ignored SIGINT (a background job's) is neither taken over nor recorded."""
@@ -252,6 +301,19 @@ def test_ctrl_c_is_handled_while_train_runs_and_left_alone_where_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+    # SIGHUP likewise: a hangup stops a run, unless ignored (nohup's), then left so.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with training._StopFlag():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with training._StopFlag() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert stop.signal_name == "SIGHUP"
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_closed_stdout_loses_no_step(ctx):

@@ -34,7 +34,8 @@ lengths, sinks, passkey settings): with other evaluation settings it is measured
 again, its training kept.
 
 SIGTERM or Ctrl-C during a training finishes its step, saves and stops the
-study, exit status 0; a SIGTERM elsewhere stops it at once, also with 0; a
+study, exit status 0; a SIGTERM elsewhere stops it at once, also with 0 (SIGHUP,
+a closed terminal, is a SIGTERM, unless ignored as under ``nohup``); a
 Ctrl-C elsewhere ends it with ``interrupted (Ctrl-C)`` (status 130). Each is
 recorded in ``timing.json``, and the same command resumes.
 """
@@ -681,11 +682,15 @@ class _TerminateOutsideTraining:
     def __init__(self):
         self.armed, self.pending, self._previous = False, False, {}
         self.deferred: str | None = None
+        self.name = "SIGTERM"  # the signal that stopped the study (SIGHUP too)
 
     def __enter__(self):
         self.deferred = signals.end_deferral()  # one while the program started
-        with contextlib.suppress(ValueError):  # not the main thread
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
+            if signals.ignored(sig):  # nohup's
+                continue
+            with contextlib.suppress(ValueError):  # not the main thread
+                self._previous[sig] = signal.signal(sig, self._handle)
         signals.on_swallowed(_Terminated, self._again)
         self.armed = True
         return self
@@ -694,12 +699,14 @@ class _TerminateOutsideTraining:
         """A SIGTERM or Ctrl-C that came while the program started (importing JAX,
         :func:`lexjax.signals.defer`) stops the study now, as one a moment later would."""
         name, self.deferred = self.deferred, None
-        if name == "SIGTERM":
+        if name in ("SIGTERM", "SIGHUP"):
+            self.name = name
             raise _Terminated
         if name == "SIGINT":
             raise KeyboardInterrupt
 
     def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
         if not self.armed:
             self.pending = True
             return
@@ -707,7 +714,7 @@ class _TerminateOutsideTraining:
 
     def _again(self) -> bool:
         if self.armed:
-            return signals.interrupt_main_later(signal.SIGTERM)
+            return signals.interrupt_main_later(signal.Signals[self.name])
         self.pending = True
         return True
 
@@ -744,7 +751,7 @@ def run_experiment(exp, out: str, *, log: Callable[[str], None] = print) -> dict
         except _Terminated:
             _stopped_by_sigterm = True
             where = f" ({os.path.abspath(os.path.expanduser(out))})" if out.strip() else ""
-            log(f"stopped by SIGTERM; run the same command again to continue{where}")
+            log(f"stopped by {stop.name}; run the same command again to continue{where}")
             return None
 
 
