@@ -187,10 +187,11 @@ def check_writable(directory: str) -> None:
 def write_then_show(write: Callable[[], None], show: Callable[[], None]) -> None:
     """``write()`` an evaluation's reports, then ``show()`` its tables on stdout; when a
     write fails (a full disk), the tables are shown before its error propagates, so
-    what was computed is not lost (a stdout that fails then changes nothing)."""
+    what was computed is not lost (a stdout that fails then changes nothing). A Ctrl-C
+    during the writes (a second or so, the figures) shows them too."""
     try:
         write()
-    except LexjaxError:
+    except (LexjaxError, KeyboardInterrupt):
         with contextlib.suppress(Exception):
             show()
         raise

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from unittest import mock
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lexjax import checkpoint
+from lexjax import checkpoint, reports
 from tests.processes import interruptible, kill, make_read_only, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -961,6 +962,15 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
     with pytest.raises(CheckpointError, match="resolution.json \\(No space left on device\\)"):
         run.evaluate([32], max_length=64, modes=["bca"], max_docs=1, resolution=True)
     assert "attention resolution (paper eq. 3" in capsys.readouterr().out
+
+    # A Ctrl-C while the reports are written (a second or so, the figures) ended eval.py
+    # with nothing shown of the scan it had finished.
+    def interrupted(path, text):
+        raise KeyboardInterrupt
+
+    with mock.patch.object(reports, "write_text", interrupted), pytest.raises(KeyboardInterrupt):
+        run.evaluate([16], max_length=64, modes=["bca"], max_docs=1)
+    assert "| 16 " in capsys.readouterr().out
 
 
 def test_settings_checked_after_loading_name_eval_pys_flags(tmp_path):
