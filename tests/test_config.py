@@ -116,6 +116,12 @@ def _hint(dotted: str):
             "--config.model.postion=rope",
             "unknown config field model.postion; did you mean model.position?",
         ),
+        # A field under a section it is not in: the hint was "did you mean train_len?",
+        # and train_len.num_train_steps then had no hint at all.
+        (
+            "--config.train.num_train_steps=3",
+            "unknown config field train.num_train_steps; did you mean num_train_steps?",
+        ),
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
         ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),
