@@ -780,7 +780,8 @@ class Checkpointer:
             else:
                 raise _NoGoodStep(
                     f"no good checkpoint in {self.directory}: every step is damaged; restore "
-                    "them from a copy, or move the directory aside to train from the start"
+                    f"them from a copy, or move the workdir {os.path.dirname(self.directory)} "
+                    f"aside (or use a new {arg('workdir')}) to train from the start"
                 )
         raise CheckpointError(
             f"the checkpoints in {self.directory} were deleted faster than they could be read "

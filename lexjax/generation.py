@@ -249,7 +249,8 @@ def check_full_mode(config: ModelConfig, prompt_tokens: int, max_new_tokens: int
     message says how many new tokens fit."""
     if problem := full_length_problem(config, prompt_tokens + max_new_tokens):
         fits = full_length_limit(config) - prompt_tokens
-        instead = f"at most {fits:,} new tokens" if fits > 0 else "a shorter prompt"
+        # No thousands separator: the number is copied into --max_new_tokens.
+        instead = f"at most {fits} new tokens" if fits > 0 else "a shorter prompt"
         bca = arg("mode='bca'", "--bca=on")
         raise EvaluationError(
             f"{arg('max_new_tokens')}={max_new_tokens:,} after {prompt_tokens:,} prompt tokens "

@@ -506,7 +506,8 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
     def same_model(stored: dict | None) -> None:
         if diff := model_differences(stored or {}, config):
             raise CheckpointError(
-                f"workdir {checkpointer.directory} holds checkpoints of another model "
+                f"workdir {os.path.dirname(checkpointer.directory)} holds checkpoints of "
+                "another model "
                 f"(differs in {', '.join(diff)}); use a new {arg('workdir')} or "
                 "the same model config"
             )

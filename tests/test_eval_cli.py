@@ -568,7 +568,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         far,
         6,
         "--max_new_tokens=200,000 after 3 prompt tokens without BCA: length 200003",
-        "generate with --bca=on, or at most 66,871 new tokens",
+        "generate with --bca=on, or at most 66871 new tokens",
     )
     assert "mesh" not in far.stdout
     # Passkey settings generation cannot take are refused before the run loads (no mesh
@@ -766,7 +766,10 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     # A parameter's checksum is checked: with no older step, nothing good is left.
     damaged = _fixture_copy(tmp_path / "damaged")
     _tamper_integrity(damaged, ".params")
-    with pytest.raises(checkpoint.CheckpointError, match="every step is damaged; restore them"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=f"every step is damaged; restore them from a copy, or move the workdir {damaged} aside",
+    ):
         checkpoint.load_params(damaged)
 
 

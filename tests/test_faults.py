@@ -910,7 +910,9 @@ def test_checkpoints_of_another_model_shape(ctx, reference):
     before = tree_digest(workdir)
     result = P.run(args(ctx, workdir, **{"model.d_model": 64}), ctx[3])
     line = one_error_line(result)
-    assert "holds checkpoints of another model (differs in model.d_model)" in line, line
+    # The workdir named, not its checkpoints directory.
+    said = f"workdir {workdir} holds checkpoints of another model (differs in model.d_model)"
+    assert said in line, line
     assert tree_digest(workdir) == before
 
 
