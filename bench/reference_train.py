@@ -12,10 +12,12 @@ per line:
 - each ``{"steps": n}`` on stdin runs n steps and answers
   ``{"seconds": t, "losses": [...]}``; ``{"quit": true}`` (or EOF) ends it.
 
-The model mirrors lexjax's tiny decoder: pre-LayerNorm blocks (``subln=False``,
-no DeepNorm), GELU MLP, XPOS (``xpos_rel_pos=True``, scale base 512) and tied
-input/output embeddings; torchscale adds biases to the attention projections,
-which lexjax omits (a few thousand parameters, no matmul FLOPs).
+The model has the shape of lexjax's tiny decoder, for a like-for-like speed:
+pre-LayerNorm blocks (``subln=False``, no DeepNorm), GELU MLP, XPOS
+(``xpos_rel_pos=True``, scale base 512) and tied input/output embeddings. It is
+not the same function: torchscale adds biases to the attention projections,
+uses the exact GELU and LayerNorm ε 1e-5, and leaves the tied logits unscaled
+(lexjax: no biases, tanh GELU, ε 1e-6, logits × d_model^−½; docs/design.md).
 """
 
 from __future__ import annotations

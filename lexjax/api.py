@@ -117,7 +117,8 @@ class Run:
 
     @property
     def model(self) -> Decoder:
-        """The Flax module: ``run.model.apply({"params": run.params}, tokens_BxT)``."""
+        """The Flax module: ``run.model.apply({"params": run.params}, tokens_BxT)``
+        returns ``(logits_BxTxV, new_kv)`` (see :class:`lexjax.Decoder`)."""
         return Decoder(self.config.model, shard_lib.rules(self.config))
 
     def metrics(self) -> list[dict[str, float]]:
@@ -297,7 +298,8 @@ def load(
     checksums verified; a damaged step falls back to the one before). ``check``:
     called with the run's :class:`lexjax.config.Config` before its parameters are
     read, to refuse settings that do not suit the run early (its exception
-    propagates). ``devices``: the devices its mesh spans (default all of them);
+    propagates). ``devices``: the devices its mesh spans, a list or one device
+    (default all of them);
     ``devices=jax.devices()[:1]`` gives parameters on one device, to mix with arrays
     placed there in code of your own.
 
@@ -310,6 +312,8 @@ def load(
         raise ConfigError(f"check must be a function of the run's Config or None, got {check!r}")
     if devices is not None:
         given = devices
+        if isinstance(devices, jax.Device):  # one device: devices=jax.devices()[0]
+            devices = [devices]
         devices = list(devices) if isinstance(devices, Iterable) else []
         if not devices or not all(isinstance(d, jax.Device) for d in devices):
             raise ConfigError(f"devices must be a non-empty list of jax devices, got {given!r}")

@@ -277,6 +277,8 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     here = jax.device_put(jnp.ones((2, 4), jnp.int32), jax.devices()[0])
     logits = jax.jit(one.model.apply)({"params": one.params}, here)[0]
     assert logits.shape == (2, 4, config.model.vocab_size)
+    # One device as itself (it was "must be a non-empty list").
+    assert lexjax.load(workdir, devices=jax.devices()[-1]).mesh.devices.flat[0] == jax.devices()[-1]
     for bad in ([], "cpu", 3):
         with pytest.raises(ConfigError, match="^devices must be a non-empty list of jax devices"):
             lexjax.load(workdir, devices=bad)

@@ -768,7 +768,7 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     _tamper_integrity(damaged, ".params")
     with pytest.raises(
         checkpoint.CheckpointError,
-        match=f"every step is damaged; restore them from a copy, or move the workdir {damaged} aside",
+        match=f"every step is damaged; restore them from a copy, or move the workdir {damaged} ",
     ):
         checkpoint.load_params(damaged)
 
