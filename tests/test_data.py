@@ -221,6 +221,23 @@ def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
     assert proc.returncode == 0 and out.startswith("building dataset textfiles"), err[-2000:]
 
 
+def test_a_build_killed_midway_leaves_nothing_after_the_next_one(tmp_path):
+    """TFDS writes a build into ``incomplete.<random>_2.0.0`` and renames it when done;
+    one killed midway (SIGKILL) left that partial copy of the corpus for good beside
+    every later build. The next build, holding the lock, removes it."""
+    _write_corpus(str(tmp_path / "corpus"), 20)
+    files, data_dir = str(tmp_path / "corpus" / "**" / "*.txt"), tmp_path / "tfds"
+    home = data_dir / "textfiles" / data.plan_corpus("textfiles", files).fingerprint[:16]
+    dead = home / "incomplete.K1LL3D_2.0.0" / "textfiles-train.array_record-00000-of-00001"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"half a shard")
+    other = data_dir / "textfiles" / "0123456789abcdef" / "incomplete.OTHER1_2.0.0"
+    other.mkdir(parents=True)  # another corpus's: its own lock decides, not this build
+    builder = data.prepare("textfiles", str(data_dir), files)
+    assert sorted(p.name for p in home.iterdir()) == ["2.0.0"]
+    assert builder.is_prepared() and other.exists()
+
+
 def test_runs_sharing_a_data_dir_learn_its_tokenizer_once(tmp_path):
     """Two runs started at once on one corpus both learned its SentencePiece model
     (minutes each on a large corpus). The second now waits, saying so, and reads it."""

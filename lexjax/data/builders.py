@@ -69,6 +69,7 @@ import glob
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import sysconfig
 import time
@@ -827,9 +828,11 @@ def prepare(
         raise _unwritable(data_dir, e, e.filename) from e
     lock = os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock")
     waiting = f"waiting for another process's build of dataset {name} in {data_dir}"
-    with _one_at_a_time(lock, waiting, data_dir):
+    with _one_at_a_time(lock, waiting, data_dir) as locked:
         builder, prepared = builder_of_plan()
         if not prepared:
+            if locked:  # no other build of this corpus runs: any unfinished one is dead
+                _remove_unfinished_builds(builder.data_dir)
             skipped = _counts(plan.skipped)
             try:  # the line is ended whatever stops the build (a signal: also in print)
                 print(
@@ -877,10 +880,19 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
     except OSError as e:
         raise _unwritable(data_dir, e, writes or e.filename) from e
     with lock:
-        if try_flock(lock) is False:  # None: no flock here, unlocked as before
+        if (locked := try_flock(lock)) is False:  # None: no flock here, unlocked as before
             print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        yield locked is not None
+
+
+def _remove_unfinished_builds(version_dir: str) -> None:
+    """Deletes what builds of ``version_dir`` killed midway (SIGKILL, a power cut) left
+    beside it: TFDS writes into ``incomplete.<random>_<version>`` and renames it when
+    done, so each dead build kept a partial copy of the corpus for good."""
+    parent, version = os.path.split(os.path.normpath(version_dir))
+    for path in glob.glob(os.path.join(glob.escape(parent), f"incomplete.*_{version}")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class MissingSplit(DataError):
