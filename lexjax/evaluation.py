@@ -1172,7 +1172,12 @@ def evaluate_run(
         written += paths
 
         def show_resolution():
-            print("\nattention resolution (paper eq. 3 with eq. 11)\n")
+            # Its own documents: those holding 2 × train_len tokens, maybe fewer than
+            # the perplexity table's.
+            n = len(measured_docs)
+            print(
+                f"\nattention resolution (paper eq. 3 with eq. 11; {n} document{'s' * (n != 1)})\n"
+            )
             print(reports.resolution_table(measured, label))
 
         def write_resolution():  # the settings' own record first, the latest last

@@ -964,7 +964,7 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
     (copy / "eval" / f"resolution.json.{os.getpid()}.tmp").symlink_to("/dev/full")
     with pytest.raises(CheckpointError, match="resolution.json \\(No space left on device\\)"):
         run.evaluate([32], max_length=64, modes=["bca"], max_docs=1, resolution=True)
-    assert "attention resolution (paper eq. 3" in capsys.readouterr().out
+    assert "attention resolution (paper eq. 3 with eq. 11; 1 document)" in capsys.readouterr().out
 
     # A Ctrl-C while the reports are written (a second or so, the figures) ended eval.py
     # with nothing shown of the scan it had finished.
