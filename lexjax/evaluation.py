@@ -540,6 +540,8 @@ def perplexity(
             bar.update(done, f"{mode} {length}")
         nll = nll_sum / count
         seconds = time.perf_counter() - start
+        # A finite NLL past ~709 nats overflows exp: an infinite perplexity, not a crash.
+        perplexity = math.exp(nll) if nll < math.log(sys.float_info.max) else math.inf
         bpb = nll_sum / (math.log(2) * covered) if covered else None
         scaled = at_length(model, length).config
         factor = None if scaled.rope_scaling in ("none", "dynamic_ntk") else scaled.rope_factor
@@ -547,7 +549,7 @@ def perplexity(
             PerplexityResult(
                 mode,
                 length,
-                math.exp(nll),
+                perplexity,
                 nll,
                 count,
                 len(documents),
@@ -1162,7 +1164,10 @@ def evaluate_run(
             say=say,
         )
         # What it measured: its own documents and modes (a name per measurement).
-        settings = dict(settings, max_length=2 * train_len, kind="resolution")
+        # Not perplexity's lengths or sinks, which it does not measure: one measurement
+        # got a copy per perplexity setting.
+        settings = {k: v for k, v in settings.items() if k not in ("lengths", "sinks")}
+        settings.update(max_length=2 * train_len, kind="resolution")
         settings.update(documents=len(measured_docs), modes=resolution_modes)
         settings.update(scored_sha256=scored_digest(measured_docs, 2 * train_len))
         paths = [
@@ -1182,7 +1187,9 @@ def evaluate_run(
 
         def write_resolution():  # the settings' own record first, the latest last
             for path in reversed(paths):
-                reports.write_json(path, reports.resolution_json(measured, **info))
+                reports.write_json(
+                    path, reports.resolution_json(measured, **info, settings=settings)
+                )
 
         reports.write_then_show(write_resolution, show_resolution)
     if figure:

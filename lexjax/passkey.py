@@ -618,6 +618,7 @@ def evaluate_passkey(
     settings.update(depths=depths, trials=trials, filler=source, seed=seed)
     if filler == "text":  # the held-out text as it is now (a file edited since: another name)
         settings.update(scored_sha256=evaluation.scored_digest([stream], len(stream)))
+    summary["settings"] = settings  # which settings made passkey.json, as perplexity's
     written = [
         os.path.join(out_dir, f"{stem}.json")
         for stem in ("passkey", evaluation.settings_name("passkey", settings))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -207,8 +208,22 @@ def remove(path: str) -> None:
 
 
 def write_json(path: str, value: dict) -> None:
-    """``value`` as indented JSON at ``path``, replaced atomically (process 0 only)."""
-    write_text(path, json.dumps(value, indent=2) + "\n")
+    """``value`` as indented JSON at ``path``, replaced atomically (process 0 only).
+    Strict JSON: a non-finite number (a model whose loss is NaN or overflows) is
+    written ``null``; Python's ``NaN``/``Infinity`` are not JSON, and strict parsers
+    (JavaScript's, jq) refused the whole file."""
+    write_text(path, json.dumps(_finite_or_null(value), indent=2, allow_nan=False) + "\n")
+
+
+def _finite_or_null(value):
+    """``value`` with every non-finite float (numpy's too) replaced by None."""
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return None
+    return value
 
 
 def read_json(path: str):

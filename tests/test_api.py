@@ -521,7 +521,8 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     assert written["sinks"] == 2
     run.passkey([80], depths=[0.5], trials=np.int64(2), seed=np.int64(1), modes=["bca", "full"])
     eval_dir = tmp_path / "run" / "eval"
-    assert json.loads((eval_dir / "passkey.json").read_text())["seed"] == 1
+    latest = json.loads((eval_dir / "passkey.json").read_text())
+    assert latest["seed"] == 1 and latest["settings"]["modes"] == ["bca", "full"]  # was none
     assert (eval_dir / "passkey-full.png").exists()
     (one,) = run.passkey([80], depths=0.5, trials=1, modes="bca")  # one depth, no list
     assert one.depth == 0.5

@@ -476,12 +476,14 @@ def test_resolution_files_are_named_by_what_they_measured(workdir, tmp_path):
     (texts / "long.txt").write_text("lexjax " * 90)  # 631 tokens: perplexity (513) too
     (texts / "mid.txt").write_text("lexjax " * 15)  # 106 tokens: resolution's 64 only
     names = []
-    for docs in (1, 2):
+    # The third: perplexity's other lengths, resolution's same measurement (it was a
+    # third copy, the name counting lengths and sinks resolution does not measure).
+    for docs, lengths in ((1, 32), (2, 32), (1, 16)):
         done = _run(
             "eval.py",
             f"--workdir={workdir}",
             f"--eval_files={texts}/*.txt",
-            "--lengths=32",
+            f"--lengths={lengths}",
             "--bca=on",
             "--resolution",
             f"--max_docs={docs}",
@@ -489,8 +491,11 @@ def test_resolution_files_are_named_by_what_they_measured(workdir, tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         names.append(re.search(r"resolution-step[^ ,]+\.json", done.stdout).group(0))
         with open(os.path.join(workdir, "eval", names[-1])) as f:
-            assert {r["documents"] for r in json.load(f)["results"]} == {docs}
-    assert names[0] != names[1]
+            written = json.load(f)
+        assert {r["documents"] for r in written["results"]} == {docs}
+        # Which settings made it, as perplexity.json says (resolution.json did not).
+        assert written["settings"]["documents"] == docs and "lengths" not in written["settings"]
+    assert names[0] != names[1] and names[2] == names[0]
 
 
 def test_eval_refuses_a_corpus_changed_since_training(tmp_path):

@@ -2,6 +2,7 @@
 chunked dense path equals one dense forward, memory does not grow with the length."""
 
 import dataclasses
+import json
 import os
 
 import flax.linen as nn
@@ -180,6 +181,27 @@ def test_perplexity_rows_carry_the_scaling_and_its_factor(models):
         model, params, docs, [W], block=W, max_length=budget, modes=["full"]
     )
     assert {(r.rope_scaling, r.rope_factor) for r in plain} == {("none", None)}
+
+
+def test_a_model_whose_nll_overflows_exp_has_an_infinite_perplexity_in_strict_json(
+    models, tmp_path
+):
+    """Parameters × 1e4: a finite NLL of thousands of nats, whose exp overflowed
+    (OverflowError: eval.py's traceback, exit 1); and a NaN model's report held NaN,
+    which strict JSON parsers refuse."""
+    model, params = models["alibi"]
+    docs = _documents(1, TRAIN_LEN + 1, seed=11)
+    huge = jax.tree.map(lambda x: x * 1e4, params)
+    (row,) = evaluation.perplexity(model, huge, docs, [TRAIN_LEN], block=W, modes=["bca"])
+    assert np.isfinite(row.nll) and row.nll > 710 and row.perplexity == np.inf
+    path = str(tmp_path / "r.json")
+    reports.write_json(path, {"perplexity": row.perplexity, "rows": [np.float32("nan"), 1.5]})
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    with open(path) as f:
+        assert json.load(f, parse_constant=refuse) == {"perplexity": None, "rows": [None, 1.5]}
 
 
 def test_learned_positions_beyond_their_table_fail_clearly_without_bca(models):
