@@ -116,6 +116,18 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+def _fresh_tmp(path: str) -> str:
+    """:func:`_tmp` of ``path``, made anew as an empty file of this process's: whatever
+    was at that name (a file left by a killed writer, a symbolic link) is removed, not
+    written through. A run from elsewhere could hold a link at every such name (one
+    per pid), and the report written through it overwrote a file of the user's."""
+    tmp = _tmp(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    return tmp
+
+
 def _writes() -> bool:
     """Whether this process writes report files: in a multi-process run every process
     computes the same results and process 0 alone writes them."""
@@ -238,7 +250,7 @@ def write_text(path: str, text: str) -> None:
     if not _writes():
         return
     with _writing(path):
-        tmp = _tmp(path)
+        tmp = _fresh_tmp(path)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -262,7 +274,7 @@ def _save(fig, path: str, dpi: int = 120) -> None:
     cut off (a full disk, a Ctrl-C) leaves the figure before it whole."""
     if _writes():
         with _writing(path):
-            tmp = _tmp(path)
+            tmp = _fresh_tmp(path)
             fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
             os.replace(tmp, path)
 

@@ -927,8 +927,27 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_leaves_no_tmp(tmp_pa
         assert "\n" not in str(error.value) and not list(path.parent.glob("*.tmp"))
 
 
+_FRESH_TMP = reports._fresh_tmp
+
+
+def _full_disk_at(monkeypatch, path):
+    """The write of report ``path`` goes to /dev/full (no space left): its temporary
+    file is a link there, made after reports removed whatever was at its name. The
+    latest call's path only."""
+    real = _FRESH_TMP
+
+    def fresh(at):
+        tmp = real(at)
+        if os.path.abspath(at) == os.path.abspath(path):
+            os.remove(tmp)
+            os.symlink("/dev/full", tmp)
+        return tmp
+
+    monkeypatch.setattr(reports, "_fresh_tmp", fresh)
+
+
 def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
-    workdir, tmp_path, capsys
+    workdir, tmp_path, capsys, monkeypatch
 ):
     """A full disk while eval.py wrote its reports lost what it had computed (the tables
     were printed only after the writes) and left perplexity.json new beside the
@@ -945,7 +964,7 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
     }
     capsys.readouterr()
     # The latest figure's temporary file (a name per process) is on a full device.
-    (copy / "eval" / f"perplexity.png.{os.getpid()}.tmp").symlink_to("/dev/full")
+    _full_disk_at(monkeypatch, copy / "eval" / "perplexity.png")
     with pytest.raises(CheckpointError, match="perplexity.png \\(No space left on device\\)"):
         run.evaluate([64], max_length=64, modes=["bca"], max_docs=1)
     shown = capsys.readouterr().out
@@ -958,7 +977,7 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
     assert all((copy / "eval" / name).with_suffix(".png").exists() for name in own)
     # Passkey and attention resolution alike (they printed nothing, and passkey.json
     # was written before its heat maps and its settings' copy).
-    (copy / "eval" / f"passkey.json.{os.getpid()}.tmp").symlink_to("/dev/full")
+    _full_disk_at(monkeypatch, copy / "eval" / "passkey.json")
     with pytest.raises(CheckpointError, match="passkey.json \\(No space left on device\\)"):
         run.passkey([96], depths=[0.5], trials=1, modes=["bca"])
     assert "passkey retrieval of" in capsys.readouterr().out
@@ -966,7 +985,7 @@ def test_a_report_cut_off_shows_its_results_and_keeps_the_latest_pair_whole(
         copy / "eval" / "passkey.json"
     ).exists()
     assert len(list((copy / "eval").glob("passkey-step*.json"))) == 1
-    (copy / "eval" / f"resolution.json.{os.getpid()}.tmp").symlink_to("/dev/full")
+    _full_disk_at(monkeypatch, copy / "eval" / "resolution.json")
     with pytest.raises(CheckpointError, match="resolution.json \\(No space left on device\\)"):
         run.evaluate([32], max_length=64, modes=["bca"], max_docs=1, resolution=True)
     assert "attention resolution (paper eq. 3 with eq. 11; 1 document)" in capsys.readouterr().out
@@ -1027,7 +1046,7 @@ def test_two_processes_writing_one_report_both_finish(tmp_path):
     assert os.listdir(path.parent) == ["perplexity.json"]
 
 
-def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_path):
+def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_path, monkeypatch):
     """The study's markdown tables and summary were plain writes: a full disk was a
     traceback (exit 1) and left the table half written."""
     from lexjax import reports
@@ -1037,11 +1056,30 @@ def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_
     reports.write_text(str(path), "## before\n")
     # Where this process writes the table first (a name per process: two evaluations
     # of one workdir shared "table3.md.tmp", and one's rename took the other's file).
-    (tmp_path / f"table3.md.{os.getpid()}.tmp").symlink_to("/dev/full")  # no space left
+    _full_disk_at(monkeypatch, path)  # no space left
     with pytest.raises(CheckpointError, match="No space left on device") as error:
         reports.write_text(str(path), "## after\n" * 10_000)
     assert "\n" not in str(error.value) and path.read_text() == "## before\n"
     assert not os.path.lexists(tmp_path / f"table3.md.{os.getpid()}.tmp")
+
+
+def test_a_link_planted_at_a_reports_temporary_name_is_not_written_through(tmp_path):
+    """A run from elsewhere held a link at eval/perplexity.json.PID.tmp for every pid:
+    evaluating it overwrote the file the link named, outside the run, with the report."""
+    victim = tmp_path / "mine.txt"
+    victim.write_text("the user's own file\n")
+    out = tmp_path / "downloaded-run" / "eval"
+    out.mkdir(parents=True)
+    for name in ("perplexity.json", "perplexity.png"):
+        (out / f"{name}.{os.getpid()}.tmp").symlink_to(victim)
+    reports.write_json(str(out / "perplexity.json"), {"perplexity": 1.5})
+    reports.plot_perplexity(
+        [("xpos", "bca", [(32, 10.0), (64, 9.0)])], str(out / "perplexity.png"), train_len=32,
+        title="t",
+    )  # fmt: skip
+    assert victim.read_text() == "the user's own file\n"
+    assert json.loads((out / "perplexity.json").read_text()) == {"perplexity": 1.5}
+    assert sorted(p.name for p in out.iterdir()) == ["perplexity.json", "perplexity.png"]
 
 
 def test_a_figure_cut_off_while_written_leaves_the_one_before_whole(tmp_path, monkeypatch):
