@@ -1,8 +1,10 @@
 """lexjax.data: tokenizer, TF-less TFDS builders, grain packing pipeline."""
 
+import base64
 import collections
 import contextlib
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -1276,6 +1278,25 @@ def test_sentencepiece_is_stored_with_the_build_and_reused(sentencepiece_corpus,
     assert data.load_tokenizer(*args, sentencepiece_corpus["pattern"], **other) is None
     restored = tokenizer_lib.from_json(json.loads(json.dumps(tok.to_json())))
     assert restored.fingerprint == tok.fingerprint
+    # A record of another shape, or bytes that are no model, from a run made elsewhere:
+    # AttributeError, TypeError or SentencePiece's RuntimeError (a traceback, exit 1).
+    junk = base64.b64encode(b"no model at all").decode()
+    for record, said in (
+        ([1, 2], "is a list, not a dict"),
+        ({"kind": "sentencepiece", "model": 5}, "unreadable"),
+        ({"kind": "sentencepiece", "model": "@@"}, "unreadable"),
+        ({"kind": "sentencepiece", "model": junk}, "does not match its checksum"),
+        (
+            {
+                "kind": "sentencepiece",
+                "model": junk,
+                "sha256": hashlib.sha256(b"no model at all").hexdigest(),
+            },
+            "does not parse",
+        ),
+    ):
+        with pytest.raises(DataError, match=said):
+            tokenizer_lib.from_json(record)
     import pickle
 
     assert (

@@ -221,15 +221,25 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def from_json(record: dict) -> Tokenizer:
-    """The tokenizer of a ``to_json`` record (raises DataError on a damaged one)."""
-    kind = record.get("kind")
+    """The tokenizer of a ``to_json`` record (raises DataError on a damaged one: also
+    one of another shape, or a model whose bytes do not match their checksum, which is
+    checked before SentencePiece parses them)."""
+    kind = record.get("kind") if isinstance(record, dict) else None
     if kind == "bytes":
         return BYTES
     if kind == "sentencepiece":
-        tokenizer = SentencePieceTokenizer(base64.b64decode(record["model"]))
-        if tokenizer.fingerprint != record.get("sha256"):
+        try:
+            proto = base64.b64decode(record["model"], validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"the stored sentencepiece model is unreadable ({e!r})") from None
+        if hashlib.sha256(proto).hexdigest() != record.get("sha256"):
             raise DataError("the stored sentencepiece model does not match its checksum")
-        return tokenizer
+        try:
+            return SentencePieceTokenizer(proto)
+        except RuntimeError as e:  # SentencePiece's parser: its checksum matched, yet no model
+            raise DataError(f"the stored sentencepiece model does not parse ({e})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"the stored tokenizer record is a {type(record).__name__}, not a dict")
     raise DataError(f"unknown tokenizer kind {kind!r}; lexjax knows {', '.join(KINDS)}")
 
 
