@@ -1160,12 +1160,19 @@ def _tokenizer_of(
             )
         return data_lib.BYTES
     try:
-        return tokenizer_lib.from_json(record)
+        tokenizer = tokenizer_lib.from_json(record)
     except (DataError, KeyError, ValueError) as e:
         raise CheckpointError(
             f"tokenizer of checkpoint step {step} in {checkpointer.directory} is damaged: "
             f"{one_line(e)}"
         ) from None
+    vocab = ((config or {}).get("model") or {}).get("vocab_size")
+    if isinstance(vocab, int) and tokenizer.vocab_size > vocab:  # ids past the table: NaN
+        raise CheckpointError(
+            f"checkpoint step {step} in {checkpointer.directory} does not hold together: its "
+            f"tokenizer has {tokenizer.vocab_size} ids, its model's table {vocab}"
+        )
+    return tokenizer
 
 
 def load_tokenizer(workdir: str | os.PathLike[str], step: int | None = None) -> data_lib.Tokenizer:

@@ -666,3 +666,19 @@ def test_a_users_own_uncaught_orbax_error_still_prints_after_lexjax_quiets_orbax
     before, _, after = done.stderr.partition("thread reported\n")
     assert "Traceback" not in before, before[-2000:]
     assert "Traceback" in after and "FileNotFoundError" in after.splitlines()[-1], after[-2000:]
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_table_is_refused():
+    """A run whose stored tokenizer has more ids than its model's embedding table (a
+    run put together elsewhere) evaluated to NaN, exit 0."""
+    import types
+
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import data as data_lib
+
+    here = types.SimpleNamespace(directory="/runs/x/checkpoints")
+    record = data_lib.BYTES.to_json()  # 258 ids
+    with pytest.raises(CheckpointError, match="its tokenizer has 258 ids, its model's table 100$"):
+        ckpt_lib._tokenizer_of(here, 6, {"model": {"vocab_size": 100}}, record)
+    fits = ckpt_lib._tokenizer_of(here, 6, {"model": {"vocab_size": 320}}, record)
+    assert fits is data_lib.BYTES
