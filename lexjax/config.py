@@ -380,14 +380,16 @@ def _check_field(config, path: str) -> None:
     for depth, key in enumerate(parts):
         known = list(node.keys()) if hasattr(node, "keys") else []
         if key not in known:
-            if depth < len(parts) - 1 or not known:  # under a wrong section, or a value
-                leaves = list(_leaf_paths(config))
-                # The field named last, wherever it is (train.num_train_steps: the
-                # config is flat there), else the closest whole path.
-                same = [p for p in leaves if p.split(".")[-1] == parts[-1]]
-                close = same or difflib.get_close_matches(path, leaves, n=1, cutoff=0.6)
-                if close:
-                    raise ConfigError(f"unknown config field {path}; did you mean {close[0]}?")
+            leaves = list(_leaf_paths(config))
+            # The field named last, wherever it is (train.num_train_steps, optim.learning_rate:
+            # the config is flat there), the closest of several (model.vocab_size, not
+            # data.vocab_size); under a wrong section or a value, else the closest path.
+            same = [p for p in leaves if p.split(".")[-1] == parts[-1]]
+            close = difflib.get_close_matches(path, same, n=1, cutoff=0) if same else []
+            if not close and (depth < len(parts) - 1 or not known):
+                close = difflib.get_close_matches(path, leaves, n=1, cutoff=0.6)
+            if close:
+                raise ConfigError(f"unknown config field {path}; did you mean {close[0]}?")
             prefix = ".".join(parts[:depth] + [""])
             raise unknown_field(prefix + key, [prefix + k for k in known])
         node = node[key]

@@ -122,6 +122,12 @@ def _hint(dotted: str):
             "--config.train.num_train_steps=3",
             "unknown config field train.num_train_steps; did you mean num_train_steps?",
         ),
+        # Under a section that exists, where the field is top-level: it was "did you mean
+        # optim.end_lr_fraction?".
+        (
+            "--config.optim.learning_rate=1e-3",
+            "unknown config field optim.learning_rate; did you mean learning_rate?",
+        ),
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
         ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),

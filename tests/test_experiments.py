@@ -209,6 +209,16 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     [
         ("--config.runs=rope/b=3", "runs: 'rope/b=3': /b= applies to xpos only"),
         ("--config.nosuch=1", "unknown config field nosuch; known: "),
+        # A training field without its train. (it listed the study's own fields), and a
+        # name two sections share: the closer (it was data.vocab_size, by order).
+        (
+            "--config.num_train_steps=3",
+            "unknown config field num_train_steps; did you mean train.num_train_steps?",
+        ),
+        (
+            "--config.model.vocab_size=300",
+            "unknown config field model.vocab_size; did you mean train.model.vocab_size?",
+        ),
         # A positional argument was ignored (the study ran into the default --out), and
         # train.py's config was a KeyError traceback.
         (
