@@ -1226,6 +1226,40 @@ def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
     assert learners() == []  # killed, not left to learn on
 
 
+# A parent in a process group of its own that only records signals (as a multi-process
+# run does until its processes agree) and gets one sent to its whole group, the
+# learner too (a shell's SIGHUP to its jobs when the ssh session drops, Slurm's SIGTERM).
+_LEARN_THROUGH_A_GROUP_SIGNAL = """
+import os, signal, sys, threading, time
+from lexjax.data import tokenizer
+os.setpgrp()
+sig, got = getattr(signal, sys.argv[1]), []
+signal.signal(sig, lambda s, f: got.append(s))
+lines = [f"line {i} of words " * 20 for i in range(20000)]
+
+def later():
+    time.sleep(1.0)  # into the learning
+    os.killpg(0, sig)
+
+threading.Thread(target=later, daemon=True).start()
+tokenizer.train_sentencepiece(lines, 300)
+print("learned", got == [sig], flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_group_leaves_the_learning_to_the_parent(name):
+    """The learner ignored SIGTERM and Ctrl-C but not SIGHUP: a dropped ssh session
+    killed it, and the run failed ('the learning process was killed by SIGHUP')."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LEARN_THROUGH_A_GROUP_SIGNAL, name],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert (done.returncode, done.stdout) == (0, "learned True\n"), done.stderr[-2000:]
+
+
 def test_sentencepiece_learns_with_the_parents_path_and_needs_a_runnable_python(
     tmp_path, monkeypatch
 ):

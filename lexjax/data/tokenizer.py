@@ -278,14 +278,15 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
 # handler only runs after it; the parent waits in Python instead, so SIGTERM and
 # Ctrl-C stop a run that is still learning at once (the child is killed). The child
 # imports sentencepiece only, from the parent's sys.path (a notebook's additions too);
-# ``-P`` keeps the working directory off its path. It ignores SIGTERM and Ctrl-C (sent
-# to the whole process group by a terminal or Slurm): whether they stop the learning is
-# the parent's to decide. The model goes to a file, so nothing printed at its start
+# ``-P`` keeps the working directory off its path. It ignores SIGTERM, Ctrl-C and SIGHUP
+# (sent to the whole process group by a terminal, a dropped ssh session or Slurm):
+# whether they stop the learning is the parent's to decide. The model goes to a file, so nothing printed at its start
 # (a sitecustomize) can mix into it.
 _LEARNER = r"""
 import io, json, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
 import sentencepiece
 data = sys.stdin.buffer.read()
 lines = (line.decode("utf-8", "surrogatepass") for line in data.split(b"\n")) if data else iter(())
