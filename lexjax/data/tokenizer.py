@@ -280,8 +280,8 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
 # imports sentencepiece only, from the parent's sys.path (a notebook's additions too);
 # ``-P`` keeps the working directory off its path. It ignores SIGTERM, Ctrl-C and SIGHUP
 # (sent to the whole process group by a terminal, a dropped ssh session or Slurm):
-# whether they stop the learning is the parent's to decide. The model goes to a file, so nothing printed at its start
-# (a sitecustomize) can mix into it.
+# whether they stop the learning is the parent's to decide. The model goes to a file,
+# so nothing printed at its start (a sitecustomize) can mix into it.
 _LEARNER = r"""
 import io, json, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
