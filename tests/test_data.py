@@ -233,10 +233,16 @@ def test_a_build_killed_midway_leaves_nothing_after_the_next_one(tmp_path):
     dead = home / "incomplete.K1LL3D_2.0.0" / "textfiles-train.array_record-00000-of-00001"
     dead.parent.mkdir(parents=True)
     dead.write_bytes(b"half a shard")
+    two_hours_ago = time.time() - 7200
+    for path in (dead, dead.parent):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    # Written a moment ago: maybe another host's build under a per-host flock, left.
+    live = home / "incomplete.L1V3ON_2.0.0"
+    (live / "shard").mkdir(parents=True)
     other = data_dir / "textfiles" / "0123456789abcdef" / "incomplete.OTHER1_2.0.0"
     other.mkdir(parents=True)  # another corpus's: its own lock decides, not this build
     builder = data.prepare("textfiles", str(data_dir), files)
-    assert sorted(p.name for p in home.iterdir()) == ["2.0.0"]
+    assert sorted(p.name for p in home.iterdir()) == ["2.0.0", live.name]
     assert builder.is_prepared() and other.exists()
 
 

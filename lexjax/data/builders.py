@@ -886,13 +886,28 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
         yield locked is not None
 
 
+# An unfinished build untouched this long is dead: a live one writes its shards all along.
+_DEAD_BUILD_S = 3600
+
+
 def _remove_unfinished_builds(version_dir: str) -> None:
     """Deletes what builds of ``version_dir`` killed midway (SIGKILL, a power cut) left
     beside it: TFDS writes into ``incomplete.<random>_<version>`` and renames it when
-    done, so each dead build kept a partial copy of the corpus for good."""
+    done, so each dead build kept a partial copy of the corpus for good. Only one
+    nothing in has changed for :data:`_DEAD_BUILD_S`: where flock is per host (some
+    cluster filesystems), another host's build may be writing one now."""
     parent, version = os.path.split(os.path.normpath(version_dir))
     for path in glob.glob(os.path.join(glob.escape(parent), f"incomplete.*_{version}")):
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            newest = max(
+                os.lstat(os.path.join(top, name)).st_mtime
+                for top, dirs, files in os.walk(path)
+                for name in [".", *files]
+            )
+        except (OSError, ValueError):  # gone meanwhile, or unreadable: not ours to judge
+            continue
+        if time.time() - newest > _DEAD_BUILD_S:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class MissingSplit(DataError):
