@@ -253,7 +253,7 @@ def check_full_mode(config: ModelConfig, prompt_tokens: int, max_new_tokens: int
         instead = f"at most {fits} new tokens" if fits > 0 else "a shorter prompt"
         bca = arg("mode='bca'", "--bca=on")
         raise EvaluationError(
-            f"{arg('max_new_tokens')}={max_new_tokens:,} after {prompt_tokens:,} prompt tokens "
+            f"{arg('max_new_tokens')}={max_new_tokens} after {prompt_tokens:,} prompt tokens "
             f"without BCA: {problem[0]}; generate with {bca}, or {instead}"
         )
 

@@ -572,7 +572,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
     _one_line_error(
         far,
         6,
-        "--max_new_tokens=200,000 after 3 prompt tokens without BCA: length 200003",
+        "--max_new_tokens=200000 after 3 prompt tokens without BCA: length 200003",
         "generate with --bca=on, or at most 66871 new tokens",
     )
     assert "mesh" not in far.stdout
