@@ -541,7 +541,8 @@ def perplexity(
         nll = nll_sum / count
         seconds = time.perf_counter() - start
         # A finite NLL past ~709 nats overflows exp: an infinite perplexity, not a crash.
-        perplexity = math.exp(nll) if nll < math.log(sys.float_info.max) else math.inf
+        # (A NaN NLL stays NaN: a broken model, not an overflow.)
+        perplexity = math.inf if nll >= math.log(sys.float_info.max) else math.exp(nll)
         bpb = nll_sum / (math.log(2) * covered) if covered else None
         scaled = at_length(model, length).config
         factor = None if scaled.rope_scaling in ("none", "dynamic_ntk") else scaled.rope_factor

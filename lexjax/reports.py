@@ -615,10 +615,16 @@ def _passkey_mean(runs, mode, length, depth=None, key="passkey"):
     for r in runs:
         cell = r.get(key, {}).get(mode, {}).get(str(length))
         if cell:
+            cell = {k: _nan_if_null(v) for k, v in cell.items()}  # null: not finite
             values.append(
                 cell[str(depth)] if depth is not None else float(np.mean([*cell.values()]))
             )
     return values
+
+
+def _nan_if_null(value):
+    """A number read back from a report: ``null`` was a non-finite one (NaN here)."""
+    return math.nan if value is None else value
 
 
 def study_passkey_table(c, key: str = "passkey") -> str:
@@ -724,9 +730,11 @@ def _modes(runs, key="perplexity"):
 
 def _stats(runs, mode, length):
     """``(mean, std, n)`` of a cell over the seeds in ``runs`` that have it; std is the
-    sample standard deviation (ddof 1), None with one seed; ``(None, None, 0)`` if none."""
-    values = [r["perplexity"].get(mode, {}).get(str(length)) for r in runs]
-    values = [v for v in values if v is not None]
+    sample standard deviation (ddof 1), None with one seed; ``(None, None, 0)`` if none.
+    A cell written ``null`` (a non-finite perplexity: :func:`write_json`) counts as NaN,
+    so a diverged seed makes the mean NaN instead of leaving it silently."""
+    cells = [r["perplexity"].get(mode, {}) for r in runs]
+    values = [_nan_if_null(c[str(length)]) for c in cells if str(length) in c]
     if not values:
         return None, None, 0
     std = float(np.std(values, ddof=1)) if len(values) > 1 else None
@@ -764,6 +772,8 @@ def compare(a, b, mode, length) -> dict | None:
     else:
         diff, two_se, n = ma - mb, 2 * float(np.sqrt(sa**2 / na + sb**2 / nb)), [na, nb]
     verdict = "within seed noise" if abs(diff) <= two_se else ("lower" if diff < 0 else "higher")
+    if not (math.isfinite(diff) and math.isfinite(two_se)):  # a diverged seed: no verdict
+        verdict = "not finite"
     return {
         "diff": diff,
         "two_se": two_se,

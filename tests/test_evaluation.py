@@ -194,6 +194,10 @@ def test_a_model_whose_nll_overflows_exp_has_an_infinite_perplexity_in_strict_js
     huge = jax.tree.map(lambda x: x * 1e4, params)
     (row,) = evaluation.perplexity(model, huge, docs, [TRAIN_LEN], block=W, modes=["bca"])
     assert np.isfinite(row.nll) and row.nll > 710 and row.perplexity == np.inf
+    # A NaN model stays NaN (not an overflow's inf).
+    broken = jax.tree.map(lambda x: x * np.nan, params)
+    (nan,) = evaluation.perplexity(model, broken, docs, [TRAIN_LEN], block=W, modes=["bca"])
+    assert np.isnan(nan.nll) and np.isnan(nan.perplexity)
     path = str(tmp_path / "r.json")
     reports.write_json(path, {"perplexity": row.perplexity, "rows": [np.float32("nan"), 1.5]})
 

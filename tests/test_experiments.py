@@ -295,6 +295,12 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     assert reports.compare(runs(7.0), rope, "bca", 8)["verdict"] == "one seed"
     assert reports.compare(xpos, rope, "bca", 16) is None
     assert reports._fmt_stats(runs(7.0), "bca", 8) == "7.000"
+    # A seed whose perplexity was not finite (written null in strict JSON) makes the
+    # cell NaN: it was dropped, and the row's mean silently left out the diverged seed.
+    assert reports._fmt_stats(runs(7.0, None), "bca", 8) == "nan ± nan"
+    assert reports.compare(runs(7.0, 7.2, None), rope, "bca", 8)["verdict"] == "not finite"
+    nats = [{"passkey_nats": {"bca": {"64": {"0.5": 3.0, "0.9": None}}}}]
+    assert np.isnan(reports._passkey_mean(nats, "bca", 64, key="passkey_nats")[0])
 
     # Seeds paired (same initialisation and data order): per-seed differences.
     def seeded(*values):
