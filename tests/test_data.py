@@ -226,7 +226,8 @@ def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
 def test_a_build_killed_midway_leaves_nothing_after_the_next_one(tmp_path):
     """TFDS writes a build into ``incomplete.<random>_2.0.0`` and renames it when done;
     one killed midway (SIGKILL) left that partial copy of the corpus for good beside
-    every later build. The next build, holding the lock, removes it."""
+    every later build. A use of the corpus removes it once an hour untouched: the
+    rebuild, or a later use where the rebuild came sooner."""
     _write_corpus(str(tmp_path / "corpus"), 20)
     files, data_dir = str(tmp_path / "corpus" / "**" / "*.txt"), tmp_path / "tfds"
     home = data_dir / "textfiles" / data.plan_corpus("textfiles", files).fingerprint[:16]
@@ -244,6 +245,11 @@ def test_a_build_killed_midway_leaves_nothing_after_the_next_one(tmp_path):
     builder = data.prepare("textfiles", str(data_dir), files)
     assert sorted(p.name for p in home.iterdir()) == ["2.0.0", live.name]
     assert builder.is_prepared() and other.exists()
+    # The one a rebuild within the hour kept goes at a later use (the build is made).
+    os.utime(live / "shard", (two_hours_ago, two_hours_ago))
+    os.utime(live, (two_hours_ago, two_hours_ago))
+    data.prepare("textfiles", str(data_dir), files)
+    assert sorted(p.name for p in home.iterdir()) == ["2.0.0"]
 
 
 def test_runs_sharing_a_data_dir_learn_its_tokenizer_once(tmp_path):

@@ -817,7 +817,8 @@ def prepare(
             return builder, builder.is_prepared()
 
     builder, prepared = builder_of_plan()
-    if prepared:
+    if prepared:  # (the rebuild after a kill, within the hour, left the dead one's copy)
+        _remove_unfinished_builds(builder.data_dir)
         return builder
     # Processes that start together on one host (the local processes of a
     # multi-process run, two runs launched at once) build a corpus once: the
@@ -828,11 +829,10 @@ def prepare(
         raise _unwritable(data_dir, e, e.filename) from e
     lock = os.path.join(data_dir, name, f".{plan.fingerprint[:16]}.lock")
     waiting = f"waiting for another process's build of dataset {name} in {data_dir}"
-    with _one_at_a_time(lock, waiting, data_dir) as locked:
+    with _one_at_a_time(lock, waiting, data_dir):
         builder, prepared = builder_of_plan()
         if not prepared:
-            if locked:  # no other build of this corpus runs: any unfinished one is dead
-                _remove_unfinished_builds(builder.data_dir)
+            _remove_unfinished_builds(builder.data_dir)
             skipped = _counts(plan.skipped)
             try:  # the line is ended whatever stops the build (a signal: also in print)
                 print(
@@ -880,10 +880,10 @@ def _one_at_a_time(lock_path: str, waiting: str, data_dir: str, writes: str | No
     except OSError as e:
         raise _unwritable(data_dir, e, writes or e.filename) from e
     with lock:
-        if (locked := try_flock(lock)) is False:  # None: no flock here, unlocked as before
+        if try_flock(lock) is False:  # None: no flock here, unlocked as before
             print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield locked is not None
+        yield
 
 
 # An unfinished build untouched this long is dead: a live one writes its shards all along.
@@ -895,7 +895,8 @@ def _remove_unfinished_builds(version_dir: str) -> None:
     beside it: TFDS writes into ``incomplete.<random>_<version>`` and renames it when
     done, so each dead build kept a partial copy of the corpus for good. Only one
     nothing in has changed for :data:`_DEAD_BUILD_S`: where flock is per host (some
-    cluster filesystems), another host's build may be writing one now."""
+    cluster filesystems) or missing, another build may be writing one now. Called by
+    every use of the corpus, so a copy younger than that at the rebuild goes later."""
     parent, version = os.path.split(os.path.normpath(version_dir))
     for path in glob.glob(os.path.join(glob.escape(parent), f"incomplete.*_{version}")):
         try:
