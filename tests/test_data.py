@@ -1272,6 +1272,33 @@ def test_a_signal_to_the_whole_group_leaves_the_learning_to_the_parent(name):
     assert (done.returncode, done.stdout) == (0, "learned True\n"), done.stderr[-2000:]
 
 
+def test_the_learner_dies_with_a_parent_that_a_signal_ends(tmp_path):
+    """A script calling lexjax.data directly keeps SIGHUP's default action: the hangup
+    ended it, and the learner, which ignores the signal, learned on for no one."""
+    marker = f"LEXJAX_TEST_LEARNER={tmp_path.name}"
+    env = dict(os.environ, LEXJAX_TEST_LEARNER=tmp_path.name)
+    script = _LEARN_THROUGH_A_GROUP_SIGNAL.replace(
+        "signal.signal(sig, lambda s, f: got.append(s))", "pass  # the default action: it dies"
+    ).replace("range(20000)", "range(100000)")  # learning for long after the signal
+    done = subprocess.run(
+        [sys.executable, "-c", script, "SIGHUP"], env=env, capture_output=True, timeout=240
+    )
+    assert done.returncode == -signal.SIGHUP, done.stderr[-2000:]
+
+    def learners():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    found.append(pid)
+        return found
+
+    deadline = time.monotonic() + 3  # (a learner left alive learns on for many seconds)
+    while learners() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert learners() == []
+
+
 def test_sentencepiece_learns_with_the_parents_path_and_needs_a_runnable_python(
     tmp_path, monkeypatch
 ):
@@ -1332,6 +1359,7 @@ def test_sentencepiece_is_stored_with_the_build_and_reused(sentencepiece_corpus,
         ({"kind": "sentencepiece", "model": 5}, "unreadable"),
         ({"kind": "sentencepiece", "model": "@@"}, "unreadable"),
         ({"kind": "sentencepiece", "model": junk}, "does not match its checksum"),
+        ({"kind": "sentencepiece", "model": "", "sha256": hashlib.sha256().hexdigest()}, "empty"),
         (
             {
                 "kind": "sentencepiece",

@@ -235,9 +235,12 @@ def from_json(record: dict) -> Tokenizer:
         if hashlib.sha256(proto).hexdigest() != record.get("sha256"):
             raise DataError("the stored sentencepiece model does not match its checksum")
         try:
-            return SentencePieceTokenizer(proto)
+            tokenizer = SentencePieceTokenizer(proto) if proto else None
         except RuntimeError as e:  # SentencePiece's parser: its checksum matched, yet no model
             raise DataError(f"the stored sentencepiece model does not parse ({e})") from None
+        if tokenizer is None:  # (it parses as a model of 0 ids)
+            raise DataError("the stored sentencepiece model is empty")
+        return tokenizer
     if not isinstance(record, dict):
         raise DataError(f"the stored tokenizer record is a {type(record).__name__}, not a dict")
     raise DataError(f"unknown tokenizer kind {kind!r}; lexjax knows {', '.join(KINDS)}")
@@ -283,10 +286,16 @@ def sample_lines(documents, budget: int = SAMPLE_BYTES) -> Iterator[str]:
 # whether they stop the learning is the parent's to decide. The model goes to a file,
 # so nothing printed at its start (a sitecustomize) can mix into it.
 _LEARNER = r"""
-import io, json, signal, sys
+import ctypes, io, json, os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
+try:  # Linux: killed when the parent dies (PR_SET_PDEATHSIG), not left learning for none
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[3]):  # the parent died before that took hold
+    sys.exit(1)
 import sentencepiece
 data = sys.stdin.buffer.read()
 lines = (line.decode("utf-8", "surrogatepass") for line in data.split(b"\n")) if data else iter(())
@@ -341,7 +350,15 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceT
         written = os.path.join(scratch, "model")
         try:
             learner = subprocess.Popen(
-                [sys.executable, "-P", "-c", _LEARNER, json.dumps(options), written],
+                [
+                    sys.executable,
+                    "-P",
+                    "-c",
+                    _LEARNER,
+                    json.dumps(options),
+                    written,
+                    str(os.getpid()),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
