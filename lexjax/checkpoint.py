@@ -111,6 +111,18 @@ def checkpoint_dir(workdir: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
+def check_workdir_path(workdir: str | os.PathLike[str]) -> None:
+    """A :class:`CheckpointError` for a workdir whose absolute path holds ``[``: orbax
+    finds a checkpoint's parts with a glob of its directory's path, where ``[abc]`` is a
+    pattern, so a checkpoint saved there was written without them (exit 0) and could
+    never be read back, there or moved."""
+    if "[" in (path := os.path.abspath(workdir)):
+        raise CheckpointError(
+            f"workdir {path} holds a '[': orbax reads checkpoint paths as glob patterns, so a "
+            "checkpoint saved there could not be read back; use a workdir without '['"
+        )
+
+
 def has_steps(workdir: str | os.PathLike[str]) -> bool:
     """Whether a workdir's checkpoints hold a step's directory, complete or not
     (False where there is none, or it cannot be listed)."""
@@ -1029,6 +1041,7 @@ def _open_run(workdir) -> Checkpointer:
     """A read-only Checkpointer on ``workdir``'s checkpoints, or the CheckpointError
     saying why there are none (decided by all processes together: what follows
     collects)."""
+    check_workdir_path(workdir)
     directory = checkpoint_dir(workdir)
     # Another user's run: not "does not exist". Reading passes through the workdir (and
     # the directories above it, the nearest existing one checked) and lists checkpoints/.

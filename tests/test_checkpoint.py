@@ -682,3 +682,22 @@ def test_a_tokenizer_with_more_ids_than_the_models_table_is_refused():
         ckpt_lib._tokenizer_of(here, 6, {"model": {"vocab_size": 100}}, record)
     fits = ckpt_lib._tokenizer_of(here, 6, {"model": {"vocab_size": 320}}, record)
     assert fits is data_lib.BYTES
+
+
+def test_a_path_with_a_bracket_is_refused_before_any_work(tmp_path):
+    """orbax and TFDS glob their directories' paths: under a workdir holding '[abc]' a
+    checkpoint was saved without its parts (exit 0) and could never be read back, and
+    under such a data_dir the corpus was built anew at every use."""
+    from lexjax import checkpoint, data
+    from lexjax.errors import DataError
+    from lexjax.training import train
+    from tests.helpers import small_config
+
+    workdir = tmp_path / "runs[abc]" / "one"
+    with pytest.raises(CheckpointError, match=r"^workdir .*runs\[abc\]/one holds a '\['"):
+        train(small_config(), str(workdir), log=lambda _: None, progress=False)
+    assert not (tmp_path / "runs[abc]").exists()
+    with pytest.raises(CheckpointError, match="use a workdir without '\\['$"):
+        checkpoint.load_params(str(workdir))
+    with pytest.raises(DataError, match="choose a data_dir without '\\['$"):
+        data.prepare("python_stdlib", str(tmp_path / "data[1]"))
