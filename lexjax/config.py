@@ -337,12 +337,15 @@ def exit_if_help(argv: list[str]) -> None:
 
 
 def _load_file(path: str):
-    """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]``."""
-    file, _, preset = path.partition(":")
+    """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]`` (a preset
+    follows the last ``:``; a file whose own path holds one is taken whole)."""
+    file, preset = path, ""
+    if ":" in path and not os.path.isfile(path):
+        file, _, preset = path.rpartition(":")
     if os.path.isdir(file):
         raise ConfigError(f"--config={path}: {file} is a directory; name a config file in it")
     if not os.path.isfile(file):
-        siblings = glob.glob(os.path.join(os.path.dirname(file), "*.py"))
+        siblings = glob.glob(os.path.join(glob.escape(os.path.dirname(file)), "*.py"))
         close = difflib.get_close_matches(file, siblings, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"--config={path}: there is no file {file}{hint}")

@@ -639,3 +639,20 @@ def test_refused_by_names_whose_file_this_user_may_not_read(tmp_path, monkeypatc
     assert errors.refused_by(tmp_path / "none") == ""  # missing is not refused
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)
     assert errors.refused_by(path) == f" (Permission denied: user {pwd.getpwuid(uid).pw_name}'s)"
+
+
+def test_a_config_file_whose_path_holds_a_colon_or_a_bracket(tmp_path):
+    """`FILE:PRESET` was split at the first ':', so a file under `c:fg/` was "there is
+    no file .../c"; and the did-you-mean globbed a directory like `cfg[1]` unescaped."""
+    import shutil
+
+    for name in ("c:fg", "cfg[1]"):
+        (tmp_path / name).mkdir()
+        shutil.copy(os.path.join(ROOT, "configs", "extrapolation.py"), tmp_path / name / "e.py")
+    colon = tmp_path / "c:fg" / "e.py"
+    assert cfg._load_file(str(colon)).train.num_train_steps > 0
+    assert (
+        cfg._load_file(f"{colon}:smoke").train.num_train_steps < 100
+    )  # the preset, after the last ':'
+    with pytest.raises(cfg.ConfigError, match=r"there is no file .*cfg\[1\]/f\.py; did you mean"):
+        cfg._load_file(str(tmp_path / "cfg[1]" / "f.py"))
