@@ -167,6 +167,8 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     first: for library failures (orbax, tensorstore) that is where the
     operating system's reason is. A context its raiser suppressed (``raise ...
     from None``, as json's decode error does over a StopIteration) is not followed.
+    Past ``limit`` characters its middle is cut, not its end: a path near PATH_MAX
+    took the whole line, and the reason and the advice after it were lost.
     """
     if innermost:
         seen = {id(error)}
@@ -182,7 +184,10 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     text = lines[0] if lines else type(error).__name__
     if innermost and lines:
         text = f"{type(error).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head) :]
 
 
 # The shell's status of a program ended by SIGPIPE (128 + 13).

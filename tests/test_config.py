@@ -656,3 +656,17 @@ def test_a_config_file_whose_path_holds_a_colon_or_a_bracket(tmp_path):
     )  # the preset, after the last ':'
     with pytest.raises(cfg.ConfigError, match=r"there is no file .*cfg\[1\]/f\.py; did you mean"):
         cfg._load_file(str(tmp_path / "cfg[1]" / "f.py"))
+
+
+def test_a_message_too_long_for_its_line_is_cut_in_the_middle():
+    """A workdir near PATH_MAX filled the 4,000 characters of the error line: its end,
+    the reason (File name too long) and the advice, was cut."""
+    from lexjax.errors import one_line
+
+    path = "/runs/" + "y" * 5000
+    said = one_line(
+        OSError(f"cannot write {path} (File name too long); use a shorter path"), limit=200
+    )
+    assert len(said) == 200 and said.startswith("cannot write /runs/yyy")
+    assert "yyy...yyy" in said and said.endswith(" (File name too long); use a shorter path")
+    assert one_line(ValueError("short"), limit=200) == "short"
