@@ -86,11 +86,15 @@ def context(tmp_path_factory, name: str, devices: int):
 
 def interruptible(argv: list[str], action: str = "SIG_DFL") -> list[str]:
     """``argv`` run with SIGINT's ``action`` (default: the default action, as a
-    terminal's foreground program has it). A test run as a background job hands its
-    children SIGINT ignored, which train.py and eval.py, as Python, keep. (A Python
-    that sets it and execs ``argv``, same process: a ``preexec_fn`` would run Python
-    in a fork of multithreaded JAX.)"""
-    reset = f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{action}); "
+    terminal's foreground program has it) and SIGHUP's default action. A test run as a
+    background job hands its children SIGINT ignored, and one run under ``nohup``
+    SIGHUP ignored, which train.py, eval.py and the study keep. (A Python that sets
+    them and execs ``argv``, same process: a ``preexec_fn`` would run Python in a fork
+    of multithreaded JAX.)"""
+    reset = (
+        f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{action}); "
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    )
     return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
 
 
