@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import fnmatch
 import glob
 import hashlib
 import json
@@ -111,16 +112,24 @@ def checkpoint_dir(workdir: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def check_workdir_path(workdir: str | os.PathLike[str]) -> None:
-    """A :class:`CheckpointError` for a workdir whose absolute path holds ``[``: orbax
-    finds a checkpoint's parts with a glob of its directory's path, where ``[abc]`` is a
-    pattern, so a checkpoint saved there was written without them (exit 0) and could
-    never be read back, there or moved."""
-    if "[" in (path := os.path.abspath(workdir)):
+def check_workdir_path(workdir: str | os.PathLike[str], what: str = "workdir") -> None:
+    """A :class:`CheckpointError` for a workdir whose absolute path is a glob pattern
+    that does not match itself (``runs/[abc]``; an unmatched ``[`` is a character, and
+    ``*``, ``?`` match themselves): orbax finds a checkpoint's parts with a glob of its
+    directory's path, so a checkpoint saved there was written without them (exit 0)
+    and could never be read back, there or moved. ``what`` names it (the study's
+    ``--out``)."""
+    if not globs_to_itself(path := os.path.abspath(workdir)):
         raise CheckpointError(
-            f"workdir {path} holds a '[': orbax reads checkpoint paths as glob patterns, so a "
-            "checkpoint saved there could not be read back; use a workdir without '['"
+            f"{what} {path} holds a '[…]': orbax reads checkpoint paths as glob patterns, so a "
+            f"checkpoint saved there could not be read back; use a {what} without '['"
         )
+
+
+def globs_to_itself(path: str) -> bool:
+    """Whether ``path`` read as a glob pattern (as orbax and TFDS read their paths)
+    matches itself: False where a ``[…]`` set stands for other characters."""
+    return fnmatch.fnmatchcase(path, path)
 
 
 def has_steps(workdir: str | os.PathLike[str]) -> bool:

@@ -282,6 +282,7 @@ def train(
     _check_param_dtype(config)
     workdir = check_path("workdir", workdir)
     ckpt_lib.check_workdir_path(workdir)  # before anything is trained
+    data_lib.check_data_dir_path(config.data.data_dir)
     if not callable(log):
         raise ConfigError(f"log={log!r} must be a function of one str, such as print")
     if stop_after is not None:

@@ -694,10 +694,16 @@ def test_a_path_with_a_bracket_is_refused_before_any_work(tmp_path):
     from tests.helpers import small_config
 
     workdir = tmp_path / "runs[abc]" / "one"
-    with pytest.raises(CheckpointError, match=r"^workdir .*runs\[abc\]/one holds a '\['"):
+    with pytest.raises(CheckpointError, match=r"^workdir .*runs\[abc\]/one holds a '\[…\]'"):
         train(small_config(), str(workdir), log=lambda _: None, progress=False)
     assert not (tmp_path / "runs[abc]").exists()
     with pytest.raises(CheckpointError, match="use a workdir without '\\['$"):
         checkpoint.load_params(str(workdir))
+    bad_data = small_config(**{"data.data_dir": str(tmp_path / "data[1]")})
     with pytest.raises(DataError, match="choose a data_dir without '\\['$"):
-        data.prepare("python_stdlib", str(tmp_path / "data[1]"))
+        train(bad_data, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data[1]").exists()
+    # An unmatched '[' is a character to a glob, and * and ? match themselves: they work.
+    for fine in ("x[draft/run", "all*?/run"):
+        checkpoint.check_workdir_path(tmp_path / fine)
+        data.check_data_dir_path(tmp_path / fine)

@@ -16,6 +16,7 @@ from lexjax.data.builders import (
     TextFiles,
     TextSource,
     build_name,
+    check_data_dir_path,
     check_outside,
     load_source,
     load_tokenizer,
@@ -69,5 +70,6 @@ __all__ = [
     "plan_corpus",
     "prepare",
     "resolve_data_dir",
+    "check_data_dir_path",
     "split_of",
 ]

@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import difflib
 import fcntl
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -100,17 +101,21 @@ _SNIFF_BYTES = 8 << 10  # a NUL byte in here marks a binary file
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
-    """Returns the absolute data dir; None means DEFAULT_DATA_DIR. One holding ``[`` is
-    a :class:`DataError`: TFDS finds a build's files with a glob of its directory's
-    path, where ``[abc]`` is a pattern, so the build was never found and the corpus
-    was built anew at every use."""
-    path = os.path.abspath(os.path.expanduser(os.fspath(data_dir or DEFAULT_DATA_DIR)))
-    if "[" in path:
+    """Returns the absolute data dir; None means DEFAULT_DATA_DIR."""
+    return os.path.abspath(os.path.expanduser(os.fspath(data_dir or DEFAULT_DATA_DIR)))
+
+
+def check_data_dir_path(data_dir: str | os.PathLike | None) -> None:
+    """A :class:`DataError` for a data_dir whose path is a glob pattern that does not
+    match itself (``data/[abc]``): TFDS finds a build's files with a glob of its
+    directory's path, so the build was never found and the corpus was built anew at
+    every use. For training (the evaluation of a run trained so still works, slowly)."""
+    path = resolve_data_dir(data_dir)
+    if not fnmatch.fnmatchcase(path, path):
         raise DataError(
-            f"data.data_dir={path} holds a '[': TFDS reads its paths as glob patterns and "
+            f"data.data_dir={path} holds a '[…]': TFDS reads its paths as glob patterns and "
             "would build the corpus anew at every use; choose a data_dir without '['"
         )
-    return path
 
 
 def path_text(relpath: str) -> str:

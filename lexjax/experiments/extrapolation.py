@@ -764,6 +764,7 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     if not out.strip():
         raise ExperimentError("--out is empty; name the directory of the study")
     out = os.path.abspath(os.path.expanduser(out))  # a shell leaves "--out=~/x" so
+    checkpoint.check_workdir_path(out, what="--out")  # its runs' workdirs are inside it
     if checkpoint.has_steps(out):  # its runs/ and reports would sit inside that run
         raise ExperimentError(
             f"--out {out} is a training run's workdir (it holds checkpoints); choose another "
