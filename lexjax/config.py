@@ -337,11 +337,12 @@ def exit_if_help(argv: list[str]) -> None:
 
 
 def _load_file(path: str):
-    """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]`` (a preset
-    follows the last ``:``; a file whose own path holds one is taken whole)."""
-    file, preset = path, ""
-    if ":" in path and not os.path.isfile(path):
-        file, _, preset = path.rpartition(":")
+    """``get_config(preset)`` of the file of ``path`` = ``FILE[:PRESET]``: FILE is the
+    shortest prefix before a ``:`` that is a file (a directory's name may hold one, a
+    preset too), else the part before the first ``:``."""
+    cuts = [i for i, c in enumerate(path) if c == ":"] + [len(path)]
+    end = next((i for i in cuts if os.path.isfile(path[:i])), cuts[0])
+    file, preset = path[:end], path[end + 1 :]
     if os.path.isdir(file):
         raise ConfigError(f"--config={path}: {file} is a directory; name a config file in it")
     if not os.path.isfile(file):

@@ -184,6 +184,7 @@ def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300)
     text = lines[0] if lines else type(error).__name__
     if innermost and lines:
         text = f"{type(error).__name__}: {text}"
+    limit = max(limit, 3)
     if len(text) <= limit:
         return text
     head = (limit - 3) // 2

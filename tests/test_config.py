@@ -651,9 +651,10 @@ def test_a_config_file_whose_path_holds_a_colon_or_a_bracket(tmp_path):
         shutil.copy(os.path.join(ROOT, "configs", "extrapolation.py"), tmp_path / name / "e.py")
     colon = tmp_path / "c:fg" / "e.py"
     assert cfg._load_file(str(colon)).train.num_train_steps > 0
-    assert (
-        cfg._load_file(f"{colon}:smoke").train.num_train_steps < 100
-    )  # the preset, after the last ':'
+    assert cfg._load_file(f"{colon}:smoke").train.num_train_steps < 100  # the preset
+    presets = tmp_path / "p.py"  # a preset that holds a ':' (ml_collections' own split)
+    presets.write_text("def get_config(preset):\n    return {'preset': preset}\n")
+    assert cfg._load_file(f"{presets}:a:b") == {"preset": "a:b"}
     with pytest.raises(cfg.ConfigError, match=r"there is no file .*cfg\[1\]/f\.py; did you mean"):
         cfg._load_file(str(tmp_path / "cfg[1]" / "f.py"))
 
