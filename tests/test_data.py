@@ -1210,6 +1210,16 @@ except Stopped:
 )
 
 
+def _with_in_environ(marker: str) -> list[str]:
+    """The pids of the processes whose environment holds ``marker`` (``NAME=value``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if marker.encode() in f.read().split(b"\0"):
+                found.append(pid)
+    return found
+
+
 def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
     """The learning was one call into SentencePiece's C++ code, where no signal
     handler runs: a SIGTERM or Ctrl-C waited for it to end. It now
@@ -1227,15 +1237,7 @@ def test_sigterm_stops_sentencepiece_while_it_learns(tmp_path):
     assert (out, proc.returncode) == ("stopped\n", 0)
     assert time.monotonic() - sent < 5.0  # not the 8 s and more the learning has left
 
-    def learners():
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read().split(b"\0"):
-                    found.append(pid)
-        return found
-
-    assert learners() == []  # killed, not left to learn on
+    assert _with_in_environ(marker) == []  # killed, not left to learn on
 
 
 # A parent in a process group of its own that only records signals (as a multi-process
@@ -1289,18 +1291,10 @@ def test_the_learner_dies_with_a_parent_that_a_signal_ends(tmp_path):
     )
     assert (done.returncode, done.stdout) == (-signal.SIGHUP, b"learner True\n"), done.stderr
 
-    def learners():
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read().split(b"\0"):
-                    found.append(pid)
-        return found
-
     deadline = time.monotonic() + 3  # (a learner left alive learns on for many seconds)
-    while learners() and time.monotonic() < deadline:
+    while _with_in_environ(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert learners() == []
+    assert _with_in_environ(marker) == []
 
 
 def test_sentencepiece_learns_with_the_parents_path_and_needs_a_runnable_python(
