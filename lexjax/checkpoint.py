@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import fnmatch
 import glob
 import hashlib
 import json
@@ -79,7 +78,15 @@ from lexjax.config import Config, from_configdict
 from lexjax.data import tokenizer as tokenizer_lib
 from lexjax.data.pipeline import STREAM_VERSION
 from lexjax.distributed import all_processes, process_0s
-from lexjax.errors import CheckpointError, DataError, arg, nearest_existing, one_line, refused_by
+from lexjax.errors import (
+    CheckpointError,
+    DataError,
+    arg,
+    globs_to_itself,
+    nearest_existing,
+    one_line,
+    refused_by,
+)
 from lexjax.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -124,12 +131,6 @@ def check_workdir_path(workdir: str | os.PathLike[str], what: str = "workdir") -
             f"{what} {path} holds a '[…]': orbax reads checkpoint paths as glob patterns, so a "
             f"checkpoint saved there could not be read back; use a {what} without '['"
         )
-
-
-def globs_to_itself(path: str) -> bool:
-    """Whether ``path`` read as a glob pattern (as orbax and TFDS read their paths)
-    matches itself: False where a ``[…]`` set stands for other characters."""
-    return fnmatch.fnmatchcase(path, path)
 
 
 def has_steps(workdir: str | os.PathLike[str]) -> bool:

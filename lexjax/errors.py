@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import fnmatch
 import io
 import os
 import signal
@@ -123,6 +124,12 @@ def refused_by(path, access: int = os.R_OK) -> str:
     except (ImportError, KeyError, OSError):
         owner = "another"
     return f" (Permission denied: user {owner}'s)"
+
+
+def globs_to_itself(path: str) -> bool:
+    """Whether ``path`` read as a glob pattern (as orbax and TFDS read their paths)
+    matches itself: False where a ``[…]`` set stands for other characters."""
+    return fnmatch.fnmatchcase(path, path)
 
 
 def nearest_existing(path) -> str:

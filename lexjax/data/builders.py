@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import difflib
 import fcntl
-import fnmatch
 import functools
 import glob
 import hashlib
@@ -80,7 +79,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
-from lexjax.errors import DataError, one_line
+from lexjax.errors import DataError, globs_to_itself, one_line
 from lexjax.lease import open_lock, try_flock
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
@@ -111,7 +110,7 @@ def check_data_dir_path(data_dir: str | os.PathLike | None) -> None:
     directory's path, so the build was never found and the corpus was built anew at
     every use. For training (the evaluation of a run trained so still works, slowly)."""
     path = resolve_data_dir(data_dir)
-    if not fnmatch.fnmatchcase(path, path):
+    if not globs_to_itself(path):
         raise DataError(
             f"data.data_dir={path} holds a '[…]': TFDS reads its paths as glob patterns and "
             "would build the corpus anew at every use; choose a data_dir without '['"
