@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from lexjax import positions as pos_lib
-from lexjax.config import PAIRED_ENCODINGS
+from lexjax.config import DECAYING_ENCODINGS, PAIRED_ENCODINGS
 from lexjax.errors import ConfigError
 
 __all__ = [
@@ -141,7 +141,7 @@ def context(
             k_rotary = pos_lib.rotary_tables(
                 k_positions - shift, head_dim, theta=theta, **extension
             )
-        elif position in ("xpos", "xpos_norotate"):
+        elif position in DECAYING_ENCODINGS:  # XPOS and its decay-only ablation
             tables = functools.partial(
                 pos_lib.xpos_tables,
                 head_dim=head_dim,
