@@ -234,13 +234,12 @@ def from_json(record: dict) -> Tokenizer:
             raise DataError(f"the stored sentencepiece model is unreadable ({e!r})") from None
         if hashlib.sha256(proto).hexdigest() != record.get("sha256"):
             raise DataError("the stored sentencepiece model does not match its checksum")
+        if not proto:  # (SentencePiece parses it as a model of 0 ids)
+            raise DataError("the stored sentencepiece model is empty")
         try:
-            tokenizer = SentencePieceTokenizer(proto) if proto else None
+            return SentencePieceTokenizer(proto)
         except RuntimeError as e:  # SentencePiece's parser: its checksum matched, yet no model
             raise DataError(f"the stored sentencepiece model does not parse ({e})") from None
-        if tokenizer is None:  # (it parses as a model of 0 ids)
-            raise DataError("the stored sentencepiece model is empty")
-        return tokenizer
     if not isinstance(record, dict):
         raise DataError(f"the stored tokenizer record is a {type(record).__name__}, not a dict")
     raise DataError(f"unknown tokenizer kind {kind!r}; lexjax knows {', '.join(KINDS)}")
