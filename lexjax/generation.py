@@ -168,6 +168,7 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
         top_p,
         greedy=is_greedy(temperature),
         nucleus=top_p < 1.0,
+        k_room=min(top_k, logits_BxV.shape[-1]),
     )
 
 
@@ -178,18 +179,29 @@ def is_greedy(temperature: float) -> bool:
 
 
 def _sample(
-    logits_BxV, rng, temperature, top_k: int, top_p, *, greedy: bool, nucleus: bool, bias_V=0.0
+    logits_BxV,
+    rng,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    greedy: bool,
+    nucleus: bool,
+    k_room: int,
+    bias_V=0.0,
 ):
-    """:func:`sample_logits` with ``temperature`` and ``top_p`` possibly traced: which
-    steps apply (``greedy``, ``top_k``, ``nucleus``) is static. ``bias_V`` (0 or
-    −inf per id) rules ids out first."""
+    """:func:`sample_logits` with ``temperature``, ``top_k`` and ``top_p`` possibly
+    traced: which steps apply (``greedy``, ``nucleus``, top-k where ``k_room`` > 0)
+    is static, and ``k_room`` ≥ min(top_k, vocabulary) bounds the top-k search.
+    ``bias_V`` (0 or −inf per id) rules ids out first."""
     logits = logits_BxV.astype(jnp.float32) + bias_V
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Largest logit 0 first: a small temperature sends the others to -inf, never to +inf.
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+    if k_room > 0:
+        best = jax.lax.top_k(logits, k_room)[0]  # descending
+        kth = jnp.take(best, jnp.minimum(top_k, k_room) - 1, axis=-1)[..., None]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if nucleus:
         ordered = jnp.sort(logits, axis=-1)[..., ::-1]
@@ -287,16 +299,16 @@ def _chunk(max_new_tokens: int) -> int:
 
 @functools.cache
 def _compiled_generate(
-    model: Decoder, block: int, greedy: bool, top_k: int, nucleus: bool, mode: str = "bca"
+    model: Decoder, block: int, greedy: bool, k_room: int, nucleus: bool, mode: str = "bca"
 ):
-    def run(params, logits_BxV, state, keys_N, temperature, top_p, bias_V):
+    def run(params, logits_BxV, state, keys_N, temperature, top_k, top_p, bias_V):
         """One token per key: ``(tokens_BxN, the logits and state after them)``."""
 
         def step(carry, key):
             logits, state = carry
             token = _sample(
                 logits, key, temperature, top_k, top_p, greedy=greedy, nucleus=nucleus,
-                bias_V=bias_V,
+                k_room=k_room, bias_V=bias_V,
             )  # fmt: skip
             if mode == "bca":
                 logits, state = _decode(model, params, state, token, block)
@@ -363,15 +375,18 @@ def generate(
         logits, state = prefill(model, params, prompt_BxP, block=block)
     else:
         logits, state = _dense_prefill(model, params, prompt_BxP, block, max_new_tokens)
-    # Temperature and top_p are arguments: a new value compiles nothing.
-    run = _compiled_generate(model, block, is_greedy(temperature), int(top_k), top_p < 1.0, mode)
+    # Temperature, top_k and top_p are arguments: a new value compiles nothing, except a
+    # top_k past the power of two its search was compiled for (k_room).
+    k_room = min(1 << (int(top_k) - 1).bit_length(), logits.shape[-1]) if top_k else 0
+    run = _compiled_generate(model, block, is_greedy(temperature), k_room, top_p < 1.0, mode)
     bias_V = jnp.zeros(logits.shape[-1], jnp.float32)
     if allowed_V is not None:
         bias_V = jnp.where(jnp.asarray(allowed_V, bool), bias_V, -jnp.inf)
-    sampling = jnp.float32(temperature), jnp.float32(top_p), bias_V
+    top_k = min(int(top_k), k_room)  # within int32: the search finds no more
+    sampling = jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), bias_V
     # Every call samples `chunk` tokens, so one compilation serves them all (and other
     # max_new_tokens): the surplus tokens come after every kept one and are dropped (as
-    # are their cache writes past the end, in mode full).
+    # are their cache writes, in mode full).
     chunk = _chunk(max_new_tokens)
     keys = jax.random.split(rng, max_new_tokens)
     surplus = -max_new_tokens % chunk
@@ -404,7 +419,7 @@ def generate(
 
 def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):
     """Mode ``"full"``'s prefill: ``(next-token logits_BxV, {"cache", "next"})`` with
-    room in the cache for ``max_new_tokens`` more tokens."""
+    room in the cache for ``max_new_tokens`` more tokens, rounded up to whole chunks."""
     prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
     if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
         raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
@@ -414,7 +429,10 @@ def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_token
         # No padding: it could stand past the table (see evaluation.full_logprobs).
         chunk = length
     padded = pad_to(prompt_BxP, chunk)
-    slots = padded.shape[1] + int(max_new_tokens)
+    # Room for whole sampling chunks (generate's surplus tokens included): other
+    # max_new_tokens rounding to the same chunks share this compilation.
+    per_call = _chunk(max_new_tokens)
+    slots = padded.shape[1] + -(-int(max_new_tokens) // per_call) * per_call
     return _compiled_dense_prefill(model, chunk, slots)(params, padded, length)
 
 

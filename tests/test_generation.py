@@ -112,6 +112,27 @@ def test_sampled_frequencies_follow_the_definitions(settings):
     assert np.all(np.abs(got - want) <= tolerance), (got, want)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 3, 9])
+def test_a_traced_top_k_below_its_compiled_room_follows_the_definition(top_k):
+    """generate() compiles top-k for a power of two of ids (k_room) and passes top_k
+    as a value: 4,000 draws with top_k 1 … 3 (and 9, past the vocabulary) against
+    the oracle, as above."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    keys = jax.random.split(jax.random.key(2), 4000)
+
+    @jax.jit
+    def draw(key, k):
+        return generation._sample(logits, key, 0.9, k, 1.0, greedy=False, nucleus=False, k_room=4)
+
+    drawn = np.asarray(jax.vmap(draw, in_axes=(0, None))(keys, jnp.int32(min(top_k, 4))))
+    want = _sampling_oracle(probs, temperature=0.9, top_k=top_k)
+    assert set(drawn.ravel()) == set(np.flatnonzero(want))
+    got = np.bincount(drawn.ravel(), minlength=len(probs)) / drawn.size
+    tolerance = 4.5 * np.sqrt(want * (1 - want) / drawn.size) + 1e-12
+    assert np.all(np.abs(got - want) <= tolerance), (got, want)
+
+
 def test_a_prompt_samples_the_same_tokens_whatever_shares_its_batch(model_params):
     """Sampling at temperature 1: a row's tokens depend on the seed, the row's index
     and its prompt, not on how many rows follow it or what they hold. (JAX's
@@ -302,26 +323,36 @@ def test_the_largest_temperature_never_samples_a_ruled_out_id():
 
 
 def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
-    """A notebook asking for 100, then 101 tokens, or sweeping temperature or top_p,
-    paid a full compilation each time (seconds, against milliseconds of decoding)."""
+    """A notebook asking for 100, then 101 tokens, or sweeping temperature, top_k or
+    top_p, paid a full compilation each time (seconds, against milliseconds of
+    decoding); mode full's prefill too, for each token count."""
     model, params = model_params
     prompt = jnp.ones((1, 3), jnp.int32)
     generation._compiled_generate.cache_clear()
-    calls = [(100, 1.0, 1.0), (101, 1.0, 1.0), (70, 0.7, 1.0), (90, 1.3, 0.9), (100, 1.0, 0.5)]
+    calls = [(100, 1.0, 0, 1.0), (101, 1.0, 0, 1.0), (70, 0.7, 0, 1.0), (90, 1.3, 0, 0.9),
+             (100, 1.0, 0, 0.5), (100, 1.0, 5, 1.0), (100, 1.0, 7, 1.0),
+             (90, 0.8, 6, 1.0)]  # fmt: skip
     out = {}
-    for n, temperature, top_p in calls:
-        out[n, temperature, top_p] = generation.generate(
+    for n, temperature, top_k, top_p in calls:
+        out[n, temperature, top_k, top_p] = generation.generate(
             model, params, prompt, block=W, max_new_tokens=n, rng=jax.random.key(0),
-            temperature=temperature, top_p=top_p,
+            temperature=temperature, top_k=top_k, top_p=top_p,
         )  # fmt: skip
-        assert out[n, temperature, top_p].shape == (1, n)
+        assert out[n, temperature, top_k, top_p].shape == (1, n)
     plain = generation._compiled_generate(model, W, False, 0, False, "bca")
     nucleus = generation._compiled_generate(model, W, False, 0, True, "bca")
-    assert generation._compiled_generate.cache_info().currsize == 2
-    assert (plain._cache_size(), nucleus._cache_size()) == (1, 1)
+    top_8 = generation._compiled_generate(model, W, False, 8, False, "bca")
+    assert generation._compiled_generate.cache_info().currsize == 3
+    assert (plain._cache_size(), nucleus._cache_size(), top_8._cache_size()) == (1, 1, 1)
     # The same keys: 101 tokens begin with the 100, and the values still matter.
-    np.testing.assert_array_equal(out[101, 1.0, 1.0][:, :100], out[100, 1.0, 1.0])
-    assert not np.array_equal(out[100, 1.0, 0.5], out[100, 1.0, 1.0])
+    np.testing.assert_array_equal(out[101, 1.0, 0, 1.0][:, :100], out[100, 1.0, 0, 1.0])
+    assert not np.array_equal(out[100, 1.0, 0, 0.5], out[100, 1.0, 0, 1.0])
+    assert not np.array_equal(out[100, 1.0, 5, 1.0], out[100, 1.0, 7, 1.0])
+    generation._compiled_dense_prefill.cache_clear()
+    for n in (50, 60):
+        generation.generate(model, params, prompt, block=W, max_new_tokens=n,
+                            rng=jax.random.key(0), mode="full")  # fmt: skip
+    assert generation._compiled_dense_prefill.cache_info().currsize == 1
 
 
 def test_only_allowed_ids_are_sampled(model_params):
