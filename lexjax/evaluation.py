@@ -525,19 +525,26 @@ def perplexity(
         batch = shard_lib.fit_batch(batch, batch_sharding)
         start = time.perf_counter()
         nll_sum, count = 0.0, 0
-        for part, real in _batches(rows, batch):
-            if batch_sharding is not None:
-                part = jax.device_put(part, batch_sharding)
-            if mode == "bca":
-                logprobs = block_scan_logprobs(model, params, part, block)
-            elif mode == "sinks":
-                logprobs = sinks_logprobs(model, params, part, block, sinks)
-            else:
-                logprobs = full_logprobs(model, params, part, chunk=block)
-            nll_sum -= float(jnp.sum(logprobs[:real], dtype=jnp.float32))
-            count += real * length
-            done += real * length
-            bar.update(done, f"{mode} {length}")
+        # One batch in flight: a batch's sum is read (a wait on the device) only once
+        # the next one is dispatched, so the device never idles on the host's read.
+        pending = []
+        for part, real in [*_batches(rows, batch), (None, 0)]:
+            if part is not None:
+                if batch_sharding is not None:
+                    part = jax.device_put(part, batch_sharding)
+                if mode == "bca":
+                    logprobs = block_scan_logprobs(model, params, part, block)
+                elif mode == "sinks":
+                    logprobs = sinks_logprobs(model, params, part, block, sinks)
+                else:
+                    logprobs = full_logprobs(model, params, part, chunk=block)
+                pending.append((jnp.sum(logprobs[:real], dtype=jnp.float32), real))
+            if len(pending) == 2 or part is None and pending:
+                batch_sum, batch_rows = pending.pop(0)
+                nll_sum -= float(batch_sum)
+                count += batch_rows * length
+                done += batch_rows * length
+                bar.update(done, f"{mode} {length}")
         nll = nll_sum / count
         seconds = time.perf_counter() - start
         # A finite NLL past ~709 nats overflows exp: an infinite perplexity, not a crash.
@@ -616,6 +623,11 @@ def _distance_counts(mask_QxK: np.ndarray) -> np.ndarray:
     return np.bincount(distance[mask_QxK], minlength=k)[:k]
 
 
+# Compiled once per shape: op by op they were ~100 small compiles at a first call.
+_expected_scores = jax.jit(res_lib.expected_scores)
+_attention_resolution = jax.jit(res_lib.attention_resolution)
+
+
 def _pooled_expected_scores(scores_list, masks_list):
     """Per-distance means pooled over score sets ``[L, Q, K]`` (same K) with masks ``[Q, K]``.
 
@@ -626,7 +638,7 @@ def _pooled_expected_scores(scores_list, masks_list):
     total, count = 0.0, 0
     for scores, mask in zip(scores_list, masks_list):
         counts = _distance_counts(mask)
-        means = np.nan_to_num(np.asarray(res_lib.expected_scores(scores, mask)))
+        means = np.nan_to_num(np.asarray(_expected_scores(scores, mask)))
         total, count = total + means * counts, count + counts
     last = np.nonzero(count)[0].max() + 1
     return total[:, :last] / np.maximum(count[:last], 1)
@@ -671,8 +683,8 @@ def measure_resolution(
         score_sets = list(windows)
         mask_sets = [window_mask(b, block, n) for b in range(len(windows))]
         curves = _pooled_expected_scores(score_sets, mask_sets)
-    per_layer = np.asarray(res_lib.attention_resolution(curves))
-    window = np.asarray(res_lib.attention_resolution(curves[:, : 2 * block]))
+    per_layer = np.asarray(_attention_resolution(curves))
+    window = np.asarray(_attention_resolution(curves[:, : 2 * block]))
     return ResolutionResult(
         mode,
         n,
