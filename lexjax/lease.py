@@ -9,7 +9,9 @@ A lease is stale when its holder is gone: on this host (the same boot and PID
 namespace, which the lease records) its pid no longer exists or is now another
 process (pids are reused: the lease records when its holder process started), or
 (any host, e.g. a shared or network filesystem) its heartbeat is older than
-the holder's own timeout. A lease on this host that names another directory
+the holder's own timeout — for another host's lease, by this host's clock and
+not renewed while the newcomer watches it for 1.5 heartbeat intervals (the two
+clocks may differ). A lease on this host that names another directory
 (device and inode numbers) was copied with its workdir: its holder trains the
 original, so it is stale here. A holder on this host in another PID namespace (a
 restarted container's job, or one in a container sharing the hostname) cannot
@@ -149,11 +151,12 @@ def _pid_space() -> dict[str, str]:
 
 class _Unverifiable(Exception):
     """A fresh lease whose holder's pid means nothing here (another PID namespace or
-    boot on this host): only its heartbeat tells whether it is alive."""
+    boot on this host), or another host's lease that looks stale by this host's clock
+    (``by_clock``): only a renewal of its heartbeat tells whether it is alive."""
 
-    def __init__(self, record: dict):
+    def __init__(self, record: dict, by_clock: bool = False):
         super().__init__(record)
-        self.record = record
+        self.record, self.by_clock = record, by_clock
 
 
 def _describe(record: dict) -> str:
@@ -179,6 +182,7 @@ class WorkdirLease:
         self.log = log
         self.token = uuid.uuid4().hex
         self.held = False
+        self._watched: set[tuple[str, object]] = set()  # (token, heartbeat) seen unrenewed
         self._taken_in: list[int] | None = None  # the workdir's device and inode then
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -304,8 +308,11 @@ class WorkdirLease:
                 raise CheckpointError(
                     f"cannot create the workdir lease {self.path}: {e.strerror or e}"
                 ) from None
-            except _Unverifiable as unverifiable:
-                self._watch(unverifiable.record)  # outside the lock: the holder renews under it
+            except _Unverifiable as unverifiable:  # outside the lock: the holder renews under it
+                if unverifiable.by_clock:
+                    self._watch_renewal(unverifiable.record)
+                else:
+                    self._watch(unverifiable.record)
         if not taken:
             raise CheckpointError(f"could not take the workdir lease {self.path}; try again")
         self.held = True
@@ -330,6 +337,8 @@ class WorkdirLease:
                 )
             reason = self._stale_reason(record)
             holder = _describe(record)
+            if reason and self._judged_by_clock(record):
+                raise _Unverifiable(record, by_clock=True)
             if reason is None and holder:
                 if record.get("host") == self._record["host"] and not self._pids_comparable(record):
                     raise _Unverifiable(record)
@@ -351,6 +360,39 @@ class WorkdirLease:
             f"workdir {os.path.dirname(self.path)} is in use by a training job on "
             f"{_describe(record)}; wait for it to finish or use another {arg('workdir')}"
         )
+
+    def _judged_by_clock(self, record: dict) -> bool:
+        """Whether ``record`` is another host's lease, stale by its heartbeat's time and
+        not yet watched: that time is the holder's clock, and a clock behind ours by
+        more than the timeout made a live job's lease look stale at once."""
+        if record.get("host") == self._record["host"] or not record.get("token"):
+            return False
+        try:
+            float(record["heartbeat"]), float(record["timeout_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        return (record["token"], record["heartbeat"]) not in self._watched
+
+    def _watch_renewal(self, record: dict) -> None:
+        """Waits 1.5 heartbeat intervals (``timeout_s / 4`` each) by this host's clock:
+        raises the in-use CheckpointError if the holder renews its lease meanwhile;
+        else the lease is judged again, now as stale as its heartbeat says."""
+        timeout = float(record["timeout_s"])
+        wait = 1.5 * max(timeout, 0.0) / 4 + 1.0
+        self.log(
+            f"note: the lease of {os.path.dirname(self.path)} held by {_describe(record)} "
+            f"looks stale by this host's clock; watching it {wait:.0f} s for a heartbeat "
+            "(clocks of two hosts may differ; a renewed one means the job is alive)"
+        )
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            time.sleep(min(0.25, wait / 20))
+            now = self._read()
+            if not now or now.get("token") != record.get("token"):
+                return  # released or replaced: judged again
+            if now.get("heartbeat") != record.get("heartbeat"):
+                raise self._in_use(record)
+        self._watched.add((record["token"], record["heartbeat"]))
 
     def _watch(self, record: dict) -> None:
         """Returns once the lease ``record`` is gone, replaced or past its timeout

@@ -205,11 +205,39 @@ def test_another_hosts_lease_is_stale_only_after_its_own_timeout(tmp_path):
     write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 50, timeout_s=60.0)
     with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
         lease_lib.WorkdirLease(tmp_path, timeout_s=1).acquire()  # the holder's timeout counts
-    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 70, timeout_s=60.0)
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 7, timeout_s=4.0)
     notes = []
+    start = time.monotonic()
     with lease_lib.WorkdirLease(tmp_path, log=notes.append):
         pass
-    assert len(notes) == 1 and re.search(r"no heartbeat for 7\d s \(timeout 60 s\)$", notes[0])
+    # Watched for 1.5 heartbeat intervals first (its clock may be behind ours).
+    assert time.monotonic() - start >= 2.5
+    assert "looks stale by this host's clock; watching it 2 s" in notes[0]
+    assert len(notes) == 2 and re.search(r"no heartbeat for \d+ s \(timeout 4 s\)$", notes[1])
+
+
+def test_a_clock_behind_ours_makes_no_renewed_lease_of_another_host_stale(tmp_path):
+    """Its heartbeat's time is its host's clock: 130 s behind ours, a live job's lease
+    (timeout 120 s) was taken over at once, and two jobs trained one workdir."""
+    behind = time.time() - 130
+    write_lease(tmp_path, host="elsewhere", heartbeat=behind, timeout_s=4.0)
+    done = threading.Event()
+
+    def renew():  # as its heartbeat thread does, every timeout / 4, by its own clock
+        beat = behind
+        while not done.wait(1.0):
+            beat += 1.0
+            write_lease(tmp_path, host="elsewhere", heartbeat=beat, timeout_s=4.0)
+
+    holder = threading.Thread(target=renew)
+    holder.start()
+    try:
+        with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
+            lease_lib.WorkdirLease(tmp_path, log=lambda _: None).acquire()
+    finally:
+        done.set()
+        holder.join()
+    assert lease_record(tmp_path)["token"] == "old"
 
 
 def test_a_copied_workdir_is_not_held_by_the_original_job(tmp_path, monkeypatch):
