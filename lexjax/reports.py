@@ -11,10 +11,12 @@ only when a figure is drawn, with the file-only Agg backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -22,7 +24,7 @@ import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS, ROTARY_ENCODINGS, check_path
-from lexjax.errors import CheckpointError, ConfigError, LexjaxError, arg, nearest_existing
+from lexjax.errors import CheckpointError, ConfigError, arg, nearest_existing
 
 __all__ = [
     "MODE_NAMES",
@@ -112,8 +114,9 @@ def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
 
 def _tmp(path: str) -> str:
     """Where ``path``'s new content is written before it replaces ``path``: a name per
-    process, so two evaluations writing one workdir's reports never share one."""
-    return f"{path}.{os.getpid()}.tmp"
+    process and thread, so two evaluations writing one workdir's reports (two
+    processes, or two threads of a notebook) never share one."""
+    return f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
 
 
 def _fresh_tmp(path: str) -> str:
@@ -201,10 +204,10 @@ def write_then_show(write: Callable[[], None], show: Callable[[], None]) -> None
     """``write()`` an evaluation's reports, then ``show()`` its tables on stdout; when a
     write fails (a full disk), the tables are shown before its error propagates, so
     what was computed is not lost (a stdout that fails then changes nothing). A Ctrl-C
-    during the writes (a second or so, the figures) shows them too."""
+    during the writes (a second or so, the figures), or any other error, shows them too."""
     try:
         write()
-    except (LexjaxError, KeyboardInterrupt):
+    except (Exception, KeyboardInterrupt):
         with contextlib.suppress(Exception):
             show()
         raise
@@ -269,16 +272,31 @@ def _figure(*grid, **kwargs):
     return fig, fig.subplots(*grid, **kwargs)
 
 
+# matplotlib (its mathtext parser, for one) is not thread-safe: two threads drawing
+# at once failed with a ParseException. Every figure is drawn holding this lock.
+_RENDERING = threading.RLock()
+
+
+def _one_figure_at_a_time(plot):
+    @functools.wraps(plot)
+    def locked(*args, **kwargs):
+        with _RENDERING:
+            return plot(*args, **kwargs)
+
+    return locked
+
+
 def _save(fig, path: str, dpi: int = 120) -> None:
     """``fig`` at ``path``, replaced atomically as :func:`write_json` does: a write
     cut off (a full disk, a Ctrl-C) leaves the figure before it whole."""
     if _writes():
-        with _writing(path):
+        with _writing(path), _RENDERING:
             tmp = _fresh_tmp(path)
             fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
             os.replace(tmp, path)
 
 
+@_one_figure_at_a_time
 def plot_perplexity(
     curves, path: str, *, train_len: int, title: str, ylabel: str = "perplexity"
 ) -> None:
@@ -356,6 +374,7 @@ def resolution_json(results: Sequence, *, train_len: int, **extra) -> dict:
     }
 
 
+@_one_figure_at_a_time
 def plot_expectation(
     path: str, *, head_dim: int, scale_base: float, theta: float, max_distance: int
 ) -> None:
@@ -417,6 +436,7 @@ def passkey_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {"train_len": train_len, **extra, "results": [r.as_dict() for r in results]}
 
 
+@_one_figure_at_a_time
 def plot_passkey(results: Sequence, path: str, *, train_len: int, title: str) -> None:
     """A length × depth heat map of passkey accuracy (one mode's results): the
     value in each cell, lengths beyond ``train_len`` right of a dashed line."""
@@ -659,6 +679,7 @@ def study_passkey_tables(c) -> str:
     return text
 
 
+@_one_figure_at_a_time
 def plot_passkey_grid(c, path) -> None:
     """Heat maps of passkey accuracy (seed means), a row per variant, a column per mode."""
     from types import SimpleNamespace
@@ -1025,6 +1046,7 @@ def _plot_scalings(c, path) -> None:
     )
 
 
+@_one_figure_at_a_time
 def plot_figure1(c, path) -> None:
     """Paper Figure 1: expected score g[n] (eq. 8) of RoPE and XPOS, one panel per scale_base."""
     bases = sorted({r["scale_base"] for r in c["runs"] if r["position"] == "xpos"})
@@ -1052,6 +1074,7 @@ def plot_figure1(c, path) -> None:
     _save(fig, path)
 
 
+@_one_figure_at_a_time
 def plot_scores(c, path) -> None:
     """Measured expected scores s[n] (eq. 11, mean over layers) at 2× train_len: the curves
     whose attention resolution Table 3 gives; one panel per mode, the first seed of each variant."""

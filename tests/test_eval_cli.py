@@ -3,12 +3,14 @@
 import contextlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from unittest import mock
 
@@ -1060,7 +1062,7 @@ def test_a_table_cut_off_while_written_is_one_line_and_keeps_the_one_before(tmp_
     with pytest.raises(CheckpointError, match="No space left on device") as error:
         reports.write_text(str(path), "## after\n" * 10_000)
     assert "\n" not in str(error.value) and path.read_text() == "## before\n"
-    assert not os.path.lexists(tmp_path / f"table3.md.{os.getpid()}.tmp")
+    assert not os.path.lexists(reports._tmp(str(path)))
 
 
 def test_a_link_planted_at_a_reports_temporary_name_is_not_written_through(tmp_path):
@@ -1071,7 +1073,7 @@ def test_a_link_planted_at_a_reports_temporary_name_is_not_written_through(tmp_p
     out = tmp_path / "downloaded-run" / "eval"
     out.mkdir(parents=True)
     for name in ("perplexity.json", "perplexity.png"):
-        (out / f"{name}.{os.getpid()}.tmp").symlink_to(victim)
+        pathlib.Path(reports._tmp(str(out / name))).symlink_to(victim)
     reports.write_json(str(out / "perplexity.json"), {"perplexity": 1.5})
     reports.plot_perplexity(
         [("xpos", "bca", [(32, 10.0), (64, 9.0)])], str(out / "perplexity.png"), train_len=32,
@@ -1079,6 +1081,34 @@ def test_a_link_planted_at_a_reports_temporary_name_is_not_written_through(tmp_p
     )  # fmt: skip
     assert victim.read_text() == "the user's own file\n"
     assert json.loads((out / "perplexity.json").read_text()) == {"perplexity": 1.5}
+    assert sorted(p.name for p in out.iterdir()) == ["perplexity.json", "perplexity.png"]
+
+
+def test_two_threads_writing_one_runs_reports_at_once_both_succeed(tmp_path):
+    """A notebook evaluating in two threads: they shared the process's temporary name
+    (one removed the other's file: "cannot write …; make its directory writable or
+    free space") and rendered figures at once (matplotlib's mathtext parser is not
+    thread-safe: a ParseException), losing the evaluation."""
+    out = tmp_path / "eval"
+    errors = []
+
+    def write(i):
+        try:
+            for j in range(40):
+                reports.write_json(str(out / "perplexity.json"), {"thread": i, "j": j})
+            for _ in range(4):
+                reports.plot_perplexity(
+                    [("xpos", "bca", [(32, 10.0 + i), (512, 9.0), (4096, 30.0)])],
+                    str(out / "perplexity.png"), train_len=32, title="t",
+                )  # fmt: skip
+        except Exception as e:  # what the thread hit, to assert on
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    assert json.loads((out / "perplexity.json").read_text())["j"] == 39
     assert sorted(p.name for p in out.iterdir()) == ["perplexity.json", "perplexity.png"]
 
 
