@@ -801,6 +801,16 @@ def _validated(config: Config) -> Config:
     for name in ("scale_base", "theta"):
         if not getattr(m, name) > 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.position in ROTARY_ENCODINGS and m.theta < 1 and m.head_dim > 2:
+        # The fastest pair turns θ^(−(d−2)/d) radians per position: past float32's range
+        # the angles are infinite and the loss NaN from step 1.
+        log_angle = -(m.head_dim - 2) / m.head_dim * math.log(m.theta) + math.log(config.train_len)
+        if log_angle > math.log(float(np.finfo(np.float32).max)):
+            raise ConfigError(
+                f"model.theta={m.theta:g} turns rotary angles past float32's range "
+                f"(about 1e{log_angle / math.log(10):.0f} radians by position {config.train_len}); "
+                "use theta ≥ 1 (RoPE's is 10000)"
+            )
     check_dtypes(m)
     if config.train_len < 2 or config.train_len % 2:
         raise ConfigError(
@@ -823,8 +833,10 @@ def _validated(config: Config) -> Config:
         raise ConfigError(f"optim.schedule={o.schedule!r}: use {', '.join(_SCHEDULES)}")
     if not config.learning_rate > 0:
         raise ConfigError(f"learning_rate={config.learning_rate} must be positive")
-    if config.warmup_steps < 0 or o.grad_accum_steps < 1:
-        raise ConfigError("warmup_steps must be ≥ 0 and optim.grad_accum_steps ≥ 1")
+    if config.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps={config.warmup_steps} must be ≥ 0 (0: no warmup)")
+    if o.grad_accum_steps < 1:
+        raise ConfigError(f"optim.grad_accum_steps={o.grad_accum_steps} must be ≥ 1 (1: none)")
     if config.batch_size % o.grad_accum_steps:
         raise ConfigError(
             f"optim.grad_accum_steps={o.grad_accum_steps} must divide "

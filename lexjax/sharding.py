@@ -133,13 +133,14 @@ def check_mesh(
         raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
             f"mesh {'×'.join(batch_axes)} = {batch_shards}",
-            "change the mesh, or batch_size (a resumed run keeps the one it trained with)",
+            f"make it a multiple of {batch_shards}: change optim.grad_accum_steps or batch_size (a "
+            "resumed run keeps its batch_size), or use fewer devices (or give some to mesh.tensor)",
         )
     if per_step % num_processes:
         raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by the "
             f"{num_processes} processes",
-            "change batch_size or grad_accum_steps",
+            "change batch_size or optim.grad_accum_steps",
         )
     if check_batch:  # a training mesh: every device does its own share of the work
         used = {a for axes in table.values() for a in split_axes(axes)}

@@ -712,11 +712,18 @@ class _Loop:
                     self.checkpointer.wait()  # so the message names a finished checkpoint
                 latest = self.checkpointer.latest_step()
                 saved = "no checkpoint yet" if latest is None else f"step {latest}"
+                # Step 1's loss and gradient are the initial parameters': no rate acted yet.
+                advice = (
+                    "the initial model gives it, before any update: check the model's config "
+                    "(its dtype, position settings such as scale_base or theta) and the data"
+                    if s == 1
+                    else "lower learning_rate or raise warmup_steps (or optim.grad_clip below "
+                    "its value) and train again"
+                )
                 raise TrainingError(
                     f"non-finite loss ({float(m['loss'])}) or gradient at step {s}; stopped "
                     f"without saving that state (last checkpoint: {saved} in "
-                    f"{self.checkpointer.directory}); lower learning_rate or raise "
-                    "warmup_steps (or optim.grad_clip below its value) and train again"
+                    f"{self.checkpointer.directory}); {advice}"
                 )
         step, m = self.pending[-1][0], values[-1]
         self.pending.clear()

@@ -234,10 +234,19 @@ def test_unknown_field_in_a_dict_names_the_closest():
         ({"mesh": {"data": -5}}, "mesh.data=-5: use a positive size or -1"),
         ({"mesh": {"data": -1, "fsdp": -1}}, "at most one of mesh.data/fsdp/tensor may be -1"),
         ({"mesh": {"data": -1, "tensor": -1}}, "got mesh.data=-1 and mesh.tensor=-1; set the"),
+        # One message named neither, nor the value given.
+        ({"warmup_steps": -1}, "warmup_steps=-1 must be ≥ 0 (0: no warmup)"),
+        ({"optim": {"grad_accum_steps": 0}}, "optim.grad_accum_steps=0 must be ≥ 1 (1: none)"),
+        # Accepted, then a NaN loss at step 1 with advice to lower the learning rate.
+        (
+            {"model": {"position": "rope", "theta": 1e-300}},
+            "model.theta=1e-300 turns rotary angles past float32's range (about 1e293 radians "
+            "by position 256); use theta ≥ 1",
+        ),
     ],
 )
 def test_bad_values_are_rejected(values, message):
-    with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
         cfg.from_configdict(values)
 
 
@@ -367,8 +376,10 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     config = cfg.from_configdict({"batch_size": 6, "mesh": {"data": 4}})
     with pytest.raises(cfg.ConfigError, match="batch_size/grad_accum_steps = 6 is not divisible"):
         sharding.check_mesh(config, 4)
-    # The batch size of a run being resumed is its data stream's: the mesh is what changes.
-    with pytest.raises(cfg.ConfigError, match=r"change the mesh, or batch_size \(a resumed run"):
+    # The batch size of a run being resumed is its data stream's: grad_accum_steps or the
+    # devices are what change (the advice names grad_accum_steps, which is in the ratio).
+    advice = "make it a multiple of 4: change optim.grad_accum_steps or batch_size (a resumed run"
+    with pytest.raises(cfg.ConfigError, match=re.escape(advice)):
         sharding.check_mesh(config, 4)
     config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
     with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):

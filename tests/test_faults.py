@@ -683,6 +683,10 @@ def test_nan_before_any_checkpoint_says_there_is_none(ctx):
         "at step 1; stopped without saving that state (last checkpoint: no checkpoint yet in"
         in line
     ), line
+    # Step 1 is the initial parameters': lowering learning_rate cannot help (it said to).
+    assert line.endswith("; the initial model gives it, before any update: check the model's "
+                         "config (its dtype, position settings such as scale_base or theta) "
+                         "and the data"), line  # fmt: skip
 
 
 def test_read_only_workdir(ctx, reference):
