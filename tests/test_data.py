@@ -1135,13 +1135,20 @@ def test_empty_binary_and_invalid_files_are_counted(tmp_path, capfd):
     [
         ({"a.txt": b"", "b.txt": b""}, "no training text: the files are 2 empty and 0 binary"),
         ({"a.bin": b"\0\1\2"}, "no training text: the files are 0 empty and 1 binary"),
-        ({"a.txt": b"ab"}, "too small to hold out validation text"),
+        # Both missing splits at once (one, then the other, each run after following
+        # the advice).
+        ({"a.txt": b"ab"}, "too small to hold out validation text (1 text files); add text or"),
+        (
+            {"a.txt": b"x\n" * 3},  # cut at line ends: neither held-out split gets a line
+            "too small to hold out validation and test text (1 text files); add text or "
+            "pass data.validation_files and data.test_files",
+        ),
     ],
 )
 def test_corpora_without_text_are_one_line_errors(tmp_path, files, message):
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
-    with pytest.raises(DataError, match=message) as e:
+    with pytest.raises(DataError, match=re.escape(message)) as e:
         data.load_source("textfiles", "train", tmp_path / "tfds", str(tmp_path / "*"))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "tfds" / "textfiles").exists() or not any(

@@ -517,15 +517,16 @@ def plan_splits(
             for split, start, end in zip(["train"] + held, cuts, cuts[1:]):
                 if end > start:
                     pieces[split].append(Piece(root, relpath, start, end))
-    for split in SPLITS:
-        if not pieces[split]:
-            raise DataError(
-                f"the corpus is too small to hold out {split} text ({num_files} text files); "
-                f"add text or pass data.{split}_files"
-                if split != "train"
-                else f"the corpus is too small to train on once validation and test text "
-                f"are held out ({num_files} text files); add text to data.files"
-            )
+    if not pieces["train"]:
+        raise DataError(
+            f"the corpus is too small to train on once validation and test text are held out "
+            f"({num_files} text files); add text to data.files"
+        )
+    if missing := [split for split in SPLITS if not pieces[split]]:  # all named at once
+        raise DataError(
+            f"the corpus is too small to hold out {' and '.join(missing)} text ({num_files} "
+            f"text files); add text or pass {' and '.join(f'data.{s}_files' for s in missing)}"
+        )
     digest.update(rule.encode())
     return Plan(pieces, rule, num_files, skipped, digest.hexdigest())
 
