@@ -13,7 +13,7 @@ holds four items::
     config/      metadata: the config dict as JSON
     tokenizer/   metadata: the tokenizer as JSON (a SentencePiece model in
                  base64), so evaluation and generation use the training one
-    integrity/   metadata: JSON with a sha256 of every state leaf, of every
+    integrity/   metadata: JSON with a checksum of every state leaf, a sha256 of every
                  process's iterator state, of the config and tokenizer records
                  and of itself, whether the iterator states agree, and the
                  settings the saved position belongs to (a resume under other
@@ -27,12 +27,14 @@ Complete: orbax finalized the step (it writes into
 
 Good: complete, and on restore every leaf's checksum matches. Orbax restores
 a flipped byte in an array data file silently (only OCDBT b-tree nodes carry
-a CRC), hence the checksums. Each checksum is over the *global* value of a
-leaf (gathered leaf by leaf to the host with `process_allgather` when not
-fully addressable), in C order, so it does not depend on the mesh it was
-saved from or restored onto; every process computes the same digests and so
-reaches the same verdict. The cost is one device-to-host copy and one sha256
-pass over the state per save and per restore, one leaf at a time.
+a CRC), hence the checksums. Each checksum (`mix64`, see `_device_lanes`) is
+over the *global* value of a leaf in C order, yet computed where the leaf
+lies: every device reduces its shards and 8 bytes per leaf reach the host, so
+it does not depend on the mesh it was saved from or restored onto, and every
+process reaches the same verdict. Its cost is one pass over the state on the
+devices per save and per restore. Steps written before it record a sha256 of
+each leaf gathered to the host (`process_allgather` when not fully
+addressable); they are verified that way.
 
 Garbage collection is ours, not orbax's (its `max_to_keep` would delete old
 steps without knowing whether the newer ones are readable). Before a save
@@ -236,12 +238,113 @@ def _host_value(x: Any) -> np.ndarray:
 
 
 def _leaf_record(x: Any) -> dict[str, Any]:
+    """The ``sha256`` record of steps written before ``mix64``: over the gathered value."""
     value = _host_value(x)
     return {
         "shape": list(value.shape),
         "dtype": str(value.dtype),
         "sha256": hashlib.sha256(value.tobytes()).hexdigest(),
     }
+
+
+# -- mix64: the leaf checksum, computed where the leaf is ------------------------
+#
+# Each element's bits as one uint32 word w_i (8-byte elements as two; i its C-order
+# index), and per lane ℓ: Σ_i fmix32(w_i ⊕ (i·φ + seed_ℓ)) mod 2³², with fmix32
+# murmur3's finalizer. For a given i the term is a bijection of w_i, so any changed
+# element changes the sum; the index in it tells a permutation apart. A sum of
+# integers mod 2³² is the same in any order, hence on any mesh and any sharding:
+# the devices holding a leaf reduce it where it lies and only 8 bytes per leaf
+# reach the host (sha256 needed the whole state gathered to every host, per save).
+# It finds damage, not tampering, as the sha256 of the record did not either.
+
+_MIX64 = "mix64"
+_PHI = np.uint32(0x9E3779B9)
+_SEEDS = (np.uint32(0x3C6EF372), np.uint32(0xDAA66D2B))
+_FMIX = (np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35))
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * _FMIX[0]
+    h = h ^ (h >> 13)
+    h = h * _FMIX[1]
+    return h ^ (h >> 16)
+
+
+def _device_lanes(x) -> jax.Array:
+    """The two mix64 lanes of one array, uint32 ``[2]`` (traced: inside a jit)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+        index, stride = index + iota * np.uint32(stride % 2**32), stride * words.shape[axis]
+    terms = [_fmix32(words ^ (index * _PHI + seed)) for seed in _SEEDS]
+    return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in terms])
+
+
+@jax.jit
+def _device_digests(leaves: list) -> jax.Array:
+    keys = jax.dtypes.prng_key
+    leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, keys) else x for x in leaves]
+    return jnp.stack([_device_lanes(x) for x in leaves])
+
+
+def _host_digest(value: np.ndarray) -> str:
+    """mix64 of a host array, as :func:`_device_lanes` computes it on devices."""
+    flat = np.ascontiguousarray(value).reshape(-1)
+    if flat.dtype == np.bool_:
+        flat = flat.view(np.uint8)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[flat.dtype.itemsize]
+    words = flat.view(unsigned)
+    sums = [0, 0]
+    for start in range(0, words.size, 1 << 22):  # bounded temporaries
+        part = words[start : start + (1 << 22)].astype(np.uint32)
+        index = np.arange(start, start + part.size, dtype=np.uint64).astype(np.uint32)
+        for lane, seed in enumerate(_SEEDS):
+            sums[lane] += int(_fmix32(part ^ (index * _PHI + seed)).sum(dtype=np.uint64))
+    return "".join(f"{total % 2**32:08x}" for total in sums)
+
+
+def _leaf_records(named: list[tuple[str, Any]], algorithm: str = _MIX64) -> dict[str, Any]:
+    """``{name: {"shape", "dtype", algorithm: hex digest}}`` of named leaves: mix64
+    on the leaves' devices (one small read-back for all), or the older sha256."""
+    if algorithm != _MIX64:
+        return {name: _leaf_record(x) for name, x in named}
+    on_devices = [(name, x) for name, x in named if isinstance(x, jax.Array)]
+    lanes = shard_lib.host_array(_device_digests([x for _, x in on_devices])) if on_devices else []
+    digests = {name: f"{a:08x}{b:08x}" for (name, _), (a, b) in zip(on_devices, lanes)}
+    records = {}
+    for name, x in named:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.eval_shape(jax.random.key_data, x)
+        elif not isinstance(x, jax.Array):
+            x = np.asarray(x)
+            digests[name] = _host_digest(x)
+        records[name] = {
+            "shape": list(x.shape),
+            "dtype": str(np.dtype(x.dtype)),
+            _MIX64: digests[name],
+        }
+    return {name: records[name] for name, _ in named}
+
+
+def _algorithm(integrity: dict) -> str:
+    """The leaf checksum a step was written with (sha256 before mix64 came)."""
+    algorithm = integrity.get("algorithm", "sha256")
+    if algorithm not in ("sha256", _MIX64):
+        raise _Damaged(f"its leaf checksums are {algorithm!r}, unknown to this lexjax version")
+    return algorithm
+
+
+def _mismatches(wanted, restored, saved: dict, algorithm: str) -> list[str]:
+    """Names of the restored leaves whose checksum differs from the step's record."""
+    records = _leaf_records(_leaf_names(restored), algorithm)
+    got = [r[algorithm] for r in records.values()]
+    return [name for (name, _), g in zip(wanted, got) if g != saved[name].get(algorithm)]
 
 
 def _leaf_names(tree: PyTree) -> list[tuple[str, Any]]:
@@ -420,8 +523,8 @@ class Checkpointer:
 
         integrity: dict[str, Any] = {
             "format": _FORMAT,
-            "algorithm": "sha256",
-            "leaves": {name: _leaf_record(x) for name, x in _leaf_names(state)},
+            "algorithm": _MIX64,
+            "leaves": _leaf_records(_leaf_names(state)),
             "data_iter": None,
         }
         items = {_STATE: ocp.args.StandardSave(state)}
@@ -565,8 +668,12 @@ class Checkpointer:
                 flat = [leaf for _, leaf in _leaf_names(values)]
                 if len(flat) != len(names):
                     raise _Damaged(f"{len(flat)} arrays stored, integrity lists {len(names)}")
-                digests = sorted(_leaf_record(x)["sha256"] for x in flat)
-                if digests != sorted(r["sha256"] for r in integrity["leaves"].values()):
+                algorithm = _algorithm(integrity)
+                if algorithm == _MIX64:
+                    digests = sorted(_host_digest(np.asarray(x)) for x in flat)
+                else:
+                    digests = sorted(_leaf_record(x)["sha256"] for x in flat)
+                if digests != sorted(r.get(algorithm) for r in integrity["leaves"].values()):
                     raise _Damaged("checksum mismatch")
                 ok = True
             except Exception as e:
@@ -829,19 +936,17 @@ class Checkpointer:
         ]
         treedef = jax.tree_util.tree_structure(abstract_state)
         target = jax.tree_util.tree_unflatten(treedef, targets)
+        algorithm = _algorithm(integrity)
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
             )[_STATE]
-            records = [_leaf_record(x) for _, x in _leaf_names(restored)]
+            bad = _mismatches(wanted, restored, saved, algorithm)
             error = None
         except Exception as e:
             error = one_line(e, innermost=True)
         if not all_processes(error is None):
             raise _Damaged(f"orbax could not read it ({error or 'on another process'})")
-        bad = [
-            name for (name, _), r in zip(wanted, records) if r["sha256"] != saved[name]["sha256"]
-        ]
         if bad:
             raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
 
@@ -1119,6 +1224,7 @@ def _restore_params(
     wanted = [(prefix + name, leaf) for name, leaf in _leaf_names(abstract)]
     in_params = {name: r for name, r in saved.items() if name.startswith(prefix + "[")}
     checkpointer._check_shapes(step, in_params, wanted)
+    algorithm = _algorithm(integrity)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
@@ -1147,12 +1253,11 @@ def _restore_params(
             )["params"]
         finally:
             handler.close()
-        records = [_leaf_record(x) for _, x in _leaf_names(restored)]
+        bad = _mismatches(wanted, restored, saved, algorithm)
     except Exception as e:
         error = one_line(e, innermost=True)
     if not all_processes(error is None):
         raise _Damaged(f"orbax could not read it ({error or 'on another process'})")
-    bad = [name for (name, _), r in zip(wanted, records) if r["sha256"] != saved[name]["sha256"]]
     if bad:
         raise _Damaged(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
     return jax.tree.map(lambda x, a: x.astype(a.dtype), restored, abstract)

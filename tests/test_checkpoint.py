@@ -411,7 +411,8 @@ def test_every_arrays_checksum_is_compared(two_steps, tmp_path):
     assert len(names) == len(jax.tree_util.tree_leaves(state2)) > 4
     for name in names:
         integrity = json.loads(original)
-        integrity["leaves"][name]["sha256"] = hashlib.sha256(name.encode()).hexdigest()
+        algorithm = integrity["algorithm"]  # mix64: the key of each leaf's digest
+        integrity["leaves"][name][algorithm] = hashlib.sha256(name.encode()).hexdigest()[:16]
         integrity["self_sha256"] = _record_sha256(integrity)
         record_path.write_text(json.dumps(integrity))
         ckpt = Checkpointer(path, on_corrupt="error")
@@ -422,6 +423,76 @@ def test_every_arrays_checksum_is_compared(two_steps, tmp_path):
     record_path.write_text(original)
     ckpt = Checkpointer(path, on_corrupt="error")
     assert ckpt.restore(abstract_state=abstract(state2, mesh))[2] == 2
+    ckpt.close()
+
+
+def _mix64_by_the_definition(value: np.ndarray) -> str:
+    """mix64 element by element in Python integers, from the bytes: for each lane,
+    Σ_i fmix32(w_i xor (i·φ + seed)) mod 2^32 over the uint32 words w_i."""
+    raw = np.ascontiguousarray(value).tobytes()  # little-endian on every host we run
+    step = min(value.dtype.itemsize, 4)  # 1- and 2-byte elements: one word each
+    words = [int.from_bytes(raw[j : j + step], "little") for j in range(0, len(raw), step)]
+    m = 0xFFFFFFFF
+
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & m
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & m
+        return h ^ (h >> 16)
+
+    lanes = [sum(fmix(w ^ ((i * 0x9E3779B9 + seed) & m)) for i, w in enumerate(words)) & m
+             for seed in (0x3C6EF372, 0xDAA66D2B)]  # fmt: skip
+    return "".join(f"{lane:08x}" for lane in lanes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int8", "bool"])
+def test_a_leaf_checksum_is_its_definition_on_any_sharding_and_on_the_host(dtype):
+    """Computed where the leaf lies (every device reduces its shards; 8 bytes per leaf
+    reach the host): the same digest on every sharding of an 8-device mesh, on the
+    host (the read-back before garbage collection) and by the definition."""
+    from lexjax import checkpoint
+
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    value = np.asarray(
+        (np.random.default_rng(0).standard_normal((8, 6, 4)) * 100).astype(jnp.dtype(dtype))
+    )
+    want = _mix64_by_the_definition(value)
+    for spec in (P(), P("a"), P(None, "b"), P("a", "b"), P(("a", "b")), P(None, None, "b")):
+        leaf = jax.device_put(value, NamedSharding(mesh, spec))
+        record = checkpoint._leaf_records([("x", leaf)])["x"]
+        assert record == {"shape": [8, 6, 4], "dtype": dtype, "mix64": want}, spec
+    assert checkpoint._host_digest(value) == want
+
+
+def test_a_leaf_checksum_changes_with_any_bit_and_any_swap():
+    from lexjax import checkpoint
+
+    value = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    digest = checkpoint._host_digest(value)
+    bits = value.view(np.uint32)
+    for i, bit in [(0, 0), (17, 31), (299, 5), (150, 22)]:
+        flipped = bits.copy()
+        flipped[i] ^= np.uint32(1 << bit)
+        assert checkpoint._host_digest(flipped.view(np.float32)) != digest, (i, bit)
+    swapped = value.copy()
+    swapped[[3, 200]] = swapped[[200, 3]]
+    assert checkpoint._host_digest(swapped) != digest
+    assert checkpoint._host_digest(value.reshape(20, 15)) == digest  # C order, any shape
+
+
+def test_a_step_with_an_unknown_checksum_algorithm_is_refused_as_damaged(two_steps, tmp_path):
+    path = fresh_copy(two_steps, tmp_path)
+    mesh = mesh_of(8)
+    record_path = path / "2" / "integrity" / "metadata"
+    integrity = json.loads(record_path.read_text())
+    integrity["algorithm"] = "blake9"
+    integrity["self_sha256"] = _record_sha256(integrity)
+    record_path.write_text(json.dumps(integrity))
+    ckpt = Checkpointer(path, on_corrupt="error")
+    said = "damaged: its leaf checksums are 'blake9', unknown to this lexjax version"
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        ckpt.restore(abstract_state=abstract(make_state(mesh, seed=2), mesh))
     ckpt.close()
 
 
