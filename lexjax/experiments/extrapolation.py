@@ -686,8 +686,8 @@ class _TerminateOutsideTraining:
 
     def __enter__(self):
         self.deferred = signals.end_deferral()  # one while the program started
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
-            if signals.ignored(sig):  # nohup's
+        for sig in signals.STOP_SIGNALS:  # SIGHUP (a closed terminal) as SIGTERM
+            if sig == signal.SIGINT or signals.ignored(sig):  # Ctrl-C: KeyboardInterrupt
                 continue
             with contextlib.suppress(ValueError):  # not the main thread
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -699,7 +699,7 @@ class _TerminateOutsideTraining:
         """A SIGTERM or Ctrl-C that came while the program started (importing JAX,
         :func:`lexjax.signals.defer`) stops the study now, as one a moment later would."""
         name, self.deferred = self.deferred, None
-        if name in ("SIGTERM", "SIGHUP"):
+        if name in {s.name for s in signals.STOP_SIGNALS} - {"SIGINT"}:
             self.name = name
             raise _Terminated
         if name == "SIGINT":
