@@ -283,7 +283,11 @@ def _device_lanes(x) -> jax.Array:
         iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
         index, stride = index + iota * np.uint32(stride % 2**32), stride * words.shape[axis]
     terms = [_fmix32(words ^ (index * _PHI + seed)) for seed in _SEEDS]
-    return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in terms])
+    # One reduction of both lanes: XLA fuses the terms into it (two sums each kept
+    # their terms, 8 bytes per element of temporaries on a CPU).
+    zero = np.uint32(0)
+    add = lambda a, b: [a[0] + b[0], a[1] + b[1]]
+    return jnp.stack(jax.lax.reduce(terms, [zero, zero], add, tuple(range(words.ndim))))
 
 
 @jax.jit
@@ -314,9 +318,17 @@ def _leaf_records(named: list[tuple[str, Any]], algorithm: str = _MIX64) -> dict
     on the leaves' devices (one small read-back for all), or the older sha256."""
     if algorithm != _MIX64:
         return {name: _leaf_record(x) for name, x in named}
-    on_devices = [(name, x) for name, x in named if isinstance(x, jax.Array)]
-    lanes = shard_lib.host_array(_device_digests([x for _, x in on_devices])) if on_devices else []
-    digests = {name: f"{a:08x}{b:08x}" for (name, _), (a, b) in zip(on_devices, lanes)}
+    # One computation per mesh (or set of devices) the leaves lie on: a jit takes
+    # the arguments of one only (a state may keep, say, its rng on one device).
+    groups: dict[Any, list[tuple[str, jax.Array]]] = {}
+    for name, x in named:
+        if isinstance(x, jax.Array):
+            where = getattr(x.sharding, "mesh", None) or frozenset(x.sharding.device_set)
+            groups.setdefault(where, []).append((name, x))
+    digests = {}
+    for group in groups.values():
+        lanes = shard_lib.host_array(_device_digests([x for _, x in group]))
+        digests.update({name: f"{a:08x}{b:08x}" for (name, _), (a, b) in zip(group, lanes)})
     records = {}
     for name, x in named:
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

@@ -134,6 +134,34 @@ def test_round_trip_is_exact(tmp_path):
     ckpt.close()
 
 
+def test_a_state_on_several_device_sets_saves_and_restores(tmp_path):
+    """Leaves on an 8-device mesh, on one device and on a 4-device mesh: the checksum
+    took every leaf into one computation, which refuses arguments on different
+    devices (a ValueError at save, and every step "damaged" at restore)."""
+    from lexjax import checkpoint
+
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    state = {
+        "w": jax.device_put(value, NamedSharding(mesh_of(8), P("data"))),
+        "rng": jax.device_put(jnp.arange(4, dtype=jnp.uint32), jax.devices()[0]),
+        "v": jax.device_put(value + 1, NamedSharding(mesh_of(4), P(None, "data"))),
+    }
+    records = checkpoint._leaf_records(sorted(state.items()))
+    assert {k: r["mix64"] for k, r in records.items()} == {
+        k: checkpoint._host_digest(np.asarray(x)) for k, x in state.items()
+    }
+    ckpt = Checkpointer(tmp_path / "ckpt", on_corrupt="error")
+    ckpt.save(1, state)
+    ckpt.wait()
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    restored, _, step = ckpt.restore(abstract_state=target)
+    assert step == 1
+    assert_same(restored, state)
+    ckpt.close()
+
+
 def test_restore_onto_another_mesh(tmp_path):
     state = make_state(mesh_of(8))
     ckpt = Checkpointer(tmp_path / "ckpt")
