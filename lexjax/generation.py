@@ -164,7 +164,7 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
         logits_BxV,
         rng,
         temperature,
-        top_k,
+        min(top_k, logits_BxV.shape[-1]),  # within int32: no more ids to keep
         top_p,
         greedy=is_greedy(temperature),
         nucleus=top_p < 1.0,

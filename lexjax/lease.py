@@ -182,7 +182,7 @@ class WorkdirLease:
         self.log = log
         self.token = uuid.uuid4().hex
         self.held = False
-        self._watched: set[tuple[str, object]] = set()  # (token, heartbeat) seen unrenewed
+        self._watched: dict[tuple[str, object], float] = {}  # (token, beat): s seen unrenewed
         self._taken_in: list[int] | None = None  # the workdir's device and inode then
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -339,6 +339,8 @@ class WorkdirLease:
             holder = _describe(record)
             if reason and self._judged_by_clock(record):
                 raise _Unverifiable(record, by_clock=True)
+            if watched := self._watched.get((record.get("token"), record.get("heartbeat"))):
+                reason = f"not renewed while watched for {watched:.1f} s ({reason} by our clock)"
             if reason is None and holder:
                 if record.get("host") == self._record["host"] and not self._pids_comparable(record):
                     raise _Unverifiable(record)
@@ -381,7 +383,7 @@ class WorkdirLease:
         wait = 1.5 * max(timeout, 0.0) / 4 + 1.0
         self.log(
             f"note: the lease of {os.path.dirname(self.path)} held by {_describe(record)} "
-            f"looks stale by this host's clock; watching it {wait:.0f} s for a heartbeat "
+            f"looks stale by this host's clock; watching it {wait:.1f} s for a heartbeat "
             "(clocks of two hosts may differ; a renewed one means the job is alive)"
         )
         end = time.monotonic() + wait
@@ -392,7 +394,7 @@ class WorkdirLease:
                 return  # released or replaced: judged again
             if now.get("heartbeat") != record.get("heartbeat"):
                 raise self._in_use(record)
-        self._watched.add((record["token"], record["heartbeat"]))
+        self._watched[record["token"], record["heartbeat"]] = wait
 
     def _watch(self, record: dict) -> None:
         """Returns once the lease ``record`` is gone, replaced or past its timeout

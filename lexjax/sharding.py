@@ -113,6 +113,17 @@ def split_axes(axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
+def _batch_advice(batch: int, accum: int, shards: int) -> str:
+    """What makes ``batch / accum`` a multiple of ``shards``: the nearest accumulation
+    that does, if any (a resumed run can change it, not its batch_size), the next
+    batch_size that does, or fewer devices."""
+    fits = [g for g in range(1, batch + 1) if batch % g == 0 and (batch // g) % shards == 0]
+    nearest = min(fits, key=lambda g: (abs(g - accum), -g), default=None)
+    ways = [] if nearest is None else [f"optim.grad_accum_steps={nearest}"]
+    ways.append(f"batch_size={-(-batch // (shards * accum)) * shards * accum} (a new run only)")
+    return f"use {', or '.join(ways)}, or fewer devices (or give some to mesh.tensor)"
+
+
 def check_mesh(
     config: Config, num_devices: int, num_processes: int = 1, *, check_batch: bool = True
 ) -> tuple[int, int, int]:
@@ -133,8 +144,7 @@ def check_mesh(
         raise MeshMismatch(
             f"batch_size/grad_accum_steps = {per_step} is not divisible by "
             f"mesh {'×'.join(batch_axes)} = {batch_shards}",
-            f"make it a multiple of {batch_shards}: change optim.grad_accum_steps or batch_size (a "
-            "resumed run keeps its batch_size), or use fewer devices (or give some to mesh.tensor)",
+            _batch_advice(config.batch_size, config.optim.grad_accum_steps, batch_shards),
         )
     if per_step % num_processes:
         raise MeshMismatch(

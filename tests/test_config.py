@@ -376,11 +376,22 @@ def test_check_mesh_needs_the_batch_and_model_to_divide():
     config = cfg.from_configdict({"batch_size": 6, "mesh": {"data": 4}})
     with pytest.raises(cfg.ConfigError, match="batch_size/grad_accum_steps = 6 is not divisible"):
         sharding.check_mesh(config, 4)
-    # The batch size of a run being resumed is its data stream's: grad_accum_steps or the
-    # devices are what change (the advice names grad_accum_steps, which is in the ratio).
-    advice = "make it a multiple of 4: change optim.grad_accum_steps or batch_size (a resumed run"
-    with pytest.raises(cfg.ConfigError, match=re.escape(advice)):
+    # Advice that works when followed: "change the mesh" led to two more refusals, and
+    # "change optim.grad_accum_steps" cannot help 6 rows on 4 shards. (A resumed run
+    # keeps its batch_size: grad_accum_steps or the devices are what it can change.)
+    advice = "use batch_size=8 (a new run only), or fewer devices (or give some to mesh.tensor)"
+    with pytest.raises(cfg.ConfigError, match=re.escape(advice) + "$"):
         sharding.check_mesh(config, 4)
+    config = cfg.from_configdict(
+        {"batch_size": 48, "mesh": {"data": 8}, "optim": {"grad_accum_steps": 4}}
+    )
+    with pytest.raises(
+        cfg.ConfigError, match=r"use optim\.grad_accum_steps=3, or batch_size=64 \("
+    ):
+        sharding.check_mesh(config, 8)
+    for accum, batch in ((3, 48), (1, 64)):  # what it advised fits
+        good = {"batch_size": batch, "mesh": {"data": 8}, "optim": {"grad_accum_steps": accum}}
+        sharding.check_mesh(cfg.from_configdict(good), 8)
     config = cfg.from_configdict({"model": {"num_heads": 2, "d_model": 64}, "mesh": {"tensor": 4}})
     with pytest.raises(cfg.ConfigError, match="model heads size 2 is not divisible"):
         sharding.check_mesh(config, 4)

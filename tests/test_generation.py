@@ -320,6 +320,8 @@ def test_the_largest_temperature_never_samples_a_ruled_out_id():
     for top_k, top_p in ((5, 1.0), (0, 0.5)):
         ids = generation.sample_logits(logits, rng, temperature=top, top_k=top_k, top_p=top_p)
         assert (ids == 9).all(), (top_k, top_p)
+    # A top_k past int32 keeps every id (it was an OverflowError once top_k was traced).
+    assert (generation.sample_logits(logits, rng, temperature=top, top_k=2**40) == 9).all()
 
 
 def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
