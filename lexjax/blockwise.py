@@ -74,6 +74,7 @@ __all__ = [
     "window_mask",
     "block_step",
     "scan_blocks",
+    "scan_prefix",
     "target_logprobs",
     "compiled_scan",
     "pad_to",
@@ -225,6 +226,22 @@ def scan_blocks(
     )
     first = KVCache.empty(model.config, tokens_BxN.shape[0], block)
     return _scan(step, first, tokens_BxN, block, emit, extra_BxN)
+
+
+def scan_prefix(model: Decoder, params, tokens_BxN, block: int, blocks):
+    """:func:`scan_blocks` over the first ``blocks`` blocks of ``tokens_BxN`` only,
+    without outputs: the last of them as a KVCache of w slots (empty for none).
+    ``blocks`` may be traced (a loop of that many steps, nothing spent on the rest),
+    so one compilation serves every count up to N/w."""
+    B, N = tokens_BxN.shape
+    if N % block:
+        raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
+
+    def body(index, previous):
+        tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxN, index * block, block, axis=1)
+        return block_step(model, params, previous, tokens_BxW, index == 0)[1]
+
+    return jax.lax.fori_loop(0, blocks, body, KVCache.empty(model.config, B, block))
 
 
 def target_logprobs(logits_BxTxV, targets_BxT):

@@ -37,7 +37,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import distributed
 from lexjax import sharding as shard_lib
-from lexjax.blockwise import KVCache, block_step, pad_to, scan_blocks, window_positions
+from lexjax.blockwise import KVCache, block_step, pad_to, scan_prefix, window_positions
 from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError, StdoutClosed, arg
 from lexjax.evaluation import full_length_limit, full_length_problem
@@ -65,11 +65,13 @@ State = dict[str, Any]
 @functools.cache
 def _compiled_prefill(model: Decoder, block: int):
     def run(params, prompt_BxN, length):
-        """prompt padded to n·w tokens; ``length`` real ones, the last in the last block."""
-        B, N = prompt_BxN.shape
-        n = N // block
-        previous, _ = scan_blocks(model, params, prompt_BxN[:, : N - block], block)
-        logits, current, _ = block_step(model, params, previous, prompt_BxN[:, N - block :], n == 1)
+        """prompt padded to whole blocks (a power of two of them); ``length`` real
+        tokens, traced: prompts of as many blocks up to N/w share this compilation."""
+        B = prompt_BxN.shape[0]
+        n = (length + block - 1) // block  # blocks holding real tokens
+        previous = scan_prefix(model, params, prompt_BxN, block, n - 1)
+        last_BxW = jax.lax.dynamic_slice_in_dim(prompt_BxN, (n - 1) * block, block, axis=1)
+        logits, current, _ = block_step(model, params, previous, last_BxW, n == 1)
         filled = length - (n - 1) * block
         positions_BxW = jnp.broadcast_to(window_positions(block, first=n == 1), (B, block))
         real_BxW = jnp.broadcast_to(jnp.arange(block) < filled, (B, block))
@@ -78,12 +80,8 @@ def _compiled_prefill(model: Decoder, block: int):
             .write(0, (previous.k, previous.v), previous.positions, previous.valid)
             .write(block, (current.k, current.v), positions_BxW, real_BxW)
         )
-        state = {
-            "cache": cache,
-            "filled": jnp.asarray(filled, jnp.int32),
-            "first": jnp.asarray(n == 1),
-        }
-        return logits[:, filled - 1], state
+        state = {"cache": cache, "filled": filled.astype(jnp.int32), "first": n == 1}
+        return jnp.take(logits, filled - 1, axis=1), state
 
     return jax.jit(run)
 
@@ -94,12 +92,16 @@ def prefill(model: Decoder, params, prompt_BxP, *, block: int):
     Returns ``(logits_BxV, state)``: the next-token logits after the last
     prompt token and the decoding state ``{"cache": KVCache of 2w slots,
     "filled": tokens in the current block (1 … w), "first": whether it is
-    block 0}``.
+    block 0}``. Prompts are padded to a power of two of blocks, so a server's
+    prompts of many lengths compile a few times, not once per block count.
     """
     prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
     if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
         raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
-    return _compiled_prefill(model, block)(params, pad_to(prompt_BxP, block), prompt_BxP.shape[1])
+    length = prompt_BxP.shape[1]
+    bucket = 1 << (-(-length // block) - 1).bit_length()  # blocks, a power of two
+    padded = pad_to(prompt_BxP, bucket * block)
+    return _compiled_prefill(model, block)(params, padded, jnp.asarray(length, jnp.int32))
 
 
 def _decode(model: Decoder, params, state: State, token_B, block: int):

@@ -357,6 +357,25 @@ def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params
     assert generation._compiled_dense_prefill.cache_info().currsize == 1
 
 
+def test_prompts_of_several_block_counts_share_one_prefill_compilation(model_params):
+    """A compilation per number of prompt blocks: a server with prompts up to 32k
+    tokens at w = 512 compiled up to 64 prefills. Padded to a power of two of blocks,
+    prompts of 5 … 8 blocks share one, with the state and logits of their own length."""
+    model, params = model_params
+    generation._compiled_prefill.cache_clear()
+    run = generation._compiled_prefill(model, W)
+    prompt = jax.random.randint(jax.random.key(3), (1, 8 * W + 1), 0, CONFIG.vocab_size)
+    for length in (4 * W + 1, 6 * W, 8 * W - 3, 8 * W):
+        logits, state = generation.prefill(model, params, prompt[:, :length], block=W)
+        # Against the block scan's own log-probabilities of the same prefix.
+        scanned = evaluation.block_scan_logprobs(model, params, prompt[:, : length + 1], W)
+        np.testing.assert_allclose(
+            jax.nn.log_softmax(logits)[0, prompt[0, length]], scanned[0, -1], rtol=1e-5
+        )
+        assert int(state["filled"]) == length - (-(-length // W) - 1) * W
+    assert run._cache_size() == 1
+
+
 def test_only_allowed_ids_are_sampled(model_params):
     """The model's vocabulary is padded past the tokenizer's, and BOS is no text:
     sampling them gave fewer characters than asked, silently (decode drops them)."""
@@ -492,7 +511,8 @@ def test_each_chunk_writes_its_state_into_the_buffers_of_the_one_it_replaces(mod
     else:
         logits, state = generation._dense_prefill(model, params, prompt, W, 64)
     run = generation._compiled_generate(model, W, False, 0, False, mode)
-    sampling = jnp.float32(1.0), jnp.float32(1.0), jnp.zeros(CONFIG.vocab_size, jnp.float32)
+    zeros_V = jnp.zeros(CONFIG.vocab_size, jnp.float32)
+    sampling = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0), zeros_V  # temperature … bias
     keys = jax.random.split(jax.random.key(0), 16)
     compiled = run.lower(params, logits, state, keys, *sampling).compile()
     carried = sum(x.nbytes for x in jax.tree.leaves((logits, state)))
