@@ -95,13 +95,27 @@ def prefill(model: Decoder, params, prompt_BxP, *, block: int):
     block 0}``. Prompts are padded to a power of two of blocks, so a server's
     prompts of many lengths compile a few times, not once per block count.
     """
-    prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
+    prompt_BxP = _tokens(prompt_BxP)
+    length = prompt_BxP.shape[1]
+    padded = pad_to(prompt_BxP, _blocks_bucket(length, block) * block)
+    return _compiled_prefill(model, block)(params, padded, jnp.asarray(length, jnp.int32))
+
+
+def _tokens(prompt_BxP):
+    """The prompt as int32 ``[B, P ≥ 1]``: a numpy array stays on the host (padded
+    there), a JAX array (perhaps sharded) where it is."""
+    if isinstance(prompt_BxP, jax.Array):
+        prompt_BxP = prompt_BxP.astype(jnp.int32)
+    else:
+        prompt_BxP = np.asarray(prompt_BxP, np.int32)
     if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
         raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
-    length = prompt_BxP.shape[1]
-    bucket = 1 << (-(-length // block) - 1).bit_length()  # blocks, a power of two
-    padded = pad_to(prompt_BxP, bucket * block)
-    return _compiled_prefill(model, block)(params, padded, jnp.asarray(length, jnp.int32))
+    return prompt_BxP
+
+
+def _blocks_bucket(length: int, block: int) -> int:
+    """Blocks of ``block`` tokens that hold ``length``, rounded up to a power of two."""
+    return 1 << (-(-length // block) - 1).bit_length()
 
 
 def _decode(model: Decoder, params, state: State, token_B, block: int):
@@ -352,12 +366,13 @@ def generate(
     cache never holds more than 2w tokens, so any number of tokens can be
     generated in constant memory per token; ``"full"``, plain causal attention
     over every earlier token (positions ``0 … P+max_new_tokens−1``), which
-    raises :class:`EvaluationError` where :func:`check_full_mode` does. Tokens are sampled
-    :data:`CHUNK` at a time; with ``progress``, more than one chunk shows the
-    progress display (:mod:`lexjax.progress`) on stderr. With ``stop_token``,
+    raises :class:`EvaluationError` where :func:`check_full_mode` does. Tokens are
+    sampled up to :data:`CHUNK` at a time (64 with ``on_chunk``); with ``progress``,
+    more than one chunk shows the progress display (:mod:`lexjax.progress`) on
+    stderr. With ``stop_token``,
     sampling ends after the first chunk by which every row has sampled it, so the
     result may be shorter (the tokens it has are the same). ``on_chunk``, if
-    given, is called with each chunk's tokens as they come, a numpy ``[B, ≤ CHUNK]``
+    given, is called with each chunk's tokens as they come, a numpy ``[B, ≤ 64]``
     (on every process, which must all call this alike); where it returns true, on
     any process, sampling ends after that chunk on every process (they agree on it
     in one collective per chunk), e.g. once the reader of the text went away.
@@ -388,18 +403,20 @@ def generate(
     sampling = jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), bias_V
     # Every call samples `chunk` tokens, so one compilation serves them all (and other
     # max_new_tokens): the surplus tokens come after every kept one and are dropped (as
-    # are their cache writes, in mode full).
-    chunk = _chunk(max_new_tokens)
-    keys = jax.random.split(rng, max_new_tokens)
-    surplus = -max_new_tokens % chunk
-    keys = jnp.concatenate([keys, jnp.repeat(keys[:1], surplus, axis=0)])
+    # are their cache writes, in mode full). A reader of each chunk (on_chunk: a text
+    # streamed as it comes) gets one at most every 64 tokens.
+    chunk = _chunk(max_new_tokens) if on_chunk is None else min(_chunk(max_new_tokens), 64)
+    # Token i's key is the i-th of a split into a power of two (a prefix of any longer
+    # split, so more tokens begin with the same ones): one compilation per power of two,
+    # not one set of small ones per max_new_tokens, each kept for the process's life.
+    count = -(-(1 << (max_new_tokens - 1).bit_length()) // chunk) * chunk
+    keys = jax.random.split(rng, count)
+    keys = keys.reshape(count // chunk, chunk, *keys.shape[1:])
     bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
     pieces, stopped_B = [], False
     try:  # the display ends its line also after a Ctrl-C
         for start in range(0, max_new_tokens, chunk):
-            tokens_BxC, logits, state = run(
-                params, logits, state, keys[start : start + chunk], *sampling
-            )
+            tokens_BxC, logits, state = run(params, logits, state, keys[start // chunk], *sampling)
             pieces.append(tokens_BxC)
             if bar.enabled:  # wait for the chunk, so the display follows the computation
                 jax.block_until_ready(tokens_BxC)
@@ -408,6 +425,7 @@ def generate(
                 continue
             # host_array: every process sees every row, and takes the same decision.
             host_BxC = shard_lib.host_array(tokens_BxC)[:, : max_new_tokens - start]
+            pieces[-1] = host_BxC
             if on_chunk is not None and distributed.any_process(bool(on_chunk(host_BxC))):
                 break
             if stop_token is not None:
@@ -416,25 +434,29 @@ def generate(
                     break
     finally:
         bar.close()
-    return jnp.concatenate(pieces, axis=1)[:, :max_new_tokens]
+    # Joined and cut on the host, put back by device_put: on a device, or through
+    # jnp.asarray, each max_new_tokens compiled its own.
+    tokens = np.concatenate([shard_lib.host_array(p) for p in pieces], axis=1)
+    return jax.device_put(tokens[:, :max_new_tokens])
 
 
 def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):
     """Mode ``"full"``'s prefill: ``(next-token logits_BxV, {"cache", "next"})`` with
     room in the cache for ``max_new_tokens`` more tokens, rounded up to whole chunks."""
-    prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
-    if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
-        raise EvaluationError(f"prompt must be [batch, length ≥ 1], got {prompt_BxP.shape}")
+    prompt_BxP = _tokens(prompt_BxP)
     length = prompt_BxP.shape[1]
     check_full_mode(model.config, length, max_new_tokens)
     if model.config.position == "learned":
         # No padding: it could stand past the table (see evaluation.full_logprobs).
         chunk = length
+    # A cache of a power of two of slots, with room for whole sampling chunks
+    # (generate's surplus tokens included): token counts and prompts of one bucket
+    # share the decode loop's compilation. (The prompt is not padded to a power of
+    # two of chunks: padding is computed here, at positions the checks did not see.)
     padded = pad_to(prompt_BxP, chunk)
-    # Room for whole sampling chunks (generate's surplus tokens included): other
-    # max_new_tokens rounding to the same chunks share this compilation.
     per_call = _chunk(max_new_tokens)
     slots = padded.shape[1] + -(-int(max_new_tokens) // per_call) * per_call
+    slots = 1 << (slots - 1).bit_length()
     return _compiled_dense_prefill(model, chunk, slots)(params, padded, length)
 
 

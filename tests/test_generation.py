@@ -376,6 +376,31 @@ def test_prompts_of_several_block_counts_share_one_prefill_compilation(model_par
     assert run._cache_size() == 1
 
 
+def test_a_servers_requests_of_one_bucket_compile_nothing_after_the_first(model_params):
+    """Each new max_new_tokens compiled six small operations (its keys, their padding,
+    the output's cut) and each prompt length a pad, every one kept for the process's
+    life: a service's memory grew by ~9 MiB per token count it was asked for."""
+    model, params = model_params
+    compiles = []
+
+    def count(name, *_, **__):
+        compiles.append(name == "/jax/core/compile/backend_compile_duration")
+
+    prompt = np.arange(1, W, dtype=np.int32)[None]  # a numpy prompt, as complete() makes
+    ask = lambda n, p: generation.generate(
+        model, params, prompt[:, :p], block=W, max_new_tokens=n, rng=jax.random.key(n)
+    )
+    first = ask(100, 5)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        out = {n: ask(n, p) for n, p in ((101, 7), (120, 3), (127, W - 1), (100, 5))}
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert sum(compiles) == 0
+    assert {n: o.shape for n, o in out.items()} == {n: (1, n) for n in out}
+    np.testing.assert_array_equal(out[100], first)
+
+
 def test_only_allowed_ids_are_sampled(model_params):
     """The model's vocabulary is padded past the tokenizer's, and BOS is no text:
     sampling them gave fewer characters than asked, silently (decode drops them)."""
