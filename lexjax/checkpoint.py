@@ -324,7 +324,7 @@ def _leaf_records(named: list[tuple[str, Any]], algorithm: str = _MIX64) -> dict
     for name, x in named:
         if isinstance(x, jax.Array):
             where = getattr(x.sharding, "mesh", None) or frozenset(x.sharding.device_set)
-            groups.setdefault(where, []).append((name, x))
+            groups.setdefault((where, x.is_fully_addressable), []).append((name, x))
     digests = {}
     for group in groups.values():
         lanes = shard_lib.host_array(_device_digests([x for _, x in group]))

@@ -113,6 +113,16 @@ def _tokens(prompt_BxP):
     return prompt_BxP
 
 
+def _prefix_stable(rng) -> bool:
+    """Whether ``split(rng, n)`` begins with ``split(rng, m)`` for every m < n:
+    threefry with partitionable bits (JAX's default), not rbg or the older threefry."""
+    if not getattr(jax.config, "jax_threefry_partitionable", True):
+        return False
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return "threefry" in str(jax.random.key_impl(rng))
+    return jax.config.jax_default_prng_impl == "threefry2x32"
+
+
 def _blocks_bucket(length: int, block: int) -> int:
     """Blocks of ``block`` tokens that hold ``length``, rounded up to a power of two."""
     return 1 << (-(-length // block) - 1).bit_length()
@@ -297,7 +307,8 @@ def check_stored_run(config: Config, prompt: str, max_new_tokens: int, mode: str
 
 
 MAX_NEW_TOKENS = 1 << 24
-"""The most tokens one call generates (each needs its random key in memory up front)."""
+"""The most tokens one call generates (each needs its random key in memory up front;
+up to twice as many keys are split, see :func:`generate`)."""
 
 
 # Tokens sampled per compiled call of generate(): the steps of its progress display.
@@ -406,11 +417,17 @@ def generate(
     # are their cache writes, in mode full). A reader of each chunk (on_chunk: a text
     # streamed as it comes) gets one at most every 64 tokens.
     chunk = _chunk(max_new_tokens) if on_chunk is None else min(_chunk(max_new_tokens), 64)
-    # Token i's key is the i-th of a split into a power of two (a prefix of any longer
-    # split, so more tokens begin with the same ones): one compilation per power of two,
-    # not one set of small ones per max_new_tokens, each kept for the process's life.
-    count = -(-(1 << (max_new_tokens - 1).bit_length()) // chunk) * chunk
-    keys = jax.random.split(rng, count)
+    # Token i's key is the i-th of a split of a power of two, rounded to whole chunks:
+    # one compilation per power of two, not one set of small ones per max_new_tokens,
+    # each kept for the process's life. Where a split is not a prefix of a longer one
+    # (rbg keys, threefry without partitionable bits), max_new_tokens keys as before.
+    if _prefix_stable(rng):
+        count = -(-(1 << (max_new_tokens - 1).bit_length()) // chunk) * chunk
+        keys = jax.random.split(rng, count)
+    else:
+        count = -(-max_new_tokens // chunk) * chunk
+        keys = jax.random.split(rng, max_new_tokens)
+        keys = jnp.concatenate([keys, jnp.repeat(keys[:1], count - max_new_tokens, axis=0)])
     keys = keys.reshape(count // chunk, chunk, *keys.shape[1:])
     bar = Progress(max_new_tokens, label="generated", enabled=progress and chunk < max_new_tokens)
     pieces, stopped_B = [], False
@@ -418,6 +435,7 @@ def generate(
         for start in range(0, max_new_tokens, chunk):
             tokens_BxC, logits, state = run(params, logits, state, keys[start // chunk], *sampling)
             pieces.append(tokens_BxC)
+            sharding = tokens_BxC.sharding  # [B, *] alike: the rows' split, none of the tokens'
             if bar.enabled:  # wait for the chunk, so the display follows the computation
                 jax.block_until_ready(tokens_BxC)
                 bar.update(min(start + chunk, max_new_tokens))
@@ -434,10 +452,18 @@ def generate(
                     break
     finally:
         bar.close()
-    # Joined and cut on the host, put back by device_put: on a device, or through
-    # jnp.asarray, each max_new_tokens compiled its own.
+    # Joined and cut on the host, then put where the chunks were (the rows sharded as
+    # the prompt's), shard by shard: on a device, or through jnp.asarray, each
+    # max_new_tokens compiled its own.
     tokens = np.concatenate([shard_lib.host_array(p) for p in pieces], axis=1)
-    return jax.device_put(tokens[:, :max_new_tokens])
+    tokens = tokens[:, :max_new_tokens]
+    try:
+        rows_only = sharding.shard_shape(tokens.shape)[1] == tokens.shape[1]
+    except ValueError:  # a split of the tokens' axis that does not divide it
+        rows_only = False
+    if not rows_only:
+        return jax.device_put(tokens)
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
 def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_tokens: int):
@@ -449,14 +475,15 @@ def _dense_prefill(model: Decoder, params, prompt_BxP, chunk: int, max_new_token
     if model.config.position == "learned":
         # No padding: it could stand past the table (see evaluation.full_logprobs).
         chunk = length
-    # A cache of a power of two of slots, with room for whole sampling chunks
-    # (generate's surplus tokens included): token counts and prompts of one bucket
-    # share the decode loop's compilation. (The prompt is not padded to a power of
-    # two of chunks: padding is computed here, at positions the checks did not see.)
+    # A cache with room for whole sampling chunks (generate's surplus tokens included),
+    # rounded up to one of 8 sizes per octave (at most 12.5% more): token counts and
+    # prompts of one size share the decode loop's compilation. (The prompt is not
+    # padded further: padding is computed here, at positions the checks did not see.)
     padded = pad_to(prompt_BxP, chunk)
     per_call = _chunk(max_new_tokens)
     slots = padded.shape[1] + -(-int(max_new_tokens) // per_call) * per_call
-    slots = 1 << (slots - 1).bit_length()
+    step = 1 << max(0, slots.bit_length() - 4)
+    slots = -(-slots // step) * step
     return _compiled_dense_prefill(model, chunk, slots)(params, padded, length)
 
 

@@ -401,6 +401,33 @@ def test_a_servers_requests_of_one_bucket_compile_nothing_after_the_first(model_
     np.testing.assert_array_equal(out[100], first)
 
 
+def test_keys_split_in_a_power_of_two_only_where_a_split_is_a_prefix_of_a_longer_one():
+    """generate() splits a power of two of keys and uses the first max_new_tokens: the
+    same keys as a split of max_new_tokens only under partitionable threefry (JAX's
+    default), which this checks of JAX; rbg keys keep the split of max_new_tokens."""
+    key = jax.random.key(7)
+    short, long = jax.random.split(key, 100), jax.random.split(key, 128)
+    assert generation._prefix_stable(key)
+    np.testing.assert_array_equal(jax.random.key_data(short), jax.random.key_data(long)[:100])
+    assert not generation._prefix_stable(jax.random.key(7, impl="rbg"))
+
+
+def test_a_prompt_sharded_over_the_mesh_gives_tokens_sharded_as_it(model_params):
+    """The tokens are joined on the host (no compilation per max_new_tokens) and put
+    back as the chunks were: rows split over the devices, as the prompt's."""
+    model, params = model_params
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    prompt = jax.device_put(jnp.arange(24, dtype=jnp.int32).reshape(8, 3) % 50, rows)
+    out = generation.generate(model, params, prompt, block=W, max_new_tokens=21,
+                              rng=jax.random.key(0))  # fmt: skip
+    alone = generation.generate(model, params, np.asarray(prompt), block=W, max_new_tokens=21,
+                                rng=jax.random.key(0))  # fmt: skip
+    assert out.shape == (8, 21) and len(out.sharding.device_set) == 8
+    assert {shard.data.shape for shard in out.addressable_shards} == {(1, 21)}
+    np.testing.assert_array_equal(out, alone)
+
+
 def test_only_allowed_ids_are_sampled(model_params):
     """The model's vocabulary is padded past the tokenizer's, and BOS is no text:
     sampling them gave fewer characters than asked, silently (decode drops them)."""
