@@ -251,12 +251,13 @@ def _leaf_record(x: Any) -> dict[str, Any]:
 #
 # Each element's bits as one uint32 word w_i (8-byte elements as two; i its C-order
 # index), and per lane ℓ: Σ_i fmix32(w_i ⊕ (i·φ + seed_ℓ)) mod 2³², with fmix32
-# murmur3's finalizer. For a given i the term is a bijection of w_i, so any changed
-# element changes the sum; the index in it tells a permutation apart. A sum of
-# integers mod 2³² is the same in any order, hence on any mesh and any sharding:
-# the devices holding a leaf reduce it where it lies and only 8 bytes per leaf
-# reach the host (sha256 needed the whole state gathered to every host, per save).
-# It finds damage, not tampering, as the sha256 of the record did not either.
+# murmur3's finalizer. For a given i the term is a bijection of w_i, so one changed
+# element always changes the sum; with the index in each term, more changes or two
+# elements swapped almost surely do. A sum of integers mod 2³² is the same in any
+# order, hence on any mesh and any sharding: the devices holding a leaf reduce it
+# where it lies and only 8 bytes per leaf reach the host (sha256 needed the whole
+# state gathered to every host, per save). Like sha256 here, it finds damage, not
+# tampering: whoever edits a step can recompute its checksums.
 
 _MIX64 = "mix64"
 _PHI = np.uint32(0x9E3779B9)
