@@ -229,14 +229,18 @@ def scan_blocks(
     return _scan(step, first, tokens_BxN, block, emit, extra_BxN)
 
 
+def _check_whole_blocks(tokens_BxN, block: int) -> None:
+    if (N := tokens_BxN.shape[1]) % block:
+        raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
+
+
 def scan_prefix(model: Decoder, params, tokens_BxN, block: int, blocks):
     """:func:`scan_blocks` over the first ``blocks`` blocks of ``tokens_BxN`` only,
     without outputs: the last of them as a KVCache of w slots (empty for none).
     ``blocks`` may be traced (a loop of that many steps, nothing spent on the rest),
     so one compilation serves every count up to N/w."""
-    B, N = tokens_BxN.shape
-    if N % block:
-        raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
+    B = tokens_BxN.shape[0]
+    _check_whole_blocks(tokens_BxN, block)
 
     def body(index, previous):
         tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxN, index * block, block, axis=1)
@@ -276,8 +280,7 @@ def _scan(step: Callable, carry, tokens_BxN, block: int, emit: Callable | None, 
     over the blocks of ``tokens_BxN`` (``extra_BxN`` cut alongside), each block's
     outputs reduced by ``emit`` as :func:`scan_blocks` describes."""
     B, N = tokens_BxN.shape
-    if N % block:
-        raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
+    _check_whole_blocks(tokens_BxN, block)
     n = N // block
     to_blocks = lambda x: None if x is None else x.reshape(B, n, block).swapaxes(0, 1)
 

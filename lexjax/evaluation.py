@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -528,7 +529,7 @@ def perplexity(
         # One batch in flight: a batch's sum is read (a wait on the device) only once
         # the next one is dispatched, so the device never idles on the host's read.
         pending = []
-        for part, real in [*_batches(rows, batch), (None, 0)]:
+        for part, real in itertools.chain(_batches(rows, batch), [(None, 0)]):
             if part is not None:
                 if batch_sharding is not None:
                     part = jax.device_put(part, batch_sharding)

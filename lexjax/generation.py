@@ -186,15 +186,16 @@ def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, 
     (1: all; the most likely token is always kept). Tokens tied with the last one
     kept are kept too. A temperature below float32's smallest normal number
     (about 1.2e-38) is greedy, the limit it stands for."""
+    top_k = min(top_k, logits_BxV.shape[-1])  # within int32: no more ids to keep
     return _sample(
         logits_BxV,
         rng,
         temperature,
-        min(top_k, logits_BxV.shape[-1]),  # within int32: no more ids to keep
+        top_k,
         top_p,
         greedy=is_greedy(temperature),
         nucleus=top_p < 1.0,
-        k_room=min(top_k, logits_BxV.shape[-1]),
+        k_room=top_k,
     )
 
 

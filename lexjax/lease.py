@@ -386,15 +386,11 @@ class WorkdirLease:
             f"looks stale by this host's clock; watching it {wait:.1f} s for a heartbeat "
             "(clocks of two hosts may differ; a renewed one means the job is alive)"
         )
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
-            time.sleep(min(0.25, wait / 20))
-            now = self._read()
-            if not now or now.get("token") != record.get("token"):
-                return  # released or replaced: judged again
-            if now.get("heartbeat") != record.get("heartbeat"):
-                raise self._in_use(record)
-        self._watched[record["token"], record["heartbeat"]] = wait
+        renewed = self._renewed(record, wait, poll=min(0.25, wait / 20))
+        if renewed:
+            raise self._in_use(record)
+        if renewed is False:  # (None: released or replaced, judged again as it is now)
+            self._watched[record["token"], record["heartbeat"]] = wait
 
     def _watch(self, record: dict) -> None:
         """Returns once the lease ``record`` is gone, replaced or past its timeout
@@ -411,13 +407,21 @@ class WorkdirLease:
             f"pids this process cannot check; waiting up to {max(left, 0):.0f} s for its heartbeat "
             "(a renewed one means the job is alive)"
         )
-        while time.time() <= beat + timeout:
-            time.sleep(min(0.25, timeout / 20))
+        if self._renewed(record, left, poll=min(0.25, timeout / 20)):
+            raise self._in_use(record)
+
+    def _renewed(self, record: dict, seconds: float, *, poll: float) -> bool | None:
+        """Reads the lease every ``poll`` s for ``seconds``: True once ``record``'s
+        holder renews it, None once it is released or replaced, False if neither."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(poll)
             now = self._read()
             if not now or now.get("token") != record.get("token"):
-                return  # released or replaced
+                return None
             if now.get("heartbeat") != record.get("heartbeat"):
-                raise self._in_use(record)
+                return True
+        return False
 
     def _take_over(self, stale: dict) -> bool:
         """Replaces the stale lease ``stale`` by ours; False if another job got there first.

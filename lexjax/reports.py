@@ -290,7 +290,7 @@ def _save(fig, path: str, dpi: int = 120) -> None:
     """``fig`` at ``path``, replaced atomically as :func:`write_json` does: a write
     cut off (a full disk, a Ctrl-C) leaves the figure before it whole."""
     if _writes():
-        with _writing(path), _RENDERING:
+        with _writing(path):
             tmp = _fresh_tmp(path)
             fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
             os.replace(tmp, path)
