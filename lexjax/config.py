@@ -392,9 +392,14 @@ def _check_field(config, path: str) -> None:
             close = difflib.get_close_matches(path, same, n=1, cutoff=0) if same else []
             if not close and (depth < len(parts) - 1 or not known):
                 close = difflib.get_close_matches(path, leaves, n=1, cutoff=0.6)
+            prefix = ".".join(parts[:depth] + [""])
+            if not close and depth == len(parts) - 1 and known:
+                # A near name in this section, else a near name in another (optim.learning_rat).
+                close = [prefix + k for k in difflib.get_close_matches(key, known, 1, 0.6)]
+                names = {p.rsplit(".", 1)[-1]: p for p in reversed(leaves)}
+                close = close or [names[k] for k in difflib.get_close_matches(key, names, 1, 0.8)]
             if close:
                 raise ConfigError(f"unknown config field {path}; did you mean {close[0]}?")
-            prefix = ".".join(parts[:depth] + [""])
             raise unknown_field(prefix + key, [prefix + k for k in known])
         node = node[key]
 
@@ -410,7 +415,9 @@ def _leaf_paths(node, prefix: str = ""):
 
 def unknown_field(name: str, known) -> ConfigError:
     """The error for a field that does not exist, naming the closest known field."""
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    # Names compared without their shared section (model.dropout is not model.rope_factor).
+    last = {k.rsplit(".", 1)[-1]: k for k in known}
+    close = [last[c] for c in difflib.get_close_matches(name.rsplit(".", 1)[-1], last, 1, 0.6)]
     hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(known)}" * bool(known)
     return ConfigError(f"unknown config field {name}{hint}")
 

@@ -469,6 +469,22 @@ def test_dotted_field_names_as_the_flags_and_messages_write_them():
         cfg.from_configdict({"train_len.x": 1})
 
 
+@pytest.mark.parametrize(
+    "path,hint",
+    [
+        # The shared "model." made model.rope_factor the closest name to model.dropout.
+        ("model.dropout", "; known: model."),
+        ("model.rope_factr", "; did you mean model.rope_factor?"),
+        # Near a name in no section: optim.learning_rat had no hint.
+        ("optim.learning_rat", "; did you mean learning_rate?"),
+    ],
+)
+def test_a_misspelt_flag_is_matched_by_its_own_name_not_its_section(path, hint):
+    with pytest.raises(cfg.ConfigError) as raised:
+        cfg._check_field(cfg.default_configdict(), path)
+    assert str(raised.value).startswith(f"unknown config field {path}{hint}"), raised.value
+
+
 def test_an_older_lexjaxs_field_names_still_load():
     """Until 2026-11-30 the peak rate and warmup were optim fields; checkpoints of then
     (and dicts written for then) were refused: "unknown config field
