@@ -324,10 +324,12 @@ def train(
 
 def _check_xpos_range(config: Config) -> None:
     """XPOS's key scale grows as ζ^(−p/b): beyond a position set by scale_base b it
-    is itself past the compute dtype's largest number (no margin: only a certain
-    overflow is refused). Training's positions (centred, ±train_len/2) must stay
-    within it: refused before any work, not a non-finite loss at step 1. Under PI
-    the decay sees p/s, so its base is b·s; the other RoPE scalings keep b."""
+    is past the compute dtype's largest number. Training's positions (centred,
+    ±train_len/2) must keep it a factor 10 below that, room for keys of magnitude up
+    to 10: refused before any work, not a non-finite loss at step 1. (With no room,
+    b = 8 at train_len 1130 in float32 was accepted and every logit row was NaN; the
+    full room of max_safe_position, 1e3, refused float16 configs that train.) Under
+    PI the decay sees p/s, so its base is b·s; the other RoPE scalings keep b."""
     m = config.model
     if m.position not in DECAYING_ENCODINGS:
         return
@@ -335,11 +337,11 @@ def _check_xpos_range(config: Config) -> None:
     if m.rope_scaling == "pi":  # s: rope_factor, or (0) this length / rope_train_len
         rope_train_len = m.rope_train_len or config.train_len
         base *= m.rope_factor or pos_lib.length_factor(config.train_len, rope_train_len)
-    limit = pos_lib.max_safe_position(base, dtype=m.dtype, margin=1.0)
+    limit = pos_lib.max_safe_position(base, dtype=m.dtype, margin=10.0)
     if config.train_len // 2 > limit:
-        # The advice keeps the room for the keys' own magnitude (max_safe_position's
-        # default margin) that the refusal does not ask for: its b at no margin put
-        # the scale on the edge, and the first step was not finite.
+        # The advice keeps all of max_safe_position's room for the keys' own magnitude
+        # (1e3, more than the refusal asks for): its b at no room put the scale on the
+        # edge, and the first step was not finite.
         room = pos_lib.max_safe_position(base, dtype=m.dtype)
         least = m.scale_base * (config.train_len // 2) / room  # the limit grows with b
         raise ConfigError(

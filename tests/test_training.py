@@ -102,7 +102,7 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
 
     config = _train_config(tmp_path, **{"model.scale_base": 0.1})
     said = (
-        "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±7.1, and "
+        "model.scale_base=0.1 lets XPOS's scale overflow float32 beyond positions ±6.9, and "
         "train_len=16 trains at ±8; use model.scale_base ≥ 0.13 or a shorter train_len"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
@@ -121,10 +121,13 @@ def test_a_scale_base_too_small_for_train_len_is_refused_before_any_work(tmp_pat
     for scaling, factor in (("pi", 0.0), ("ntk", 2.0), ("yarn", 2.0)):
         with pytest.raises(ConfigError, match="^model.scale_base=0.1 lets XPOS's scale"):
             training._check_xpos_range(scaled(rope_scaling=scaling, rope_factor=factor))
+    # With no room for the keys' magnitude, b = 8 at train_len 1130 (±565, a scale
+    # within 1.3× of float32's largest) was accepted and every logit row was NaN.
+    with pytest.raises(ConfigError, match="^model.scale_base=8 lets XPOS's scale"):
+        training._check_xpos_range(dataclasses.replace(scaled(scale_base=8.0), train_len=1130))
     # Without the check, the first step is indeed not finite; the advised 0.13 trains.
-    # (The refusal asks for no margin, so a scale_base just above it may still be
-    # non-finite at step 1 with keys larger than this model's, as 1.81 was at train_len
-    # 256 below: only a certain overflow is refused, the advice keeps room.)
+    # (The refusal keeps a room of 10, the advice 1e3: 1.81, advised at train_len 256
+    # with no room, was non-finite at step 1.)
     monkeypatch.setattr(training, "_check_xpos_range", lambda config: None)
     with pytest.raises(TrainingError, match="step 1"):
         train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
