@@ -107,6 +107,7 @@ __all__ = [
     "block_scan_logprobs",
     "sinks_logprobs",
     "check_sinks",
+    "sinks_problem",
     "sink_window",  # lexjax.blockwise's: the sink-count check of the programs
     "RESOLUTION_MODES",
     "check_modes",
@@ -220,12 +221,33 @@ def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
     :class:`EvaluationError` for an absolute position encoding (the sink + window
     mode cannot run)."""
     sink_window(block, sinks)
+    if problem := sinks_problem(config, block):
+        raise EvaluationError(problem)
+
+
+def sinks_problem(config: ModelConfig, block: int) -> str | None:
+    """Why the sink + window mode cannot run this model at ``block``, or None.
+
+    An absolute encoding cannot be re-positioned. XPOS's keys in a step span
+    window positions 0 … 3w−1 (two cached blocks and the current one), ±1.5·w once
+    centred, half as far again as BCA's ±w: the scale must stay within
+    :func:`lexjax.positions.max_safe_position` there (PI's decay base b·s is not
+    counted: the check stays conservative, as mode full's)."""
     if config.position in ABSOLUTE_ENCODINGS:
-        raise EvaluationError(
+        return (
             f"sinks + window needs a relative encoding or none, not {config.position}: "
             "StreamingLLM re-positions cached keys inside its cache, and an absolute "
             "position is added to a token's input once (evaluate bca or full)"
         )
+    if config.position in DECAYING_ENCODINGS:
+        limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
+        if 3 * block / 2 > limit:
+            return (
+                f"sinks + window at block {block} puts XPOS positions at ±{3 * block // 2}, "
+                f"beyond the {config.dtype} safe range ±{int(limit)} for scale_base "
+                f"{config.scale_base:g}; use a block ≤ {math.floor(2 * limit / 3)} or mode bca"
+            )
+    return None
 
 
 def sinks_logprobs(model: Decoder, params, tokens_BxL, block: int, sinks: int = DEFAULT_SINKS):
@@ -439,8 +461,10 @@ def usable_cells(
     return cells
 
 
-def cell_problem(config: ModelConfig, mode: str, length: int, max_length: int) -> str | None:
-    """Why the cell (mode, length) cannot score the budget's tokens, or None."""
+def cell_problem(
+    config: ModelConfig, mode: str, length: int, max_length: int, block: int
+) -> str | None:
+    """Why the cell (mode, length) cannot score the budget's tokens at ``block``, or None."""
     if max_length % length:
         return f"length {length} does not divide the budget of {max_length} tokens"
     if mode == "full":
@@ -448,11 +472,8 @@ def cell_problem(config: ModelConfig, mode: str, length: int, max_length: int) -
             check_full_length(config, length)
         except EvaluationError as e:
             return str(e)
-    if mode == "sinks" and config.position in ABSOLUTE_ENCODINGS:
-        return (
-            f"StreamingLLM re-positions cached keys, which {config.position} positions "
-            "(added to each token's input once) cannot"
-        )
+    if mode == "sinks":
+        return sinks_problem(config, block)
     return None
 
 
@@ -508,7 +529,7 @@ def perplexity(
     cells = usable_cells(
         modes,
         lengths,
-        lambda mode, length: cell_problem(model.config, mode, length, max_length),
+        lambda mode, length: cell_problem(model.config, mode, length, max_length, block),
         strict=strict,
         say=say,
     )
@@ -1076,7 +1097,7 @@ def evaluate_run(
         {"mode": m, "length": n, "reason": problem}
         for m in modes
         for n in lengths
-        if (problem := cell_problem(config.model, m, n, max_length))
+        if (problem := cell_problem(config.model, m, n, max_length, config.block))
     ]
     if len(missing) == len(modes) * len(lengths):  # before any text is read
         _check_divides(lengths, max_length, given)

@@ -3,6 +3,7 @@ streaming computation in float64, written from the rule, not from lexjax's code.
 
 import dataclasses
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -157,7 +158,8 @@ def test_sink_counts_outside_the_first_block_are_refused():
 def test_absolute_encodings_have_no_sinks_cell(position):
     model, params = _model(position)
     config = model.config
-    assert "StreamingLLM" in evaluation.cell_problem(config, "sinks", TRAIN_LEN, 2 * TRAIN_LEN)
+    cell = evaluation.cell_problem(config, "sinks", TRAIN_LEN, 2 * TRAIN_LEN, W)
+    assert "StreamingLLM" in cell
     with pytest.raises(evaluation.EvaluationError, match="relative encoding"):
         evaluation.sinks_logprobs(model, params, _tokens(1, 9), W)
     docs = [np.asarray(_tokens(1, 2 * TRAIN_LEN + 1, seed=5)[0])]
@@ -167,6 +169,28 @@ def test_absolute_encodings_have_no_sinks_cell(position):
         say=notes.append,
     )  # fmt: skip
     assert [r.mode for r in results] == ["bca"] and "no sinks cell" in notes[0]
+
+
+def test_sinks_refuse_an_xpos_scale_base_their_wider_window_overflows(monkeypatch):
+    """A step's keys span window positions 0 … 3w−1, ±1.5w centred: at b = 0.15,
+    BCA's ±w keeps XPOS's scale finite and sinks' positions overflow it. They were
+    evaluated anyway (a review found 556 of 1500 log-probs not finite)."""
+    model, params = _model("xpos")
+    model = Decoder(dataclasses.replace(model.config, scale_base=0.15))
+    tokens = _tokens(1, 4 * TRAIN_LEN + 1, seed=3)
+    assert np.isfinite(np.asarray(evaluation.block_scan_logprobs(model, params, tokens, W))).all()
+    said = f"sinks + window at block {W} puts XPOS positions at ±{3 * W // 2}, beyond"
+    with pytest.raises(evaluation.EvaluationError, match=f"^{re.escape(said)}.* or mode bca$"):
+        evaluation.sinks_logprobs(model, params, tokens, W)
+    cell = evaluation.cell_problem(model.config, "sinks", TRAIN_LEN, TRAIN_LEN, W)
+    assert cell.startswith(said)
+    smaller = int(re.search(r"block ≤ (\d+)", cell)[1])
+    assert (
+        smaller < W and np.isfinite(evaluation.sinks_logprobs(model, params, tokens, smaller)).all()
+    )
+    # What the refusal saves: the same scan without it is not finite.
+    monkeypatch.setattr(evaluation, "sinks_problem", lambda config, block: None)
+    assert not np.isfinite(np.asarray(evaluation.sinks_logprobs(model, params, tokens, W))).all()
 
 
 def test_perplexity_reports_the_sinks_mode():
