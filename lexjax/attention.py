@@ -220,9 +220,11 @@ def logit_bias(q_positions, k_positions, num_heads: int, *, position: PositionKi
 
 
 def attention_logits(q, k, *, bias=None):
-    """Pre-softmax scores ``[B, H, Tq, Tk]`` in float32: ``q·k/√Dh (+ bias)``."""
+    """Pre-softmax scores ``[B, H, Tq, Tk]`` in float32 (float64 for float64 q,
+    k under x64): ``q·k/√Dh (+ bias)``."""
     scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    accumulate = jnp.promote_types(jnp.result_type(q, k), jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=accumulate)
     logits = logits * scale
     if bias is not None:
         logits = logits + bias
@@ -238,7 +240,8 @@ def attend(logits, v, mask=None):
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=jnp.float32).astype(
+    accumulate = jnp.promote_types(v.dtype, jnp.float32)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=accumulate).astype(
         v.dtype
     )
 
@@ -300,6 +303,13 @@ def _check_context(q, k, ctx: Context) -> None:
         raise ValueError(
             f"the context's ALiBi bias has {ctx.bias.shape[-3]} heads and q "
             f"{q.shape} has {H}; build the context with num_heads={H}"
+        )
+    if ctx.mask is not None and jnp.result_type(ctx.mask) != jnp.bool_:
+        # An additive 0/−inf mask was taken as True where it is −inf: queries attended
+        # only to the keys it hides.
+        raise ValueError(
+            f"the mask is {jnp.result_type(ctx.mask)}; give a boolean mask, True where a "
+            "query may attend (an additive 0/-inf mask m: m == 0)"
         )
     for name, x in (("mask", ctx.mask), ("ALiBi bias", ctx.bias)):
         shape = () if x is None else jnp.shape(x)

@@ -292,14 +292,17 @@ def rotary_tables(
 def apply_rotary(x, cos, sin):
     """Rotates the interleaved pairs ``(a, b) = (x_2i, x_2i+1)`` of ``x`` by the
     tables of :func:`rotary_tables`: ``(a·c_i − b·s_i, b·c_i + a·s_i)``.
-    Computed in float32; returns ``x``'s shape ``[..., seq, heads, d]`` and dtype.
+    Computed in float32 (float64 for a float64 ``x``, under x64: XPOS is linear
+    in ``x``, so a float64 gradient check sees exact derivatives of the
+    float32-rounded tables); returns ``x``'s shape ``[..., seq, heads, d]`` and dtype.
 
     The tables stay half width and each pair is split into its two halves,
     rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``,
     which needed a swapped copy of ``x``. On a CPU the two forms measured the
     same XPOS overhead, within the noise (docs/benchmarks.md §16).
     """
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    pairs = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    pairs = pairs.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)

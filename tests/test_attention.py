@@ -9,6 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from lexjax import attention, config, masks, positions, reports
@@ -69,6 +70,27 @@ def test_the_position_kinds_are_one_list():
     for kind in config.PAIRED_ENCODINGS:
         ctx = attention.context(np.arange(4), np.arange(4), num_heads=H, head_dim=D, position=kind)
         assert ctx.q_rotary is not None and ctx.k_rotary is not None, kind
+
+
+@pytest.mark.parametrize("position", ["xpos", "rope", "alibi"])
+def test_float64_gradients_match_finite_differences(position):
+    """Under x64, float64 q, k, v are computed in float64 (the tables stay float32
+    and are constants here): x was cast to float32 for the rotation and the scores
+    accumulated in float32, so a float64 gradient check failed (relative error
+    6e-2 at eps 1e-6) though the gradients were right."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.standard_normal((1, 6, 2, 4))) for _ in range(3))
+        at = jnp.arange(6) + 40
+
+        def loss(q, k, v):
+            out, logits = attention.multihead_attention(
+                q, k, v, at, at, position=position, mask=masks.causal(6), scale_base=8.0
+            )
+            assert out.dtype == logits.dtype == jnp.float64
+            return (out**2).sum()
+
+        jax.test_util.check_grads(loss, (q, k, v), order=1, modes=["rev"], eps=1e-6)
 
 
 class MultiheadAttentionTest(chex.TestCase):
@@ -158,6 +180,17 @@ class MultiheadAttentionTest(chex.TestCase):
         )
         chex.assert_trees_all_equal(one.q_rotary, many.q_rotary)
         chex.assert_trees_all_equal(one.k_rotary, many.k_rotary)
+
+    def test_a_mask_that_is_not_boolean_is_refused(self):
+        # Flax's and PyTorch's additive 0/−inf mask was taken as True where it is −inf:
+        # query 0 attended only to the future keys it hides.
+        q, k, v = _qkv(3, 6, 6)
+        causal = masks.causal(6)
+        for mask in (jnp.where(causal, 0.0, -jnp.inf), causal.astype(jnp.int32)):
+            with self.assertRaisesRegex(ValueError, r"^the mask is \w+; give a boolean mask"):
+                attention.multihead_attention(
+                    q, k, v, *[jnp.arange(6)] * 2, position="xpos", mask=mask
+                )
 
     def test_shape_mismatches_are_value_errors_naming_the_shapes(self):
         q, k, v = _qkv(7)
