@@ -6,23 +6,11 @@ the masks are built once per compiled shape.
 
 from __future__ import annotations
 
-import operator
-
 import jax.numpy as jnp
 
-from lexjax.positions import as_positions
+from lexjax.positions import as_positions, positive_int
 
 __all__ = ["causal", "blockwise_causal", "same_segment", "causal_by_position"]
-
-
-def _check_size(name: str, value) -> int:
-    try:
-        size = operator.index(value)  # Python and numpy integers, not floats or bools
-    except TypeError:
-        size = None
-    if size is None or isinstance(value, bool) or size < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return size
 
 
 def causal(q_len: int, k_len: int | None = None):
@@ -32,8 +20,8 @@ def causal(q_len: int, k_len: int | None = None):
     last ``q_len`` of the ``k_len`` keys, which serves a block of queries over
     cached keys.
     """
-    q_len = _check_size("q_len", q_len)
-    k_len = q_len if k_len is None else _check_size("k_len", k_len)
+    q_len = positive_int("q_len", q_len)
+    k_len = q_len if k_len is None else positive_int("k_len", k_len)
     if k_len < q_len:
         raise ValueError(
             f"k_len ({k_len}) must be ≥ q_len ({q_len}): the queries are the last q_len keys"
@@ -50,8 +38,8 @@ def blockwise_causal(length: int, block: int):
     block and the one before. ``block`` is half the training length, so no
     query ever sees a key farther than the training length.
     """
-    length = _check_size("length", length)
-    block = _check_size("block", block)
+    length = positive_int("length", length)
+    block = positive_int("block", block)
     i = jnp.arange(length)[:, None]
     j = jnp.arange(length)[None, :]
     return (j <= i) & (j >= (i // block - 1) * block)
@@ -81,4 +69,4 @@ def causal_by_position(q_positions, k_positions, window: int | None = None):
     distance = q_positions[..., :, None] - k_positions[..., None, :]
     if window is None:
         return distance >= 0
-    return (distance >= 0) & (distance < _check_size("window", window))
+    return (distance >= 0) & (distance < positive_int("window", window))

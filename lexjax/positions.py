@@ -111,6 +111,21 @@ def max_safe_position(
     )
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` as an int, if it is a positive Python, NumPy or concrete JAX integer
+    (not a bool or a float); else a ValueError naming ``name``, which says to mark
+    it static where it is traced (a size a jitted function cannot take as data)."""
+    traced = False
+    try:
+        size = None if isinstance(value, bool) else operator.index(value)
+    except TypeError as e:
+        size, traced = None, isinstance(e, jax.errors.TracerIntegerConversionError)
+    if size is None or size < 1:
+        hint = "; it is a size, so under jax.jit mark it static (static_argnames)" * traced
+        raise ValueError(f"{name} must be a positive integer, got {value!r}{hint}")
+    return size
+
+
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % 2:
         raise ValueError(
@@ -375,6 +390,11 @@ def xpos(
     (|p| > ``max_safe_position(scale_base, gamma, x.dtype, margin=1)``, about 70·b
     in float32, 8.9·b in float16) raise ValueError; traced ones are not checked.
     """
+    if not isinstance(downscale, bool | np.bool_):
+        raise ValueError(
+            f"downscale must be a Python bool, got {downscale!r}; under jax.jit mark it "
+            'static (static_argnames="downscale")'
+        )
     x, positions = _check_positions(x, positions)
     tables = xpos_tables(
         positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale
@@ -423,13 +443,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     power of two and the rest are every other slope of the next power of two,
     as in the ALiBi paper's reference code.
     """
-    try:  # Python's, NumPy's and JAX's integers (not 4.5, which gave 4 heads)
-        heads = None if isinstance(num_heads, bool) else operator.index(num_heads)
-    except TypeError:
-        heads = None
-    if heads is None or heads < 1:
-        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
-    num_heads = heads
+    num_heads = positive_int("num_heads", num_heads)  # not 4.5, which gave 4 heads
 
     def power_of_two(n):
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]

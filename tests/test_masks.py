@@ -1,6 +1,7 @@
 """Masks against direct enumeration of the paper's rules (True = may attend)."""
 
 import chex
+import jax
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -149,6 +150,13 @@ class BadSizesTest(parameterized.TestCase):
             "blockwise_negative_block",
             lambda: masks.blockwise_causal(8, -4),
             "block must be a positive integer",
+        ),
+        # A size traced by jax.jit: it said only "got JitTracer(~int32[])".
+        (
+            "blockwise_traced",
+            lambda: jax.jit(masks.blockwise_causal)(8, 4),
+            r"^length must be a positive integer, got .*Tracer.*; it is a size, so under "
+            r"jax.jit mark it static \(static_argnames\)$",
         ),
     )
     def test_raises_value_error(self, call, message):

@@ -55,6 +55,13 @@ class XposEquationTest(chex.TestCase):
             np.asarray(got, np.float64), paper.rope(x, pos), rtol=1e-5, atol=1e-5
         )
 
+    def test_a_traced_downscale_says_to_mark_it_static(self):
+        # It was a bare TracerBoolConversionError from inside xpos_tables.
+        x, pos = jnp.ones((4, 1, 2)), jnp.arange(4)
+        with self.assertRaisesRegex(ValueError, "^downscale must be a Python bool, got .*static"):
+            jax.jit(positions.xpos)(x, pos, downscale=True)
+        jax.jit(positions.xpos, static_argnames="downscale")(x, pos, downscale=True)
+
     def test_infinite_scale_base_is_rope(self):
         # ζ_i^(p/∞) = ζ_i^0 = 1 for every pair and position: no decay at all.
         x = _normal(3, (2, 7, 2, 16))
