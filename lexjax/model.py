@@ -106,6 +106,26 @@ def _pin(x, rules, *names):
     return nn.with_logical_constraint(x, names, rules=rules)
 
 
+def _check_auto_axes(tokens, rules) -> None:
+    """A ValueError, saying what to change, where the tokens are sharded over Explicit
+    mesh axes, or ``rules`` would pin activations under a mesh with Explicit axes
+    (``jax.make_mesh``'s default): the Decoder shards by constraints, which Explicit
+    axes read as assertions (and its embedding lookup needs an out_sharding there)."""
+    sharding = jax.typeof(tokens).sharding
+    meshes = [(sharding.mesh, {a for part in sharding.spec for a in split_axes(part)})]
+    if rules is not None:
+        mesh = jax.sharding.get_abstract_mesh()
+        meshes.append((mesh, set(mesh.axis_names)))
+    for mesh, used in meshes:
+        kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+        if explicit := sorted(a for a in used if kinds.get(a) == jax.sharding.AxisType.Explicit):
+            raise ValueError(
+                f"mesh axes {', '.join(explicit)} are Explicit (jax.make_mesh's default), "
+                "which the Decoder does not support: make the mesh with axis_types="
+                f"(jax.sharding.AxisType.Auto,) * {len(kinds)}, as lexjax.sharding.make_mesh does"
+            )
+
+
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of ``model.remat_policy`` (config.REMAT_POLICIES).
 
@@ -315,6 +335,7 @@ class Decoder(nn.Module):
                 f"tokens must be integer ids of shape [batch, seq], got {jnp.shape(tokens_BxT)} "
                 f"{jnp.result_type(tokens_BxT)}"
             )
+        _check_auto_axes(tokens_BxT, self.rules)
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             if c.position == "learned" and c.max_len < T:

@@ -241,3 +241,32 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
     for shared in (positions, positions[None], positions.tolist()):
         np.testing.assert_array_equal(model.apply(variables, tokens, shared)[0], want)
     np.testing.assert_array_equal(model.apply(variables, tokens.tolist(), positions)[0], want)
+
+
+def test_a_mesh_with_explicit_axes_is_refused_with_what_to_change():
+    """jax.make_mesh's default axes are Explicit, under which the Decoder's sharding
+    constraints are assertions: it failed deep in JAX (a with_sharding_constraint
+    AssertionError, or "use .at[...].get(out_sharding=)" from the embedding lookup)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from lexjax import sharding
+
+    config = small_config()
+    model, params = _init(config)
+    tokens = jnp.zeros((8, 16), jnp.int32)
+    said = r"^mesh axes {} are Explicit \(jax.make_mesh's default\), .* \* 3, as lexjax"
+    for kinds, rules, spec, explicit in (
+        ((AxisType.Explicit,) * 3, None, ("data", "fsdp"), "data, fsdp"),
+        ((AxisType.Explicit,) * 3, sharding.rules(config), None, "data, fsdp, tensor"),
+        ((AxisType.Auto,) * 3, sharding.rules(config), ("data", "fsdp"), None),
+        ((AxisType.Explicit,) * 3, None, None, None),  # nothing sharded: nothing to refuse
+    ):
+        mesh = jax.make_mesh((4, 2, 1), sharding.MESH_AXES, axis_types=kinds)
+        with jax.set_mesh(mesh):
+            placed = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(spec)))
+            run = jax.jit(Decoder(config.model, rules).apply)
+            if explicit is None:
+                assert np.isfinite(run({"params": params}, placed)[0]).all()
+            else:
+                with pytest.raises(ValueError, match=said.format(explicit)):
+                    run({"params": params}, placed)
