@@ -124,9 +124,9 @@ class Run:
     def metrics(self) -> list[dict[str, float]]:
         """The records of ``WORKDIR/metrics.jsonl`` in the order training wrote them
         (``{"step", "loss", "learning_rate", ...}`` or ``{"step", "val_loss"}``).
-        A resumed run repeats the steps after its last checkpoint; the later
-        record of a step is the one its checkpoint continues from. A record torn
-        by a killed writer is skipped, with a note."""
+        A resumed run trains the steps after its checkpoint again and first drops
+        their earlier records, so each step has one. A record torn by a killed
+        writer is skipped, with a note."""
         return read_metrics(self.workdir)
 
     def evaluate(

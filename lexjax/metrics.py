@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 from lexjax.config import Config
@@ -86,6 +87,14 @@ class MetricsWriter:
         # (and a workdir it created can be removed as empty).
         self.tb, self._tb_dir = None, os.path.join(workdir, "tensorboard")
         self.failed = False
+        self.start_step: int | None = None
+
+    def start_at(self, step: int) -> None:
+        """The run goes on from checkpoint ``step``: when it opens, the records and
+        events of later steps (written by a run killed after it, or before a damaged
+        step it fell back from) are dropped, as the steps are trained again. They
+        were kept, so metrics.jsonl and TensorBoard showed those steps twice."""
+        self.start_step = step
 
     def write(self, step: int, values: dict[str, float]) -> None:
         """Raises CheckpointError when the workdir refuses the record (a full disk):
@@ -110,13 +119,40 @@ class MetricsWriter:
             # accelerator hosts that have only jax, flax and optax.
             from tensorboardX import SummaryWriter
 
+            after = self.start_step
+            if after is not None:
+                try:
+                    self._drop_records_after(after)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"cannot rewrite {self.path} without the steps after {after} "
+                        f"({e.strerror or e}); make it writable or free space, then restart "
+                        "(the checkpoints are kept)"
+                    ) from None
             try:
-                self.tb = SummaryWriter(self._tb_dir)
+                # purge_step: TensorBoard hides the earlier events of later steps.
+                self.tb = SummaryWriter(
+                    self._tb_dir, purge_step=None if after is None else after + 1
+                )
             except OSError as e:
                 raise CheckpointError(
                     f"cannot write TensorBoard events in {self._tb_dir} ({e.strerror or e}); "
                     "free space or fix the directory"
                 ) from None
+
+    def _drop_records_after(self, step: int) -> None:
+        """Rewrites metrics.jsonl (atomically) without the records of steps after
+        ``step`` and torn lines, if it has any."""
+        if not os.path.isfile(self.path):
+            return
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if _record_step(line) <= step]
+        if len(kept) < len(lines):
+            temporary = f"{self.path}.tmp-{os.getpid()}"
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(temporary, self.path)
 
     def _write(self, step: int, values: dict[str, float]) -> None:
         self.open()
@@ -139,6 +175,14 @@ class MetricsWriter:
                     f"writing the TensorBoard events to {self._tb_dir} failed: "
                     f"{e.strerror or e}; free space or fix the directory"
                 ) from None
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a torn one (dropped with later steps)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return math.inf
 
 
 def read_metrics(workdir: str) -> list[dict[str, float]]:

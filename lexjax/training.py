@@ -604,6 +604,7 @@ class _Loop:
         setup, config, checkpointer = self.setup, self.setup.config, self.checkpointer
         total = config.num_train_steps
         self.summary["start_step"] = step
+        self.writer.start_at(step)
         self.last = (time.perf_counter(), step)
         # On stdout with the other log lines; one line per log step off a terminal.
         self.bar = Progress(

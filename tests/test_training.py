@@ -2,12 +2,14 @@
 
 import dataclasses
 import errno
+import glob
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -544,8 +546,11 @@ def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog)
     config = _train_config(tmp_path)
     workdir = str(tmp_path / "run")
     train(config, workdir, log=lambda _: None, progress=False)
+    first = metrics.read_metrics(workdir)
     with open(os.path.join(workdir, "checkpoints", "6", "config", "metadata"), "w") as f:
         f.write("garbage{")
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 7, "lo')  # and a record torn by a kill
     with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
         _, _, step = ckpt_lib.load_params(workdir)
         assert step == 3
@@ -555,6 +560,35 @@ def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog)
     assert len(damaged) == 2, damaged
     assert all("step 6 " in m and "config record unreadable" in m for m in damaged), damaged
     assert all(m.endswith("falling back to step 3") for m in damaged), damaged
+    # Steps 4–6, trained twice, are recorded once (they were in metrics.jsonl twice),
+    # with the same losses: the resume is exact.
+    again = metrics.read_metrics(workdir)
+    written = [(r["step"], key) for r in again for key in r if key != "step"]
+    assert len(written) == len(set(written)) and {s for s, _ in written} == set(range(1, 7))
+    assert [(r["step"], r.get("loss")) for r in again] == [
+        (r["step"], r.get("loss")) for r in first
+    ]
+    # The resumed run's TensorBoard events start with a session at step 4, by which
+    # TensorBoard hides the first run's events of steps 4 and later (purge_step).
+    events = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*")))
+    assert len(events) == 2
+    starts = [e.step for e in _tensorboard_events(events[-1]) if e.session_log.status == 1]
+    assert starts == [4], starts
+
+
+def _tensorboard_events(path):
+    """The events of a TensorBoard file: TFRecords of length, its CRC, an Event, its CRC."""
+    from tensorboardX.proto import event_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    at = 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[at + 12 : at + 12 + length])
+        yield event
+        at += 12 + length + 4
 
 
 def test_restore_onto_another_device_count(tmp_path):
