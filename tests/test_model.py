@@ -270,3 +270,27 @@ def test_a_mesh_with_explicit_axes_is_refused_with_what_to_change():
             else:
                 with pytest.raises(ValueError, match=said.format(explicit)):
                     run({"params": params}, placed)
+
+
+def test_the_decoder_runs_as_an_nnx_module_as_the_readme_says():
+    """flax.nnx.bridge.ToNNX shards each boxed parameter eagerly by default, which asks
+    for a mesh; the README's one setting turns that off."""
+    import flax
+    from flax import nnx
+
+    config = small_config()
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    model, params = _init(config)
+    before = flax.config.flax_always_shard_variable
+    flax.config.update("flax_always_shard_variable", False)
+    try:
+        module = nnx.bridge.ToNNX(model, rngs=nnx.Rngs(0))
+        nnx.bridge.lazy_init(module, tokens)
+        logits, _ = module(tokens)
+    finally:
+        flax.config.update("flax_always_shard_variable", before)
+    # The Decoder's parameter tree, and the Decoder's logits with them.
+    held = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    assert jax.tree.structure(held) == jax.tree.structure(params)
+    np.testing.assert_allclose(logits, model.apply({"params": held}, tokens)[0], rtol=1e-6)
+    assert logits.shape == (2, 8, config.model.vocab_size) and np.isfinite(logits).all()
