@@ -907,39 +907,50 @@ def seeds_table(c) -> str:
     by = {(v[1], v[2]): v[3] for v in multi}
     rope = by.get(("rope", None))
     xpos = [k for k in by if k[0] == "xpos"]
-    if rope and xpos:
+    for b in [k[1] for k in xpos] if rope else []:  # every XPOS variant against RoPE
+        group = by[("xpos", b)]
+        x = {r["seed"]: r for r in group}
+        if set(x) == {r["seed"] for r in rope}:
+            how = (
+                "Seed s of both trains from the same initialisation seed and data order, so "
+                "the seeds are paired: the mean and standard error of the per-seed "
+                "differences (the next table)"
+            )
+        else:  # as compare() computes it: the seeds differ, so no pairs
+            how = (
+                f"The two ran different seeds ({len(x)} and {len(rope)}), so they are not "
+                "paired: the difference of the seed means, with the standard error of two "
+                "independent means (the per-seed table lists the seeds both ran)"
+            )
         lines += [
             "",
-            f"XPOS b={xpos[0][1]:g} − RoPE ± twice its standard error; within that, the "
-            "difference is seed noise. Seed s of both trains from the same initialisation "
-            "seed and data order, so the seeds are paired: the mean and standard error of "
-            "the per-seed differences (the next table):",
+            f"XPOS b={b:g} − RoPE ± twice its standard error; within that, the "
+            f"difference is seed noise. {how}:",
             "",
             _header("mode", c["lengths"]),
         ]
         for mode in _modes(c["runs"]):
             cells = []
             for n in c["lengths"]:
-                d = compare(by[xpos[0]], rope, mode, n)
+                d = compare(group, rope, mode, n)
                 cells.append(
                     "–"
                     if d is None or d["two_se"] is None
                     else f"{d['diff']:+.3f} ± {d['two_se']:.3f} ({d['verdict']})"
                 )
             lines.append(_row(MODE_NAMES[mode], cells))
-        lines += ["", _header(f"XPOS b={xpos[0][1]:g} − RoPE, seed", c["lengths"])]
-        x = {r["seed"]: r for r in by[xpos[0]]}
+        lines += ["", _header(f"XPOS b={b:g} − RoPE, seed", c["lengths"])]
         for mode in _modes(c["runs"]):
             for r in sorted(rope, key=lambda r: r["seed"]):
                 if r["seed"] not in x:
                     continue
                 cells = []
                 for n in c["lengths"]:
-                    a, b = (
+                    a, b_ = (
                         x[r["seed"]]["perplexity"].get(mode, {}).get(str(n)),
                         r["perplexity"].get(mode, {}).get(str(n)),
                     )
-                    cells.append("–" if a is None or b is None else f"{a - b:+.3f}")
+                    cells.append("–" if a is None or b_ is None else f"{a - b_:+.3f}")
                 lines.append(_row(f"{MODE_NAMES[mode]}, seed {r['seed']}", cells))
     return "\n".join(lines)
 

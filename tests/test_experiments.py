@@ -320,6 +320,32 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     assert not reports.compare(seeded(*a), other, "bca", 8)["paired"]
 
 
+def test_the_seeds_report_says_paired_only_for_the_same_seeds():
+    """Three RoPE seeds against two XPOS ones were reported as "paired: the mean of
+    the per-seed differences" beside the unpaired difference of the means (−30.1 where
+    the per-seed differences averaged −1.7); and only the first XPOS b was compared."""
+    from lexjax import reports
+
+    def run(position, b, seed, ppl):
+        return {
+            "position": position,
+            "scale_base": b,
+            "seed": seed,
+            "perplexity": {"bca": {"8": ppl}},
+        }
+
+    rope = [run("rope", None, s, p) for s, p in enumerate((10.0, 12.0, 20.0))]
+    xpos = [run("xpos", 8.0, s, p) for s, p in enumerate((9.0, 11.5))]
+    xpos += [run("xpos", 64.0, s, p) for s, p in enumerate((8.0, 9.0, 10.0))]
+    text = reports.seeds_table({"runs": rope + xpos, "lengths": [8]})
+    unpaired, paired = text.split("XPOS b=8 − RoPE ±")[1], text.split("XPOS b=64 − RoPE ±")[1]
+    assert "different seeds (2 and 3), so they are not paired" in unpaired.split("|")[0]
+    # The difference of the means 10.25 − 14 (not the per-seed mean −0.75).
+    assert "| −3.750 ± " in unpaired.replace("-", "−")
+    assert "so the seeds are paired" in paired.split("|")[0]
+    assert "| −5.000 ± " in paired.replace("-", "−")  # differences −2, −3, −10
+
+
 def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
     """--out naming a file (or a path under one) was a FileExistsError/NotADirectoryError
     traceback; an empty --out wrote the study into the current directory."""
@@ -363,7 +389,14 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
     used it), and train.json's seconds add up every invocation (they were the last
     one's alone). How often it logs and saves may change between invocations."""
     from lexjax import training
-    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _train_stage
+    from lexjax.config import to_dict
+    from lexjax.experiments.extrapolation import (
+        ExperimentError,
+        RunSpec,
+        _plain,
+        _refuse_another_config,
+        _train_stage,
+    )
 
     # Three steps, a checkpoint after each; 8 rows for the suite's 8 simulated devices.
     steps = dict(num_train_steps=3, checkpoint_every=1, batch_size=8)
@@ -386,13 +419,28 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
     assert "train_started.json was written for another training config (differs in " in str(
         error.value
     )
-    assert "learning_rate); use a new --out or the same config" in str(error.value)
+    # With both values, so that "the same config" can be followed.
+    assert re.search(
+        r"learning_rate: [0-9.e-]+ there, 0\.05 now\); use a new --out or the same config$",
+        str(error.value),
+    )
     other_model = _smoke_config(**steps)
     other_model = dataclasses.replace(
         other_model, model=dataclasses.replace(other_model.model, scale_base=4.0)
     )
-    with pytest.raises(ExperimentError, match=r"\(differs in model\.scale_base\)"):
+    with pytest.raises(
+        ExperimentError, match=r"\(differs in model\.scale_base: 8\.0 there, 4\.0 now\)"
+    ):
         _train_stage(spec, other_model, workdir, log=log)  # it named only "model"
+    # A study checks every run under OUT before it trains any: another config trained
+    # the runs listed before the first old one (or, none listed, wrote its tables over
+    # the old study's), and was refused only then.
+    shared = lambda c: {k: v for k, v in _plain(to_dict(c)).items() if k != "sharding_rules"}
+    _refuse_another_config(str(tmp_path), shared(config))
+    with pytest.raises(
+        ExperimentError, match=rf"^{re.escape(workdir)}/train_started.json .* learning_rate"
+    ):
+        _refuse_another_config(str(tmp_path), shared(_smoke_config(**steps, learning_rate=0.05)))
     # Settings that change no number the study reports may change (they were refused).
     assert invocation(_smoke_config(**{**steps, "checkpoint_every": 2}, log_every=7)) is None
     monkeypatch.setattr(training, "train", real_train)

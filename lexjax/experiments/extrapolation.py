@@ -204,9 +204,11 @@ def _stage_done(
         ours_flat, theirs_flat = dotted(ours), dotted(theirs)
         keys = set(ours_flat) | set(theirs_flat)
         diff = sorted(k for k in keys if ours_flat.get(k) != theirs_flat.get(k))
+        shown = [f"{k}: {theirs_flat.get(k)!r} there, {ours_flat.get(k)!r} now" for k in diff]
         raise ExperimentError(
             f"{path} was written for another training config (differs in "
-            f"{', '.join(diff)}); use a new --out or the same config"
+            f"{'; '.join(shown[:3])}{'; …' * (len(shown) > 3)}); use a new --out or the "
+            "same config"
         )
     if protocol not in (None, stored.get("protocol")):
         return None
@@ -302,6 +304,30 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
 
 # Written when a run's training starts (see _train_stage).
 STARTED = "train_started.json"
+
+
+def _refuse_another_config(out: str, shared: dict) -> None:
+    """Before anything is trained: every run under ``OUT/runs``, listed now or not,
+    finished or started (with a saved step) under the shared config ``shared``
+    (its own position, b and seed aside); else :func:`_stage_done`'s ExperimentError.
+    Checked only as each run came up, a changed config trained the runs before the
+    first old one, and with no old run listed it wrote its tables over the study's."""
+    runs = os.path.join(out, "runs")
+    for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
+        workdir = os.path.join(runs, name)
+        for path in (os.path.join(workdir, "train.json"), os.path.join(workdir, STARTED)):
+            if os.path.exists(path) and (
+                path.endswith("train.json") or checkpoint.has_steps(workdir)
+            ):
+                stored = upgraded(reports.read_json(path).get("config") or {})
+                model = stored.get("model") or {}
+                position = model.get("position", shared["model"]["position"])
+                b = model.get("scale_base") if position == "xpos" else None
+                spec = RunSpec(
+                    position, b or shared["model"]["scale_base"], stored.get("seed", shared["seed"])
+                )
+                _stage_done(path, _run_config(shared, spec))
+                break
 
 
 def _earlier_training(path: str, config: Config, workdir: str) -> float:
@@ -804,6 +830,7 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     # One study per --out for its whole run: another with other settings evaluated
     # runs while this one trained, and this one's tables mixed the two's numbers.
     with _only_study(out):
+        _refuse_another_config(out, shared)
         stopped, outcome = False, "error"
         try:
             for spec, config in zip(specs, configs):
