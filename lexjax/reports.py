@@ -849,7 +849,15 @@ def table2(c) -> str:
             f"\n– : not measured; this table reads mode {' and '.join(unmeasured)}, which the "
             "study's modes leave out"
         )
+    lines.append("\nThe baselines without BCA, LEX with it." + _spread_note(c))
     return "\n".join(lines)
+
+
+def _spread_note(c) -> str:
+    """What a table's ``±`` is, where some variant has several seeds."""
+    if all(len(group) == 1 for *_, group in _variants(c["runs"])):
+        return ""
+    return " Perplexity: mean ± sample standard deviation over a variant's seeds."
 
 
 def table5(c) -> str:
@@ -863,6 +871,8 @@ def table5(c) -> str:
                     [_fmt_stats(group, mode, n) for n in c["lengths"]],
                 )
             )
+    if note := _spread_note(c):
+        lines.append("\n" + note.strip())
     return "\n".join(lines)
 
 

@@ -702,7 +702,13 @@ def test_tables_2_and_4_of_a_study_of_bca_alone():
     assert "| RoPE | – | – |" in table2 and "| 8.000 | 9.000 |" in table2
     assert table2.endswith(
         "– : not measured; this table reads mode full, which the study's modes leave out"
+        "\n\nThe baselines without BCA, LEX with it."  # and what ± is, with several seeds:
     )
+    seeds = {"runs": [*runs, {**runs[1], "seed": 1}], "lengths": [16, 32], "train_len": 16}
+    for table in (reports.table2(seeds), reports.table5(seeds)):
+        assert table.endswith(
+            "Perplexity: mean ± sample standard deviation over a variant's seeds."
+        )
     assert [row.split("|")[2].strip() for row in reports.table4(c).splitlines()[2:]] == [
         "9.000",
         "8.000",
