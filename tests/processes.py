@@ -155,9 +155,11 @@ def last_step(workdir) -> int:
     return logged[-1][0] if logged else 0
 
 
-def settled_step(workdir, proc: subprocess.Popen, quiet: float = 1.5, timeout: float = 60) -> int:
+def settled_step(workdir, proc: subprocess.Popen, quiet: float = 4.0, timeout: float = 60) -> int:
     """The last logged step once it has not changed for ``quiet`` seconds (a run
-    whose data was held has drained what it had and waits for more)."""
+    whose data was held has drained what it had and waits for more). 1.5 s was too
+    short on loaded cores: a run still between its steps was taken as waiting, and a
+    SIGTERM then stopped it a step before the one the test expected."""
     deadline, last, since = time.monotonic() + timeout, last_step(workdir), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.1)
