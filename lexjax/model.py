@@ -422,7 +422,7 @@ class Decoder(nn.Module):
             theta=c.theta,
             segment_ids=segments if splash else None,
             block=block if splash else None,
-            **_rope_extension(c, T, cached=cache is not None),
+            **_rope_extension(c, T, cached=cache is not None, streaming=window is not None),
         )
         if sinks is not None:
             sink_mask = masks.causal_by_position(sink_positions_BxT, sinks.positions)
@@ -436,7 +436,7 @@ class Decoder(nn.Module):
                 scale_base=c.scale_base,
                 theta=c.theta,
                 # The sinks share the window's softmax, so the same frequencies.
-                **_rope_extension(c, T, cached=True),
+                **_rope_extension(c, T, cached=True, streaming=True),
             )
             ctx = ctx.replace(sinks=sink_ctx)
 
@@ -497,7 +497,7 @@ class Decoder(nn.Module):
         return logits_BxTxV, new_kv
 
 
-def _rope_extension(c: ModelConfig, length: int, *, cached: bool) -> dict:
+def _rope_extension(c: ModelConfig, length: int, *, cached: bool, streaming: bool = False) -> dict:
     """:func:`lexjax.attention.context`'s RoPE-extension arguments for this call.
 
     ``rope_factor`` 0 means the evaluated length / ``rope_train_len``: here the
@@ -505,8 +505,12 @@ def _rope_extension(c: ModelConfig, length: int, *, cached: bool) -> dict:
     a decoding step) cannot know it and takes s = 1 (its window stays within
     the training length), so :mod:`lexjax.evaluation` resolves the factor of
     each evaluated length before it runs the model.
+
+    ``streaming`` (sinks + window): dynamic NTK takes s = 1, as StreamingLLM's
+    cache positions never pass l − 1; the scan's window positions 0 … 3w−1 gave
+    the window group s = 1.5 and the sinks s = 1, at every length.
     """
-    if c.rope_scaling == "none":
+    if c.rope_scaling == "none" or (streaming and c.rope_scaling == "dynamic_ntk"):
         return {}
     if c.rope_train_len is None:
         raise ConfigError(

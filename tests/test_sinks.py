@@ -134,6 +134,19 @@ def test_position_interpolation_reads_every_cache_position_over_s(position, fact
     np.testing.assert_allclose(np.asarray(scanned[0]), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("position", ["xpos", "rope"])
+def test_dynamic_ntk_changes_nothing_as_the_cache_positions_stay_below_train_len(position):
+    """StreamingLLM's cache positions never pass l − 1, so dynamic NTK's s is 1. The
+    scan's window positions 0 … 3w−1 gave the window group s = 1.5 and the sinks
+    s = 1, at every length (up to train_len too, where the mode is dense attention)."""
+    model, params = _model(position)
+    config = dataclasses.replace(model.config, rope_scaling="dynamic_ntk", rope_train_len=TRAIN_LEN)
+    tokens = _tokens(1, 41, seed=5)
+    scanned = evaluation.sinks_logprobs(Decoder(config), params, tokens, W, 4)
+    want = _streaming(model.config, params, np.asarray(tokens[0]), 4)
+    np.testing.assert_allclose(np.asarray(scanned[0]), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("position", ["xpos", "rope", "alibi", "none"])
 def test_up_to_train_len_nothing_is_evicted_and_it_equals_full(position):
     model, params = _model(position, seed=2)
