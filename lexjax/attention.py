@@ -237,6 +237,7 @@ def attend(logits, v, mask=None):
     Rows with no visible key (padding queries) get uniform weights instead of
     NaN; callers give such tokens zero loss weight.
     """
+    _check_boolean(mask)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
@@ -285,6 +286,16 @@ def attention(q, k, v, ctx: Context, *, impl: str = "explicit", sinks=None):
     raise ValueError(f"attention impl {impl!r}: use explicit, fused or splash")
 
 
+def _check_boolean(mask) -> None:
+    """An additive 0/−inf mask was taken as True where it is −inf: queries attended
+    only to the keys it hides."""
+    if mask is not None and jnp.result_type(mask) != jnp.bool_:
+        raise ValueError(
+            f"the mask is {jnp.result_type(mask)}; give a boolean mask, True where a "
+            "query may attend (an additive 0/-inf mask m: m == 0)"
+        )
+
+
 def _check_context(q, k, ctx: Context) -> None:
     """One ValueError where ``ctx`` was built for other shapes than ``q`` ``[B, T, H, D]``
     and ``k`` ``[B, S, H, D]`` (another length, head_dim or head count), or its mask
@@ -304,13 +315,7 @@ def _check_context(q, k, ctx: Context) -> None:
             f"the context's ALiBi bias has {ctx.bias.shape[-3]} heads and q "
             f"{q.shape} has {H}; build the context with num_heads={H}"
         )
-    if ctx.mask is not None and jnp.result_type(ctx.mask) != jnp.bool_:
-        # An additive 0/−inf mask was taken as True where it is −inf: queries attended
-        # only to the keys it hides.
-        raise ValueError(
-            f"the mask is {jnp.result_type(ctx.mask)}; give a boolean mask, True where a "
-            "query may attend (an additive 0/-inf mask m: m == 0)"
-        )
+    _check_boolean(ctx.mask)
     for name, x in (("mask", ctx.mask), ("ALiBi bias", ctx.bias)):
         shape = () if x is None else jnp.shape(x)
         fits = all(a in (1, b) for a, b in zip(shape[::-1], (B, H, T, S)[::-1]))

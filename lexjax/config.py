@@ -394,10 +394,14 @@ def _check_field(config, path: str) -> None:
                 close = difflib.get_close_matches(path, leaves, n=1, cutoff=0.6)
             prefix = ".".join(parts[:depth] + [""])
             if not close and depth == len(parts) - 1 and known:
-                # A near name in this section, else a near name in another (optim.learning_rat).
-                close = [prefix + k for k in difflib.get_close_matches(key, known, 1, 0.6)]
+                # A near name in this section, else in another (optim.learning_rat); else
+                # a name that begins with it (model.pos, optim.warmup).
                 names = {p.rsplit(".", 1)[-1]: p for p in reversed(leaves)}
+                begins = [k for k in names if len(key) >= 3 and k.startswith(key)]
+                close = [prefix + k for k in difflib.get_close_matches(key, known, 1, 0.6)]
                 close = close or [names[k] for k in difflib.get_close_matches(key, names, 1, 0.8)]
+                close = close or [prefix + k for k in known if k in begins]
+                close = close or [names[k] for k in begins]
             if close:
                 raise ConfigError(f"unknown config field {path}; did you mean {close[0]}?")
             raise unknown_field(prefix + key, [prefix + k for k in known])

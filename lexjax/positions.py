@@ -121,7 +121,7 @@ def positive_int(name: str, value) -> int:
     except TypeError as e:
         size, traced = None, isinstance(e, jax.errors.TracerIntegerConversionError)
     if size is None or size < 1:
-        hint = "; it is a size, so under jax.jit mark it static (static_argnames)" * traced
+        hint = "; it is a size: pass a Python int (under jax.jit, mark it static)" * traced
         raise ValueError(f"{name} must be a positive integer, got {value!r}{hint}")
     return size
 
@@ -390,11 +390,13 @@ def xpos(
     (|p| > ``max_safe_position(scale_base, gamma, x.dtype, margin=1)``, about 70·b
     in float32, 8.9·b in float16) raise ValueError; traced ones are not checked.
     """
-    if not isinstance(downscale, bool | np.bool_):
+    try:  # 1, np.True_ and a concrete jnp bool work as before
+        downscale = bool(downscale)
+    except jax.errors.TracerBoolConversionError:
         raise ValueError(
             f"downscale must be a Python bool, got {downscale!r}; under jax.jit mark it "
             'static (static_argnames="downscale")'
-        )
+        ) from None
     x, positions = _check_positions(x, positions)
     tables = xpos_tables(
         positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale

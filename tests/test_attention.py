@@ -93,6 +93,29 @@ def test_float64_gradients_match_finite_differences(position):
         jax.test_util.check_grads(loss, (q, k, v), order=1, modes=["rev"], eps=1e-6)
 
 
+def test_alibi_under_a_shard_map_that_splits_heads_as_the_readme_says():
+    """A context built inside the shard_map sees its shard's heads and gives them the
+    slopes of a smaller model (0.16 off); built outside with every head and passed in,
+    its bias split over heads as q is, the result is the unsplit one's."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("h",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 4, 8)), jnp.float32) for _ in range(3))
+    at = jnp.arange(8)
+    ctx = attention.context(at, at, num_heads=4, head_dim=8, position="alibi", mask=masks.causal(8))
+    want, _ = attention.attention(q, k, v, ctx)
+    heads = P(None, None, "h")
+    split = jax.shard_map(
+        lambda q, k, v, ctx: attention.attention(q, k, v, ctx)[0],
+        mesh=mesh,
+        in_specs=(heads, heads, heads, ctx.replace(bias=P(None, "h"), mask=P())),
+        out_specs=heads,
+    )
+    np.testing.assert_allclose(split(q, k, v, ctx), want, rtol=1e-6, atol=1e-6)
+
+
 class MultiheadAttentionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     # Every kind attention encodes (the absolute ones are added to the embeddings).
@@ -191,6 +214,8 @@ class MultiheadAttentionTest(chex.TestCase):
                 attention.multihead_attention(
                     q, k, v, *[jnp.arange(6)] * 2, position="xpos", mask=mask
                 )
+            with self.assertRaisesRegex(ValueError, r"^the mask is \w+; give a boolean mask"):
+                attention.attend(jnp.zeros((B, H, 6, 6)), v, mask)  # the public softmax too
 
     def test_shape_mismatches_are_value_errors_naming_the_shapes(self):
         q, k, v = _qkv(7)

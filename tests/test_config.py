@@ -477,6 +477,9 @@ def test_dotted_field_names_as_the_flags_and_messages_write_them():
         ("model.rope_factr", "; did you mean model.rope_factor?"),
         # Near a name in no section: optim.learning_rat had no hint.
         ("optim.learning_rat", "; did you mean learning_rate?"),
+        # The start of a name, in this section or another.
+        ("model.pos", "; did you mean model.position?"),
+        ("optim.warmup", "; did you mean warmup_steps?"),
     ],
 )
 def test_a_misspelt_flag_is_matched_by_its_own_name_not_its_section(path, hint):

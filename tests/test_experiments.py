@@ -391,6 +391,7 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
     from lexjax import training
     from lexjax.config import to_dict
     from lexjax.experiments.extrapolation import (
+        STARTED,
         ExperimentError,
         RunSpec,
         _plain,
@@ -436,11 +437,35 @@ def test_a_started_training_keeps_its_config_and_its_seconds(tmp_path, monkeypat
     # the runs listed before the first old one (or, none listed, wrote its tables over
     # the old study's), and was refused only then.
     shared = lambda c: {k: v for k, v in _plain(to_dict(c)).items() if k != "sharding_rules"}
-    _refuse_another_config(str(tmp_path), shared(config))
+    out, other = str(tmp_path), _smoke_config(**steps, learning_rate=0.05)
+    for listed in ({}, {spec.name: config}):
+        _refuse_another_config(out, shared(config), listed)
+    for listed in ({}, {spec.name: other}):  # the run listed now, or not
+        with pytest.raises(
+            ExperimentError, match=rf"^{re.escape(workdir)}/{STARTED} .* learning_rate"
+        ):
+            _refuse_another_config(out, shared(other), listed)
+    # Not XPOS, a run not listed is not refused over the scale_base it does not use:
+    # a RoPE run's record as the study writes it (with the study's b then, 8).
+    rope = tmp_path / "runs" / "rope_s5"
+    rope.mkdir()
+    record = json.loads((tmp_path / "runs" / spec.name / STARTED).read_text())
+    record["config"]["model"]["position"], record["config"]["seed"] = "rope", 5
+    (rope / "train.json").write_text(json.dumps(record))
+    b16 = dataclasses.replace(config, model=dataclasses.replace(config.model, scale_base=16.0))
+    _refuse_another_config(out, shared(b16), {})
+    rope.joinpath("train.json").unlink()
+    rope.rmdir()
+    # A record that cannot be read is named (it was a JSONDecodeError traceback).
+    damaged = tmp_path / "runs" / "xpos_b4_s3"
+    damaged.mkdir()
+    (damaged / "train.json").write_text('{"config": {"mod')
     with pytest.raises(
-        ExperimentError, match=rf"^{re.escape(workdir)}/train_started.json .* learning_rate"
+        ExperimentError, match=rf"^cannot read {re.escape(str(damaged))}/train.json \("
     ):
-        _refuse_another_config(str(tmp_path), shared(_smoke_config(**steps, learning_rate=0.05)))
+        _refuse_another_config(out, shared(config), {})
+    damaged.joinpath("train.json").unlink()
+    damaged.rmdir()
     # Settings that change no number the study reports may change (they were refused).
     assert invocation(_smoke_config(**{**steps, "checkpoint_every": 2}, log_every=7)) is None
     monkeypatch.setattr(training, "train", real_train)

@@ -155,8 +155,8 @@ class BadSizesTest(parameterized.TestCase):
         (
             "blockwise_traced",
             lambda: jax.jit(masks.blockwise_causal)(8, 4),
-            r"^length must be a positive integer, got .*Tracer.*; it is a size, so under "
-            r"jax.jit mark it static \(static_argnames\)$",
+            r"^length must be a positive integer, got .*Tracer.*; it is a size: pass a "
+            r"Python int \(under jax.jit, mark it static\)$",
         ),
     )
     def test_raises_value_error(self, call, message):

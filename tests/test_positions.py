@@ -60,7 +60,10 @@ class XposEquationTest(chex.TestCase):
         x, pos = jnp.ones((4, 1, 2)), jnp.arange(4)
         with self.assertRaisesRegex(ValueError, "^downscale must be a Python bool, got .*static"):
             jax.jit(positions.xpos)(x, pos, downscale=True)
-        jax.jit(positions.xpos, static_argnames="downscale")(x, pos, downscale=True)
+        keys = jax.jit(positions.xpos, static_argnames="downscale")(x, pos, downscale=True)
+        # Concrete values that are not bools still work, as they did.
+        for concrete in (1, np.True_, jnp.asarray(True)):
+            np.testing.assert_array_equal(positions.xpos(x, pos, downscale=concrete), keys)
 
     def test_infinite_scale_base_is_rope(self):
         # ζ_i^(p/∞) = ζ_i^0 = 1 for every pair and position: no decay at all.

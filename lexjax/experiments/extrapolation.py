@@ -306,28 +306,38 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
 STARTED = "train_started.json"
 
 
-def _refuse_another_config(out: str, shared: dict) -> None:
-    """Before anything is trained: every run under ``OUT/runs``, listed now or not,
-    finished or started (with a saved step) under the shared config ``shared``
-    (its own position, b and seed aside); else :func:`_stage_done`'s ExperimentError.
-    Checked only as each run came up, a changed config trained the runs before the
-    first old one, and with no old run listed it wrote its tables over the study's."""
+def _refuse_another_config(out: str, shared: dict, listed: dict[str, Config]) -> None:
+    """Before anything is trained: every run under ``OUT/runs``, finished or started
+    (with a saved step), was trained under the config it gets now, ``listed[name]``,
+    or, for a run not listed, under ``shared`` with its own position, b and seed
+    (and a scale_base it does not use, if not XPOS); else :func:`_stage_done`'s
+    ExperimentError. Checked only as each run came up, a changed config trained the
+    runs before the first old one, and with no old run listed it wrote its tables
+    over the study's. A record that cannot be read is named."""
     runs = os.path.join(out, "runs")
     for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
         workdir = os.path.join(runs, name)
         for path in (os.path.join(workdir, "train.json"), os.path.join(workdir, STARTED)):
-            if os.path.exists(path) and (
+            if not os.path.isfile(path) or not (
                 path.endswith("train.json") or checkpoint.has_steps(workdir)
             ):
-                stored = upgraded(reports.read_json(path).get("config") or {})
+                continue
+            try:
+                record = reports.read_json(path)
+                stored = upgraded(record.get("config") or {})
                 model = stored.get("model") or {}
-                position = model.get("position", shared["model"]["position"])
-                b = model.get("scale_base") if position == "xpos" else None
                 spec = RunSpec(
-                    position, b or shared["model"]["scale_base"], stored.get("seed", shared["seed"])
+                    model.get("position", shared["model"]["position"]),
+                    model.get("scale_base", shared["model"]["scale_base"]),
+                    stored.get("seed", shared["seed"]),
                 )
-                _stage_done(path, _run_config(shared, spec))
-                break
+            except (OSError, ValueError, AttributeError) as e:
+                raise ExperimentError(
+                    f"cannot read {path} ({one_line(e)}); remove that run's directory or "
+                    "use a new --out"
+                ) from None
+            _stage_done(path, listed[name] if name in listed else _run_config(shared, spec))
+            break
 
 
 def _earlier_training(path: str, config: Config, workdir: str) -> float:
@@ -830,7 +840,7 @@ def _run_experiment(exp, out: str, log, stop: _TerminateOutsideTraining) -> dict
     # One study per --out for its whole run: another with other settings evaluated
     # runs while this one trained, and this one's tables mixed the two's numbers.
     with _only_study(out):
-        _refuse_another_config(out, shared)
+        _refuse_another_config(out, shared, {s.name: c for s, c in zip(specs, configs)})
         stopped, outcome = False, "error"
         try:
             for spec, config in zip(specs, configs):
