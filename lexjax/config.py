@@ -402,8 +402,10 @@ def _check_field(config, path: str) -> None:
                 close = close or [names[k] for k in difflib.get_close_matches(key, names, 1, 0.8)]
                 close = close or [prefix + k for k in known if k in begins]
                 close = close or [names[k] for k in begins]
-            if close:
-                raise ConfigError(f"unknown config field {path}; did you mean {close[0]}?")
+            if close:  # several only where several names begin with it: each is named
+                raise ConfigError(
+                    f"unknown config field {path}; did you mean {' or '.join(close)}?"
+                )
             raise unknown_field(prefix + key, [prefix + k for k in known])
         node = node[key]
 

@@ -272,7 +272,9 @@ class Decoder(nn.Module):
       H, K]``, ``positions`` ``[B, S]`` int32, ``valid`` ``[B, S]`` bool): keys
       are ``[cache, current]``; a query sees a key iff it is valid and its
       position is not after the query's, and with ``window`` less than
-      ``window`` positions before it.
+      ``window`` positions before it. A call with ``window`` is the sink + window
+      mode's, whose cache positions stay below the training length: dynamic NTK
+      takes s = 1 there.
     - ``sinks`` (with ``cache``; another ``KVCache``): attention sinks scored in
       the same softmax, before the cache, with the queries at
       ``sink_positions_BxT`` (int32 ``[B, T]``) instead of ``positions_BxT``; a

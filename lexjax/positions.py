@@ -390,13 +390,17 @@ def xpos(
     (|p| > ``max_safe_position(scale_base, gamma, x.dtype, margin=1)``, about 70·b
     in float32, 8.9·b in float16) raise ValueError; traced ones are not checked.
     """
-    try:  # 1, np.True_ and a concrete jnp bool work as before
-        downscale = bool(downscale)
+    try:  # 1, np.True_ and a concrete jnp bool work as before; "False" and 0.5 do not
+        flag = np.ndim(downscale) == 0 and not isinstance(downscale, str)
+        flag = flag and downscale in (True, False)
     except jax.errors.TracerBoolConversionError:
         raise ValueError(
-            f"downscale must be a Python bool, got {downscale!r}; under jax.jit mark it "
-            'static (static_argnames="downscale")'
+            f"downscale must be a Python bool, got {downscale!r}; pass one (under jax.jit, "
+            'mark it static: static_argnames="downscale")'
         ) from None
+    if not flag:
+        raise ValueError(f"downscale must be a bool (True for keys), got {downscale!r}")
+    downscale = bool(downscale)
     x, positions = _check_positions(x, positions)
     tables = xpos_tables(
         positions, x.shape[-1], scale_base=scale_base, theta=theta, gamma=gamma, downscale=downscale

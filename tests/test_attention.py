@@ -95,7 +95,7 @@ def test_float64_gradients_match_finite_differences(position):
 
 def test_alibi_under_a_shard_map_that_splits_heads_as_the_readme_says():
     """A context built inside the shard_map sees its shard's heads and gives them the
-    slopes of a smaller model (0.16 off); built outside with every head and passed in,
+    slopes of a smaller model; built outside with every head and passed in,
     its bias split over heads as q is, the result is the unsplit one's."""
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P

@@ -480,6 +480,7 @@ def test_dotted_field_names_as_the_flags_and_messages_write_them():
         # The start of a name, in this section or another.
         ("model.pos", "; did you mean model.position?"),
         ("optim.warmup", "; did you mean warmup_steps?"),
+        ("model.num", "; did you mean model.num_heads or model.num_layers?"),  # each
     ],
 )
 def test_a_misspelt_flag_is_matched_by_its_own_name_not_its_section(path, hint):

@@ -64,6 +64,9 @@ class XposEquationTest(chex.TestCase):
         # Concrete values that are not bools still work, as they did.
         for concrete in (1, np.True_, jnp.asarray(True)):
             np.testing.assert_array_equal(positions.xpos(x, pos, downscale=concrete), keys)
+        for wrong in ("False", 0.5, [0]):  # truthy, and taken as True
+            with self.assertRaisesRegex(ValueError, r"^downscale must be a bool \(True for keys\)"):
+                positions.xpos(x, pos, downscale=wrong)
 
     def test_infinite_scale_base_is_rope(self):
         # ζ_i^(p/∞) = ζ_i^0 = 1 for every pair and position: no decay at all.

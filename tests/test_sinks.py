@@ -145,6 +145,12 @@ def test_dynamic_ntk_changes_nothing_as_the_cache_positions_stay_below_train_len
     scanned = evaluation.sinks_logprobs(Decoder(config), params, tokens, W, 4)
     want = _streaming(model.config, params, np.asarray(tokens[0]), 4)
     np.testing.assert_allclose(np.asarray(scanned[0]), want, atol=1e-5, rtol=1e-5)
+    # Below 2·block, s would be more than 1 (positions up to 2·block − 1): refused.
+    short = Decoder(dataclasses.replace(config, rope_train_len=W))
+    with pytest.raises(
+        evaluation.EvaluationError, match=rf"needs model.rope_train_len ≥ {2 * W}, not {W} "
+    ):
+        evaluation.sinks_logprobs(short, params, tokens, W, 4)
 
 
 @pytest.mark.parametrize("position", ["xpos", "rope", "alibi", "none"])
