@@ -313,7 +313,7 @@ from lexjax import data
 try:
     data.prepare("textfiles", sys.argv[1], sys.argv[2])
 except Stopped:
-    print("stopped; the learner's status", learners[0].returncode, flush=True)
+    print("stopped", flush=True)
 """
 )
 
