@@ -218,8 +218,8 @@ def _compiled_sinks(model: Decoder, block: int, sinks: int):
 
 def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
     """Raises :class:`ConfigError` for a sink count outside ``0 … train_len/2``,
-    :class:`EvaluationError` for an absolute position encoding (the sink + window
-    mode cannot run)."""
+    :class:`EvaluationError` where :func:`sinks_problem` names why the sink + window
+    mode cannot run this model at ``block``."""
     sink_window(block, sinks)
     if problem := sinks_problem(config, block):
         raise EvaluationError(problem)
@@ -228,7 +228,9 @@ def check_sinks(config: ModelConfig, block: int, sinks: int) -> None:
 def sinks_problem(config: ModelConfig, block: int) -> str | None:
     """Why the sink + window mode cannot run this model at ``block``, or None.
 
-    An absolute encoding cannot be re-positioned. XPOS's keys in a step span
+    An absolute encoding cannot be re-positioned. Dynamic NTK takes s = 1 here
+    (:class:`lexjax.Decoder`'s ``window``), right only where ``rope_train_len`` is
+    at least the cache's 2·block positions. XPOS's keys in a step span
     window positions 0 … 3w−1 (two cached blocks and the current one), ±1.5·w once
     centred, half as far again as BCA's ±w: the scale must stay within
     :func:`lexjax.positions.max_safe_position` there (PI's decay base b·s is not
