@@ -47,7 +47,7 @@ test split). It writes WORKDIR/eval/passkey.json and a heat map per mode,
 passkey-MODE.png.
 
 --generate writes the prompt and the text as the model writes it, a chunk of up
-to 1,024 tokens at a time (until its end-of-document or --max_new_tokens), then a
+to 64 tokens at a time (until its end-of-document or --max_new_tokens), then a
 newline; Ctrl-C stops it there (exit 130, `interrupted (Ctrl-C)` on stderr). Its
 mesh line goes to stderr.
 
@@ -83,8 +83,9 @@ _WORKDIR = flags.DEFINE_string(
 _LENGTHS = flags.DEFINE_list(
     "lengths",
     None,
-    "Evaluation lengths in tokens (default: 1,2,4,8,16 × train_len); each must divide "
-    "--max_length. With --passkey: sample lengths (default: 1,2,4,8 × train_len; at most "
+    "Evaluation lengths in tokens (default: 1,2,4,8,16 × train_len); one that does not "
+    "divide --max_length is shown as missing (at least one must). With --passkey: sample "
+    "lengths (default: 1,2,4,8 × train_len; at most "
     f"{passkey.MAX_LENGTH:,}).",
 )
 _MAX_LENGTH = flags.DEFINE_integer(
@@ -167,11 +168,13 @@ _PASSKEY_DEPTHS = flags.DEFINE_list(
     None,
     "Depths of the key in the filler, in [0, 1] (0: first; default 0,0.25,0.5,0.75,1).",
 )
-_PASSKEY_TRIALS = flags.DEFINE_integer("passkey_trials", 10, "Keys per length and depth.")
+_PASSKEY_TRIALS = flags.DEFINE_integer(
+    "passkey_trials", passkey.DEFAULT_TRIALS, "Keys per length and depth."
+)
 _PASSKEY_FILLER = flags.DEFINE_enum(
     "passkey_filler",
-    "repeat",
-    ["repeat", "text"],
+    passkey.FILLERS[0],
+    list(passkey.FILLERS),
     "Filler: a sentence repeated, or held-out text (--eval_files, else the test split).",
 )
 _CLUSTER = distributed.define_flags()  # as train.py: --coordinator_address, --num_processes, ...

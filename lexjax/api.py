@@ -149,7 +149,8 @@ class Run:
         Args:
           lengths: evaluated lengths in tokens (default 1, 2, 4, 8, 16 × train_len).
           max_length: the token budget scored at every length (default 16 ×
-            train_len, or the largest length if larger); lengths must divide it.
+            train_len, or the largest length if larger); a length that does not
+            divide it is reported missing, and at least one must divide it.
           modes: some of ``"bca"`` (blockwise causal attention), ``"full"`` (plain
             causal attention over the whole length) and ``"sinks"`` (StreamingLLM:
             ``sinks`` attention sinks and a sliding window of ``train_len − sinks``
@@ -204,9 +205,9 @@ class Run:
         lengths: Sequence[int] | None = None,
         *,
         depths: Sequence[float] | None = None,
-        trials: int = 10,
+        trials: int = passkey.DEFAULT_TRIALS,
         modes: Sequence[str] = evaluation.DEFAULT_MODES,
-        filler: str = "repeat",
+        filler: str = passkey.FILLERS[0],
         eval_files: str | None = None,
         max_docs: int | None = None,
         seed: int = 0,

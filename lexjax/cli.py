@@ -129,18 +129,17 @@ def run_eval(
     rope_factor: float = 0.0,
     passkey_run: bool = False,
     passkey_depths=None,
-    passkey_trials: int = 10,
-    passkey_filler: str = "repeat",
+    passkey_trials: int = passkey.DEFAULT_TRIALS,
+    passkey_filler: str = passkey.FILLERS[0],
     cluster: distributed.ClusterOptions | None = None,
     **sampling,
 ) -> int:
-    """eval.py (run it through :func:`main`): perplexity by length, resolution and
-    Figure 1 (:meth:`lexjax.api.Run.evaluate`; ``rope_scaling``/``rope_factor``:
-    an inference-time RoPE extension), with ``generate`` a continuation of
-    ``prompt`` on stdout (``sampling``: max_new_tokens, temperature, top_k,
-    top_p, seed; :meth:`lexjax.api.Run.generate`), or with ``passkey_run``
-    passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from ``seed``). Joins the
-    processes of ``cluster`` first: all of them compute, process 0 alone speaks."""
+    """eval.py (run it through :func:`main`): perplexity by length, resolution and Figure 1
+    (:meth:`lexjax.api.Run.evaluate`; ``rope_scaling``/``rope_factor``: an inference-time
+    RoPE extension), with ``generate`` a continuation of ``prompt`` on stdout (``sampling``:
+    max_new_tokens, temperature, top_k, top_p, seed; :meth:`lexjax.api.Run.generate`), or
+    with ``passkey_run`` passkey retrieval (:meth:`lexjax.api.Run.passkey`; keys from
+    ``seed``). Joins ``cluster``'s processes first: all compute, process 0 alone speaks."""
     _check_workdir_flag(workdir)
     if generate and passkey_run:
         raise ConfigError("--generate and --passkey are two different runs; give one of them")
@@ -157,8 +156,9 @@ def run_eval(
     given.update(max_docs=max_docs != evaluation.DEFAULT_MAX_DOCS, lengths=lengths is not None)
     given.update(sinks=sinks != evaluation.DEFAULT_SINKS, prompt=prompt != "")
     given.update({k: v != generation.SAMPLING[k] for k, v in sampling.items()})
-    given.update(passkey_depths=passkey_depths is not None, passkey_trials=passkey_trials != 10)
-    given.update(passkey_filler=passkey_filler != "repeat")
+    given.update(passkey_depths=passkey_depths is not None)
+    given.update(passkey_trials=passkey_trials != passkey.DEFAULT_TRIALS)
+    given.update(passkey_filler=passkey_filler != passkey.FILLERS[0])
     verb, uses = "eval.py without --generate or --passkey", set(given) - _SAMPLED - _KEYED
     if generate:
         modes = modes if modes_given else ("bca",)  # generation's default: with BCA

@@ -58,7 +58,7 @@ def _rows(name: str, value, B: int, T: int) -> jax.Array:
 
 
 def _check_config(c) -> None:
-    """A ModelConfig built by hand (not by :func:`lexjax.config.make_config`, which
+    """A ModelConfig built by hand (not by :func:`lexjax.make_config`, which
     checks everything) fails here with one line, not deep inside Flax (an unknown
     ``position`` fails in :func:`lexjax.attention.context`)."""
     if not isinstance(c, ModelConfig):

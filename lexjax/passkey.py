@@ -58,6 +58,7 @@ from lexjax.progress import Progress
 
 __all__ = [
     "FILLER",
+    "DEFAULT_TRIALS",
     "FILLERS",
     "KEY_DIGITS",
     "NEW_TOKENS",
@@ -87,6 +88,7 @@ FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
 FILLERS = ("repeat", "text")  # eval.py --passkey_filler: FILLER repeated, or held-out text
+DEFAULT_TRIALS = 10  # keys per length and depth
 KEY_DIGITS = 5
 NEW_TOKENS = KEY_DIGITS + 1  # generated per sample: the key and what follows it
 # −log p(key) of a model that knows a key is KEY_DIGITS digits, the first not 0, but
@@ -417,7 +419,7 @@ def passkey_accuracy(
     block: int,
     lengths: Sequence[int],
     depths: Sequence[float] = DEPTHS,
-    trials: int = 10,
+    trials: int = DEFAULT_TRIALS,
     modes: Sequence[str] = evaluation.DEFAULT_MODES,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     filler: str | np.ndarray = FILLER,
@@ -523,9 +525,9 @@ def evaluate_passkey(
     *,
     lengths: Sequence[int] | None = None,
     depths: Sequence[float] | None = None,
-    trials: int = 10,
+    trials: int = DEFAULT_TRIALS,
     modes: Sequence[str] = evaluation.DEFAULT_MODES,
-    filler: str = "repeat",
+    filler: str = FILLERS[0],
     eval_files: str | None = None,
     max_docs: int | None = None,
     seed: int = 0,
