@@ -890,6 +890,7 @@ class Checkpointer:
         """
         for _ in range(_RELISTS):
             candidates = list(reversed(process_0s(self.all_steps())))  # one choice
+            newest = ""  # why the newest step is damaged, for the error if all are
             if not candidates:
                 raise CheckpointError(
                     f"no complete checkpoint in {self.directory} yet; a training writing there "
@@ -911,6 +912,7 @@ class Checkpointer:
                         )
                         break
                     message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
+                    newest = newest or f" (step {s}, the newest: {e})"
                     if self.on_corrupt == "error":
                         raise CheckpointError(message) from e
                     if i + 1 < len(candidates):
@@ -919,9 +921,10 @@ class Checkpointer:
                         log.warning("%s", message)
             else:
                 raise _NoGoodStep(
-                    f"no good checkpoint in {self.directory}: every step is damaged; restore "
-                    f"them from a copy, or move the workdir {os.path.dirname(self.directory)} "
-                    f"aside (or use a new {arg('workdir')}) to train from the start"
+                    f"no good checkpoint in {self.directory}: every step is damaged{newest}; "
+                    f"restore them from a copy, or move the workdir "
+                    f"{os.path.dirname(self.directory)} aside (or use a new {arg('workdir')}) to "
+                    "train from the start"
                 )
         raise CheckpointError(
             f"the checkpoints in {self.directory} were deleted faster than they could be read "

@@ -773,9 +773,10 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     # A parameter's checksum is checked: with no older step, nothing good is left.
     damaged = _fixture_copy(tmp_path / "damaged")
     _tamper_integrity(damaged, ".params")
+    # The error line says why (it was only in the warning before it).
+    said = r"every step is damaged \(step 6, the newest: .*checksum.*\); restore them from a "
     with pytest.raises(
-        checkpoint.CheckpointError,
-        match=f"every step is damaged; restore them from a copy, or move the workdir {damaged} ",
+        checkpoint.CheckpointError, match=f"{said}copy, or move the workdir {damaged} "
     ):
         checkpoint.load_params(damaged)
 
