@@ -93,7 +93,7 @@ def test_float64_gradients_match_finite_differences(position):
         jax.test_util.check_grads(loss, (q, k, v), order=1, modes=["rev"], eps=1e-6)
 
 
-def test_alibi_under_a_shard_map_that_splits_heads_as_the_readme_says():
+def test_alibi_under_a_shard_map_that_splits_heads_as_documented():
     """A context built inside the shard_map sees its shard's heads and gives them the
     slopes of a smaller model; built outside with every head and passed in,
     its bias split over heads as q is, the result is the unsplit one's."""

@@ -48,25 +48,58 @@ def _table_rows(path):
         return [line.rstrip() for line in f if line.startswith("|")]
 
 
+STUDY_FOLDERS = (
+    "results",
+    "results_text",
+    "results_tokens",
+    "results_retrieval",
+    "results_retrieval_letters",
+)
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/results.md"])
 def test_study_tables_in_the_docs_are_rows_the_study_wrote(page):
     """Every table row with a measured number in the README and docs/results.md is a
     row of a markdown file the study command wrote (docs/results*/), unedited."""
     written = set()
-    folders = (
-        "results",
-        "results_text",
-        "results_tokens",
-        "results_retrieval",
-        "results_retrieval_letters",
-    )
-    for folder in (f"docs/{name}" for name in folders):
+    for folder in (f"docs/{name}" for name in STUDY_FOLDERS):
         for name in os.listdir(os.path.join(ROOT, folder)):
             if name.endswith(".md"):
                 written.update(_table_rows(os.path.join(ROOT, folder, name)))
     measured = [row for row in _table_rows(os.path.join(ROOT, page)) if re.search(r"\d\.\d", row)]
     assert measured, f"{page} shows no study table"
     assert [row for row in measured if row not in written] == []
+
+
+def test_the_study_markdown_is_what_the_report_code_writes_from_its_json(tmp_path, monkeypatch):
+    """docs/results*/'s tables are today's rendering of their results.json: a legend
+    added to Table 2 had left every committed table without it (numbers unchanged)."""
+    from lexjax import reports
+
+    figures = (
+        "_plot_variants",
+        "_plot_scalings",
+        "plot_passkey_grid",
+        "plot_figure1",
+        "plot_scores",
+    )
+    for plot in figures:
+        monkeypatch.setattr(reports, plot, lambda *args: None)  # the text is compared here
+    for folder in STUDY_FOLDERS:
+        committed = os.path.join(ROOT, "docs", folder)
+        out = tmp_path / folder
+        reports.write_all(str(out), reports.read_json(os.path.join(committed, "results.json")))
+        for name in sorted(n for n in os.listdir(out) if n.endswith(".md")):
+            with open(os.path.join(committed, name), encoding="utf-8") as f:
+                assert f.read() == (out / name).read_text(encoding="utf-8"), f"{folder}/{name}"
+
+
+def test_the_readme_python_api_section_stays_short():
+    """Issue 14's limit: the README's Python API section is at most 20 lines (it had
+    grown to 30); the details live in docs/api.md."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    assert 10 < len([line for line in section.splitlines() if line.strip()]) + 1 <= 20
 
 
 def test_every_test_the_docs_cite_exists():

@@ -272,9 +272,9 @@ def test_a_mesh_with_explicit_axes_is_refused_with_what_to_change():
                     run({"params": params}, placed)
 
 
-def test_the_decoder_runs_as_an_nnx_module_as_the_readme_says():
+def test_the_decoder_runs_as_an_nnx_module_as_documented():
     """flax.nnx.bridge.ToNNX shards each boxed parameter eagerly by default, which asks
-    for a mesh; the README's one setting turns that off."""
+    for a mesh; the one setting docs/api.md gives turns that off."""
     import flax
     from flax import nnx
 
