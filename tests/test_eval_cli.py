@@ -770,11 +770,14 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
     assert [set(tree) for tree in read] == [{"params"}]  # no opt_state, no step
     assert params["embed"]["embedding"].shape == (320, 16)
 
-    # A parameter's checksum is checked: with no older step, nothing good is left.
+    # A parameter's checksum is checked: with the older step damaged too (a copy of
+    # step 6 as step 4, its integrity record garbled), nothing good is left.
     damaged = _fixture_copy(tmp_path / "damaged")
+    shutil.copytree(damaged / "checkpoints" / "6", damaged / "checkpoints" / "4")
+    (damaged / "checkpoints" / "4" / "integrity" / "metadata").write_text("{garbled")
     _tamper_integrity(damaged, ".params")
-    # The error line says why (it was only in the warning before it).
-    said = r"every step is damaged \(step 6, the newest: .*checksum.*\); restore them from a "
+    # The error line says why the newest is damaged (it was only in a warning line).
+    said = r"every step is damaged \(step 6, the newest: [^)]*checksum.*\); restore them from a "
     with pytest.raises(
         checkpoint.CheckpointError, match=f"{said}copy, or move the workdir {damaged} "
     ):
