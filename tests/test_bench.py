@@ -3,6 +3,7 @@
 Nothing here asserts a speed; figures come from `python bench/run.py` (docs/benchmarks.md).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -133,40 +134,74 @@ def test_train_processes_quick_runs_every_side_in_its_own_process(tmp_path):
     assert "torchscale tokens/s" in proc.stdout
 
 
-def test_unknown_benchmark_is_a_one_line_error(tmp_path):
+def _script(name: str):
+    """bench/NAME.py loaded as a module (its re-exec with huge pages is under __main__)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}_in_test", ROOT / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _refused(capsys, script: str, flags: list[str]):
+    """(exit status, stdout, stderr) of bench/SCRIPT.py's argument checks on ``flags``,
+    in this process: every check runs before any benchmark (a real process shows
+    that the status and the one line reach the shell, below)."""
+    module = _script(script)
+    capsys.readouterr()
+    argv = [f"bench/{script}.py", *flags]
+    try:
+        if script == "run":
+            module.parse(flags)
+        elif script == "own_text":  # reads sys.argv
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(sys, "argv", argv)
+                module.main()
+        else:
+            module.main(flags)
+    except SystemExit as e:
+        out = capsys.readouterr()
+        return e.code, out.out, out.err
+    pytest.fail(f"bench/{script}.py accepted {flags}")
+
+
+def test_unknown_benchmark_is_a_one_line_error(tmp_path, capsys):
     proc = _run(["bench/run.py", "--only", "nope"], tmp_path)
     assert proc.returncode == 2
     # One line, not argparse's usage text and "run.py: error: ...".
     assert proc.stderr.startswith("error: unknown benchmark 'nope'"), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+    code, _, err = _refused(capsys, "run", ["--only", "nope"])  # the same, in this process
+    assert code == 2 and err == proc.stderr
     for flags, said in (
         (["--threads", "0"], "error: --threads=0: give a whole number of at least 1"),
         (["--threads", "x"], "error: argument --threads: invalid int value: 'x'"),
         (["--bogus"], "error: unrecognized arguments: --bogus"),
     ):
-        proc = _run(["bench/run.py", "--only", "mfu", *flags], tmp_path)
-        assert proc.returncode == 2 and proc.stderr == said + "\n", proc.stderr
-    proc = _run(["bench/run.py", "--only", ","], tmp_path)
-    assert proc.returncode == 2 and "--only names no benchmark" in proc.stderr
+        code, _, err = _refused(capsys, "run", ["--only", "mfu", *flags])
+        assert code == 2 and err == said + "\n", err
+    code, _, err = _refused(capsys, "run", ["--only", ","])
+    assert code == 2 and "--only names no benchmark" in err
     # A --json it cannot write is refused before any benchmark runs (it was a traceback
     # after the first, whose results were lost).
     (tmp_path / "file").write_text("x")
-    proc = _run(
-        ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"], tmp_path
+    code, _, err = _refused(
+        capsys, "run", ["--only", "eval_scaling", "--json", f"{tmp_path}/file/x.json"]
     )
     said = f"x.json: cannot write there (Not a directory: {tmp_path}/file is a file)"
-    assert proc.returncode == 2 and said in proc.stderr, proc.stderr  # was "(File exists)"
-    deeper = ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/file/a/x.json"]
-    proc = _run(deeper, tmp_path)  # a file further up: was "(Not a directory)"
-    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert code == 2 and said in err, err  # was "(File exists)"
+    deeper = ["--only", "eval_scaling", "--json", f"{tmp_path}/file/a/x.json"]
+    code, _, err = _refused(capsys, "run", deeper)  # a file further up: was "(Not a directory)"
+    assert code == 2 and said in err, err
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # was "(File exists)"
-    dangling = ["bench/run.py", "--only", "eval_scaling", "--json", f"{tmp_path}/dangling/x.json"]
-    proc = _run(dangling, tmp_path)
-    assert proc.returncode == 2 and f"{tmp_path}/dangling is a link to nothing)" in proc.stderr
+    dangling = ["--only", "eval_scaling", "--json", f"{tmp_path}/dangling/x.json"]
+    code, _, err = _refused(capsys, "run", dangling)
+    assert code == 2 and f"{tmp_path}/dangling is a link to nothing)" in err
     # profile_step.py's flags too (a bad --position was a ConfigError traceback).
-    proc = _run(["bench/profile_step.py", "--position", "bogus"], tmp_path)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: model.position='bogus'")
-    assert proc.stderr.count("\n") == 1, proc.stderr
+    code, _, err = _refused(capsys, "profile_step", ["--position", "bogus"])
+    assert code == 2 and err.startswith("error: model.position='bogus'")
+    assert err.count("\n") == 1, err
     # The other scripts: usage text and "PROG: error:" (argparse's), or a count of 0
     # taken and a traceback after a minute's work (--rounds 0).
     for script, flags, said in (
@@ -176,9 +211,9 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
         ("profile_step", ["--steps", "0"], "--steps=0: give a whole number of at least 1"),
         ("own_text", [], "the following arguments are required: --out, --heldout"),
     ):
-        proc = _run([f"bench/{script}.py", *flags], tmp_path)
-        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
-        assert proc.stderr.startswith(f"error: {said}") and proc.stderr.count("\n") == 1
+        code, out, err = _refused(capsys, script, flags)
+        assert code == 2 and out == "", err[-2000:]
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1
 
 
 def test_a_json_in_a_read_only_directory_is_refused_before_any_benchmark(tmp_path):
