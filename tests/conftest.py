@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Added to flags set for other reasons (a dump flag gave 1 device: the mesh tests skipped).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -49,6 +51,15 @@ _LONGEST_FIRST = (
     "test_api.py",
     "test_data.py",
 )
+
+
+@pytest.fixture
+def program(monkeypatch):
+    """``invoke(name, argv, capsys) -> (exit status or 'reached', stderr)``: train.py or
+    eval.py run in this process up to where it would train or load (tests/programs.py)."""
+    from tests.programs import invoker
+
+    yield from invoker(monkeypatch)
 
 
 def pytest_collection_modifyitems(items):

@@ -12,18 +12,15 @@ marker. A few subprocess spot checks run the real programs.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import socket
 import subprocess
 import sys
 
-import jax
 import pytest
 from absl import flags
 
-from lexjax import checkpoint, cli, distributed, sharding
 from lexjax import config as cfg
 from tests.helpers import leaves
 
@@ -222,63 +219,6 @@ GENERIC_BAD = {  # wrong type and empty, by the flag's type
     "enum": [],
     "list": [],
 }
-
-
-class _Reached(Exception):
-    """Validation passed: the program went on to load a checkpoint."""
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_fuzz", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _check_mesh(config, workdir, **_):
-    sharding.check_mesh(config, jax.device_count(), jax.process_count())
-    return {"start_step": 0, "step": 0, "stopped_by": None, "checkpoint_dir": workdir}
-
-
-def _raise_reached(*args, **kwargs):
-    raise _Reached
-
-
-@pytest.fixture
-def program(monkeypatch):
-    """``invoke(name, argv) -> (exit status or 'reached', stderr)`` with the program loaded
-    once (``invoke.own_flags[name]``: the flags it defines); they are removed afterwards
-    (train.py and eval.py share flag names)."""
-    monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # once per process
-    monkeypatch.setattr(cli.api, "train", _check_mesh)
-    monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
-    monkeypatch.setattr(cli.api, "load", _raise_reached)
-    before = set(FLAGS)
-    loaded = {}
-
-    def invoke(name: str, argv: list[str], capsys):
-        if name not in loaded:
-            known = set(FLAGS)
-            loaded[name] = _load(name)
-            invoke.own_flags[name] = set(FLAGS) - known
-        defined = set(FLAGS)
-        FLAGS.unparse_flags()
-        capsys.readouterr()
-        try:
-            code = loaded[name].run([f"{name}.py", *argv])
-        except SystemExit as e:
-            code = e.code
-        except _Reached:
-            code = "reached"
-        finally:
-            for flag in set(FLAGS) - defined:  # --config and its fields, defined per parse
-                delattr(FLAGS, flag)
-        return code, capsys.readouterr().err
-
-    invoke.own_flags = {}
-    yield invoke
-    for flag in set(FLAGS) - before:
-        delattr(FLAGS, flag)
 
 
 def _field_type(path: str) -> str:
