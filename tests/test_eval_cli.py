@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from unittest import mock
 
 import numpy as np
@@ -554,19 +555,25 @@ def test_eval_refuses_a_corpus_changed_since_training(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_bad_input_is_one_line(workdir, tmp_path):
+def test_bad_input_is_one_line(workdir, tmp_path, program, capsys):
     import jax
 
     from lexjax import config as config_lib
     from lexjax.steps import TrainSetup
 
+    def refused(*flags):
+        """eval.py in this process (tests/programs.py): status "reached" if it went on
+        to load the run, so a refusal here is one made before the run loads."""
+        code, err = program("eval", [f"--workdir={workdir}", *flags], capsys)
+        return types.SimpleNamespace(returncode=code, stderr=err)
+
     no_run = _run("eval.py", f"--workdir={tmp_path}")
     _one_line_error(
         no_run, 4, "no checkpoint", f"train first: python train.py --workdir={tmp_path}"
     )
-    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--lengths=64,0"), 2, "positive")
-    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--max_docs=0"), 2, "max_docs")
-    _one_line_error(_run("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0"), 2, "top_p")
+    _one_line_error(refused("--lengths=64,0"), 2, "positive")
+    _one_line_error(refused("--max_docs=0"), 2, "max_docs")
+    _one_line_error(refused("--generate", "--top_p=0"), 2, "top_p")
     # Mode full cannot place XPOS positions that far: refused before the run loads (no
     # mesh line), naming the flags to change; it said "length 200003 …; use BCA".
     flags = ["--generate", "--bca=off", "--prompt=ab", "--max_new_tokens=200000"]
@@ -578,16 +585,15 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         "generate with --bca=on, or at most 66871 new tokens",
     )
     assert "mesh" not in far.stdout
-    # Passkey settings generation cannot take are refused before the run loads (no mesh
-    # line): a length past the host's samples, a mode it cannot decode in (was exit 6).
-    huge = _run("eval.py", f"--workdir={workdir}", "--passkey", f"--lengths=64,{10**11}")
+    # Passkey settings generation cannot take are refused before the run loads: a
+    # length past the host's samples, a mode it cannot decode in (was exit 6).
+    huge = refused("--passkey", f"--lengths=64,{10**11}")
     _one_line_error(huge, 2, "--lengths=100000000000: give passkey lengths of at most 16,777,216")
-    sinks = _run("eval.py", f"--workdir={workdir}", "--passkey", "--modes=bca,sinks")
+    sinks = refused("--passkey", "--modes=bca,sinks")
     _one_line_error(sinks, 2, "--modes=bca,sinks: use some of bca, full with --passkey")
-    assert "mesh" not in huge.stdout + sinks.stdout
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
     # that cannot show a character of the text gets "?" for it, not a traceback.
-    bad = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=a\udcff")
+    bad = refused("--generate", "--prompt=a\udcff")
     _one_line_error(bad, 2, r"the prompt is not valid text: '\udcff' at character 1")
     shown = _run(
         "eval.py",
@@ -632,9 +638,7 @@ def test_bad_input_is_one_line(workdir, tmp_path):
         "resolution needs documents of 64 tokens",
     )
     assert (listing() if os.path.isdir(eval_dir) else None) == before
-    _one_line_error(
-        _run("eval.py", f"--workdir={workdir}", "--lengths=32,64", "--max_length=48"), 2, "below"
-    )
+    _one_line_error(refused("--lengths=32,64", "--max_length=48"), 2, "below")
     too_many = _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17")
     _one_line_error(too_many, 2, "error: --sinks=17 must be an integer in [0, 16]")
     assert "mesh" not in too_many.stdout  # refused before the parameters were loaded
