@@ -9,10 +9,13 @@ JAX, and tests of exit statuses that a shell sees keep a real process beside."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import pathlib
+import sys
 
 import jax
 from absl import flags
+from absl import logging as absl_logging
 
 from lexjax import checkpoint, cli, distributed, sharding
 
@@ -25,7 +28,7 @@ class _Reached(Exception):
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_fuzz", ROOT / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_in_process", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -41,10 +44,18 @@ def _raise_reached(*args, **kwargs):
 
 
 def invoker(monkeypatch):
-    """``invoke(name, argv) -> (exit status or 'reached', stderr)`` with the program loaded
-    once (``invoke.own_flags[name]``: the flags it defines); they are removed afterwards
-    (train.py and eval.py share flag names)."""
+    """``invoke(name, argv, capsys) -> (exit status or 'reached', stderr)`` with the
+    program loaded once (``invoke.own_flags[name]``: the flags it defines); they are
+    removed afterwards (train.py and eval.py share flag names). What a program sets for
+    its whole process is put back afterwards: log levels and handlers, absl's handler
+    format, the unraisable-exception hook (a later test's caplog saw no lexjax INFO line
+    once eval.py had set the lexjax logger to WARNING)."""
     monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # once per process
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # put back at teardown
+    root, own = logging.getLogger(), logging.getLogger("lexjax")
+    levels, handlers = (root.level, own.level, absl_logging.get_verbosity()), root.handlers[:]
+    absl_handler = absl_logging.get_absl_handler()
+    formatter = absl_handler.formatter
     monkeypatch.setattr(cli.api, "train", _check_mesh)
     monkeypatch.setattr(cli.distributed, "initialize", distributed._check)
     monkeypatch.setattr(cli.api, "load", _raise_reached)
@@ -72,5 +83,11 @@ def invoker(monkeypatch):
 
     invoke.own_flags = {}
     yield invoke
+    FLAGS.unparse_flags()
     for flag in set(FLAGS) - before:
         delattr(FLAGS, flag)
+    root.setLevel(levels[0])
+    own.setLevel(levels[1])
+    absl_logging.set_verbosity(levels[2])
+    root.handlers[:] = handlers
+    absl_handler.setFormatter(formatter)

@@ -593,7 +593,7 @@ def test_bad_input_is_one_line(workdir, tmp_path, program, capsys):
     _one_line_error(sinks, 2, "--modes=bca,sinks: use some of bca, full with --passkey")
     # A prompt byte that is not UTF-8 (argv holds it as a lone surrogate); a terminal
     # that cannot show a character of the text gets "?" for it, not a traceback.
-    bad = refused("--generate", "--prompt=a\udcff")
+    bad = _run("eval.py", f"--workdir={workdir}", "--generate", "--prompt=a\udcff")
     _one_line_error(bad, 2, r"the prompt is not valid text: '\udcff' at character 1")
     shown = _run(
         "eval.py",

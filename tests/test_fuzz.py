@@ -302,6 +302,28 @@ def test_every_eval_flag(program, capsys):
     assert not failures, "\n".join(failures)
 
 
+def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
+    """eval.py's main sets the lexjax logger to WARNING and absl's verbosity to ERROR
+    for its process; run in-process, that outlived the run: a later test's caplog
+    saw no lexjax INFO line."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    from tests.programs import invoker
+
+    own, root = logging.getLogger("lexjax"), logging.getLogger()
+    state = lambda: (own.level, absl_logging.get_verbosity(), root.handlers[:], sys.unraisablehook)
+    before = state()
+    with pytest.MonkeyPatch.context() as patch:
+        runs = invoker(patch)
+        code, err = next(runs)("eval", ["--workdir=/tmp/lexjax-fuzz", "--max_docs=0"], capsys)
+        assert code == 2 and "--max_docs=0" in err
+        assert own.level == logging.WARNING  # what eval.py set
+        next(runs, None)  # the fixture's teardown
+    assert state() == before
+
+
 @pytest.mark.parametrize(
     "argv, own_only",
     [

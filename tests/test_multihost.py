@@ -252,7 +252,9 @@ def _stored_config(workdir):
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(two_process_run):
     """Losses and parameters agree up to float32 summation order (rtol 1e-5):
-    gloo's cross-process all-reduce adds in another order than one process does."""
+    gloo's cross-process all-reduce adds in another order than one process does (and
+    this process compiles at XLA:CPU's level 0, tests/conftest.py, where the two
+    train.py processes compile at the default level)."""
     workdir, _, _ = two_process_run
     config = _stored_config(workdir)
     assert (config.mesh.data, config.mesh.fsdp) == (2, 4)
