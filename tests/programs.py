@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import pathlib
-import sys
 
 import jax
 from absl import flags
@@ -48,10 +47,11 @@ def invoker(monkeypatch):
     program loaded once (``invoke.own_flags[name]``: the flags it defines); they are
     removed afterwards (train.py and eval.py share flag names). What a program sets for
     its whole process is put back afterwards: log levels and handlers, absl's handler
-    format, the unraisable-exception hook (a later test's caplog saw no lexjax INFO line
-    once eval.py had set the lexjax logger to WARNING)."""
+    format (a later test's caplog saw no lexjax INFO line once eval.py had set the
+    lexjax logger to WARNING). Not the unraisable-exception hook: lexjax.signals
+    installs it once per process, and a later stop swallowed in a gc callback was not
+    raised again once a first version here had put the old hook back (CI)."""
     monkeypatch.setattr(checkpoint, "quiet_background_errors", lambda: None)  # once per process
-    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # put back at teardown
     root, own = logging.getLogger(), logging.getLogger("lexjax")
     levels, handlers = (root.level, own.level, absl_logging.get_verbosity()), root.handlers[:]
     absl_handler = absl_logging.get_absl_handler()

@@ -313,7 +313,7 @@ def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
     from tests.programs import invoker
 
     own, root = logging.getLogger("lexjax"), logging.getLogger()
-    state = lambda: (own.level, absl_logging.get_verbosity(), root.handlers[:], sys.unraisablehook)
+    state = lambda: (own.level, absl_logging.get_verbosity(), root.handlers[:])
     before = state()
     with pytest.MonkeyPatch.context() as patch:
         runs = invoker(patch)
