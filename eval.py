@@ -18,8 +18,8 @@ Which tokens are scored: the first --max_length tokens (the budget; default
 documents that have that many (+1 for the last target). Every length cuts those
 same tokens into segments of its length, so every cell of the table scores the
 same tokens, and at a given --max_length a length gives the same number whatever
-other lengths are asked. A cell that cannot (a length that does not divide the budget, a length
-the mode cannot evaluate) is shown as missing, with the reason.
+other lengths are asked. A cell that cannot (a length that does not divide the
+budget, a length the mode cannot evaluate) is shown as missing, with the reason.
 
 Results go to stdout and WORKDIR/eval/: perplexity.json/.png hold the latest
 run, and a copy named after the settings (perplexity-step…-budget…-HASH.json)
