@@ -33,6 +33,9 @@ TINY = {
     "log_every": 1,
     "warmup_steps": 2,
     "data.name": "textfiles",
+    # A window of 64 packed rows, not the default 1,024: filling the default window
+    # (and the validation split's) took 0.6–0.9 s of each tiny run's ~6 s of CPU.
+    "data.shuffle_rows": 64,
 }
 
 

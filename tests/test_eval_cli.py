@@ -33,6 +33,7 @@ TINY = [
     "--config.batch_size=2",
     "--config.num_train_steps=2",
     "--config.eval_batches=1",
+    "--config.data.shuffle_rows=64",  # the default 1,024 rows: ~0.7 s more per run
 ]
 
 

@@ -231,7 +231,11 @@ def _reference(config, steps):
         "textfiles", "train", data_dir=config.data.data_dir, files=config.data.files
     )
     stream = data_lib.make_train_iterator(
-        source, seq_len=config.train_len, batch_size=config.batch_size, seed=config.seed
+        source,
+        seq_len=config.train_len,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        shuffle_rows=config.data.shuffle_rows,
     )
     batches = [next(stream) for _ in range(steps)]
     state, losses = setup.init_state(), []
