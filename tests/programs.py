@@ -1,10 +1,11 @@
-"""train.py and eval.py run in-process, through their own ``run(argv)``: absl parsing,
-the ``--config`` parser, ``cli.main``'s one catch site, config and mesh validation,
-with only the work after validation replaced: training by the mesh check
-``TrainSetup`` does first, joining processes by the check of the cluster flags,
-loading a checkpoint by a marker (status ``"reached"``). The ``program`` fixture
-(tests/conftest.py) hands out :func:`invoker`; a refusal costs no new Python with
-JAX, and tests of exit statuses that a shell sees keep a real process beside."""
+"""train.py, eval.py and the study (:data:`STUDY`) run in-process, through their own
+``run(argv)``: absl parsing, the ``--config`` parser, the one catch site, config and
+mesh validation, with only the work after validation replaced: training by the mesh
+check ``TrainSetup`` does first, joining processes by the check of the cluster flags,
+loading a checkpoint or the study's first training by a marker (status
+``"reached"``). The ``program`` fixture (tests/conftest.py) hands out
+:func:`invoker`; a refusal costs no new Python with JAX, and tests of exit statuses
+that a shell sees keep a real process beside."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lexjax import checkpoint, cli, distributed, sharding
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = flags.FLAGS
+STUDY = "lexjax.experiments.extrapolation"  # `python -m` it; its training is replaced too
 
 
 class _Reached(Exception):
@@ -27,6 +29,8 @@ class _Reached(Exception):
 
 
 def _load(name: str):
+    if name == STUDY:  # a module, not a script; its --out is defined at its first run
+        return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(f"{name}_in_process", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,6 +71,9 @@ def invoker(monkeypatch):
             known = set(FLAGS)
             loaded[name] = _load(name)
             invoke.own_flags[name] = set(FLAGS) - known
+        if name == STUDY:  # its --out, removed below with the flags defined per run
+            monkeypatch.setattr(loaded[name], "_OUT", None)
+            monkeypatch.setattr(loaded[name], "_train_stage", _raise_reached)
         defined = set(FLAGS)
         FLAGS.unparse_flags()
         capsys.readouterr()

@@ -15,6 +15,7 @@ import pytest
 
 import lexjax
 from tests import processes as P
+from tests import programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = [
@@ -249,12 +250,22 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         ),
     ],
 )
-def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flags, expected):
-    """Before any training: nothing is written."""
-    done = _on_cpu([*COMMAND, f"--out={tmp_path / 'out'}", *flags.split()])
+def test_bad_runs_and_flags_are_one_line_errors(tmp_path, flags, expected, program, capsys):
+    """Before any training: nothing is written. Run in this process up to the first
+    training (tests/programs.py); the test below runs one as the real command."""
+    argv = [COMMAND[-1], f"--out={tmp_path / 'out'}", *flags.split()]
+    code, err = program(programs.STUDY, argv, capsys)
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err[-3000:]
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_refusal_is_one_line_and_status_2_from_the_command(tmp_path):
+    done = _on_cpu([*COMMAND, f"--out={tmp_path / 'out'}", "--config.sinks=100"])
     assert done.returncode == 2, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: sinks=100 must be an integer in [0, 8] (train_len/2)"), line
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -803,22 +803,19 @@ def _train_cli(*args, env_extra=None):
         ("--config.model.num_heads=3", "model.num_heads=3 does not divide model.d_model=256"),
         ("--config.model.position=relative", "model.position='relative' is unknown"),
         ("--config.model.d_model=248", "head_dim = d_model/num_heads = 31 is odd"),
-        ("--config.mesh.tensor=3", "mesh (-1, 1, 3) cannot fill 1 devices"),
+        ("--config.mesh.tensor=3", "mesh (-1, 1, 3) cannot fill {devices} devices"),
         ("--config.data.name=textfiles", "data.name=textfiles needs data.files"),
     ],
 )
-def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected):
+def test_bad_config_is_one_line_exit_2(tmp_path, flag, expected, program, capsys):
+    """train.py in this process (tests/programs.py; test_config.py has the real
+    process's exit status and line)."""
     extra = ["--config.model.num_heads=8"] if "d_model=248" in flag else []
-    result = _train_cli(
-        f"--workdir={tmp_path}",
-        flag,
-        *extra,
-        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-    )
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], result.stderr
+    code, err = program("train", [f"--workdir={tmp_path}", flag, *extra], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected.format(devices=jax.device_count()) in lines[0], err
 
 
 def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
