@@ -891,6 +891,7 @@ class Checkpointer:
         for _ in range(_RELISTS):
             candidates = list(reversed(process_0s(self.all_steps())))  # one choice
             newest = ""  # why the newest step is damaged, for the error if all are
+            only = len(candidates) == 1
             if not candidates:
                 raise CheckpointError(
                     f"no complete checkpoint in {self.directory} yet; a training writing there "
@@ -912,7 +913,9 @@ class Checkpointer:
                         )
                         break
                     message = f"checkpoint step {s} in {self.directory} is damaged: {e}"
-                    newest = newest or f" (step {s}, the newest: {e})"
+                    newest = newest or (
+                        f" (step {s}: {e})" if only else f" (step {s}, the newest: {e})"
+                    )
                     if self.on_corrupt == "error":
                         raise CheckpointError(message) from e
                     if i + 1 < len(candidates):
@@ -920,9 +923,10 @@ class Checkpointer:
                     else:
                         log.warning("%s", message)
             else:
+                damaged = "its only step is damaged" if only else "every step is damaged"
                 raise _NoGoodStep(
-                    f"no good checkpoint in {self.directory}: every step is damaged{newest}; "
-                    f"restore them from a copy, or move the workdir "
+                    f"no good checkpoint in {self.directory}: {damaged}{newest}; "
+                    f"restore {'it' if only else 'them'} from a copy, or move the workdir "
                     f"{os.path.dirname(self.directory)} aside (or use a new {arg('workdir')}) to "
                     "train from the start"
                 )

@@ -787,6 +787,11 @@ def test_evaluation_reads_and_verifies_only_the_parameters(tmp_path, monkeypatch
         checkpoint.CheckpointError, match=f"{said}copy, or move the workdir {damaged} "
     ):
         checkpoint.load_params(damaged)
+    # Its only step damaged: that step, and "it" (it was "every step … restore them").
+    shutil.rmtree(damaged / "checkpoints" / "4")
+    said = r"its only step is damaged \(step 6: [^)]*checksum.*\); restore it from a copy, "
+    with pytest.raises(checkpoint.CheckpointError, match=said):
+        checkpoint.load_params(damaged)
 
 
 def test_a_sentencepiece_run_evaluates_and_generates_with_its_own_tokenizer(tmp_path):
