@@ -31,7 +31,7 @@ if __name__ == "__main__":
 
 from absl import app, flags, logging
 
-from lexjax import cli, distributed
+from lexjax import cli, distributed, lease
 from lexjax.config import flags_parser
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +43,7 @@ _WORKDIR = flags.DEFINE_string(
 _CLUSTER = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 _LEASE_TIMEOUT = flags.DEFINE_float(
     "lease_timeout_s",
-    120.0,
+    lease.DEFAULT_TIMEOUT_S,
     "The workdir lease's heartbeat timeout: another job takes over this job's lease once "
     "it has sent no heartbeat for this long (a dead pid on the same host is noticed at once).",
     lower_bound=1.0,

@@ -46,7 +46,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 @errors.naming_flags()  # the library's messages name train.py's flags
 @errors.stdout_failures(to_stderr=True)  # a closed stdout (`| tee` after Ctrl-C) loses no step
 def run_training(
-    configdict, workdir: str, cluster: distributed.ClusterOptions, lease_timeout_s: float = 120.0
+    configdict, workdir: str, cluster: distributed.ClusterOptions, lease_timeout_s: float
 ) -> int:
     """train.py: validates the config, joins the processes of ``cluster``, trains.
 

@@ -50,9 +50,12 @@ import jax
 from lexjax import distributed
 from lexjax.errors import CheckpointError, arg, refused_by
 
-__all__ = ["WorkdirLease", "LEASE_FILE", "hold", "check_held", "try_flock"]
+__all__ = ["WorkdirLease", "LEASE_FILE", "DEFAULT_TIMEOUT_S", "hold", "check_held", "try_flock"]
 
 LEASE_FILE = "lease.json"
+# A job's heartbeat timeout unless given (train.py's --lease_timeout_s): another job
+# takes over a lease whose holder has sent no heartbeat for this long.
+DEFAULT_TIMEOUT_S = 120.0
 
 _HELD: set[str] = set()  # the tokens of the leases this process holds now
 _LOCK_WAIT_S = 10.0  # a lease change holds the lock for a few file operations
@@ -174,7 +177,7 @@ class WorkdirLease:
     on every exit, exceptions included. Only the lease's owner deletes it.
     """
 
-    def __init__(self, workdir: str, *, timeout_s: float = 120.0, log=print):
+    def __init__(self, workdir: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, log=print):
         if not timeout_s > 0:
             raise CheckpointError(f"lease timeout {timeout_s} s must be positive")
         self.path = os.path.join(os.path.abspath(workdir), LEASE_FILE)

@@ -241,7 +241,7 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     peak_flops: float | None = None,
-    lease_timeout_s: float = 120.0,
+    lease_timeout_s: float = lease_lib.DEFAULT_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict.
 
