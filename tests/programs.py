@@ -28,13 +28,20 @@ class _Reached(Exception):
     """Validation passed: the program went on to load a checkpoint."""
 
 
-def _load(name: str):
-    if name == STUDY:  # a module, not a script; its --out is defined at its first run
-        return importlib.import_module(name)
-    spec = importlib.util.spec_from_file_location(f"{name}_in_process", ROOT / f"{name}.py")
+def load_script(path: str):
+    """The script at ``path`` (from the repository root: "train.py", "bench/run.py")
+    loaded as a new module; its ``__main__`` part (a re-exec with huge pages) does not run."""
+    name = path.removesuffix(".py").replace("/", "_") + "_in_process"
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load(name: str):
+    if name == STUDY:  # a module, not a script; its --out is defined at its first run
+        return importlib.import_module(name)
+    return load_script(f"{name}.py")
 
 
 def _check_mesh(config, workdir, **_):

@@ -3,7 +3,6 @@
 Nothing here asserts a speed; figures come from `python bench/run.py` (docs/benchmarks.md).
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from configs import paper
 from lexjax import hugepages
 from lexjax.config import from_configdict
 from tests import processes as P
+from tests import programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -134,21 +134,11 @@ def test_train_processes_quick_runs_every_side_in_its_own_process(tmp_path):
     assert "torchscale tokens/s" in proc.stdout
 
 
-def _script(name: str):
-    """bench/NAME.py loaded as a module (its re-exec with huge pages is under __main__)."""
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}_in_test", ROOT / "bench" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _refused(capsys, script: str, flags: list[str]):
     """(exit status, stdout, stderr) of bench/SCRIPT.py's argument checks on ``flags``,
     in this process: every check runs before any benchmark (a real process shows
     that the status and the one line reach the shell, below)."""
-    module = _script(script)
+    module = programs.load_script(f"bench/{script}.py")
     capsys.readouterr()
     argv = [f"bench/{script}.py", *flags]
     try:
