@@ -50,6 +50,7 @@ def _pipeline_rate(source, tokenizer, config, batches: int):
 
 def run(args) -> dict:
     from lexjax import data
+    from lexjax.data import pipeline
 
     with tempfile.TemporaryDirectory() as data_dir:
         corpus = dict(data_dir=data_dir, max_files=args.files)
@@ -91,6 +92,10 @@ def run(args) -> dict:
             "pipeline_batches_per_round": args.batches,
             "train_steps_per_round": args.steps,
             "worker_count": 0,
+            # The data order measured (lexjax.data.pipeline), with its defaults:
+            "stream": pipeline.STREAM_VERSION,
+            "open_documents": pipeline.OPEN_DOCUMENTS,
+            "shuffle_rows": pipeline.SHUFFLE_ROWS,
         },
         machine=common.machine(),
         note=args.note,
