@@ -7,16 +7,19 @@
 For each corpus and tokenizer (``bytes``; ``sentencepiece`` with 2048 ids) it runs
 ``train.py`` with ``configs/tiny.py`` at its default steps, then ``eval.py
 --eval_files=HELDOUT`` (perplexity and bits per byte at 1×–16× train_len, with and
-without BCA), and for the largest SentencePiece corpus ``eval.py --generate``. Every
-step is a separate process, exactly the commands a user types; a step whose output
-exists is not run again, so the command resumes. ``--json`` collects what the programs
-wrote: the last training loss and validation loss (``metrics.jsonl``), every
-perplexity row (``eval/perplexity.json``), bits per byte at 8× over 1× with BCA, and
-the generated text.
+without BCA), and ``eval.py --generate`` on the largest corpus's SentencePiece run
+(``--prompt``) and, with ``--prompt_smallest``, on the smallest's. Every step is a
+separate process, exactly the commands a user types; a step whose output exists is
+not run again, so the command resumes. ``--json`` collects what the programs wrote:
+the last training loss and validation loss (``metrics.jsonl``), every perplexity row
+(``eval/perplexity.json``), bits per byte at 8× over 1× with BCA, the generated texts
+with their commands, the corpora's file counts and sizes, the commit each run trained
+at, and the machine.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -45,6 +48,27 @@ def _run(command: list[str], log: str) -> float:
     return time.perf_counter() - start
 
 
+def _files(pattern: str) -> dict:
+    """How many files ``pattern`` matches and their size on disk."""
+    paths = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+    return {"pattern": pattern, "files": len(paths), "bytes": sum(map(os.path.getsize, paths))}
+
+
+def _generate(python: str, workdir: str, prompt: str) -> dict:
+    """``eval.py --generate`` on ``workdir``; its text is kept in WORKDIR.generate.txt
+    (as the other steps' outputs are, so the command resumes without it)."""
+    command = [python, "eval.py", f"--workdir={workdir}", "--generate", f"--prompt={prompt}"]
+    command += ["--max_new_tokens=600", "--temperature=0.8", "--top_k=40", "--seed=0"]
+    path = workdir + ".generate.txt"
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as f:
+            subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.DEVNULL, check=True)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    shown = ["python", *command[1:]]
+    return {"run": os.path.basename(workdir), "prompt": prompt, "command": shown, "text": text}
+
+
 def _metrics(workdir: str) -> dict:
     last = {}
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -64,6 +88,9 @@ def main() -> int:
         "--corpus", action="append", required=True, help="NAME:GLOB, e.g. 3:'books/c3/*'"
     )
     parser.add_argument("--prompt", default="The option")
+    parser.add_argument(
+        "--prompt_smallest", help="also generate from the smallest corpus's SentencePiece run"
+    )
     parser.add_argument("--json", help="write the collected figures here")
     args = parser.parse_args()
     corpora = [item.split(":", 1) for item in args.corpus]
@@ -77,9 +104,13 @@ def main() -> int:
             workdir = os.path.abspath(os.path.join(args.out, f"{tokenizer}_{name}"))
             train = [python, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}"]
             train += ["--config.data.name=textfiles", f"--config.data.files={pattern}", *flags]
-            if not os.path.exists(os.path.join(workdir, "train.done")):
+            done = os.path.join(workdir, "train.done")
+            if not os.path.exists(done):
                 _run(train, workdir + ".train.log")
-                open(os.path.join(workdir, "train.done"), "w").close()
+                with open(done, "w", encoding="utf-8") as f:
+                    f.write(common.git_commit() or "")  # the code it trained with
+            with open(done, encoding="utf-8") as f:
+                commit = f.read().strip() or None
             result = os.path.join(workdir, "eval", "perplexity.json")
             if not os.path.exists(result):
                 evaluate = [python, "eval.py", f"--workdir={workdir}"]
@@ -93,7 +124,8 @@ def main() -> int:
                 {
                     "tokenizer": tokenizer,
                     "corpus": name,
-                    "files": pattern,
+                    "files": _files(pattern),
+                    "commit": commit,
                     "train": _metrics(workdir),
                     "train_len": train_len,
                     "source": perplexity["source"],
@@ -104,23 +136,19 @@ def main() -> int:
                     "bpb_8x_over_1x_bca": bca[8 * train_len] / bca[train_len],
                 }
             )
-    name, pattern = corpora[-1]
-    workdir = os.path.abspath(os.path.join(args.out, f"sentencepiece_{name}"))
-    sample_path = workdir + ".generate.txt"
-    if not os.path.exists(sample_path):
-        generate = [python, "eval.py", f"--workdir={workdir}", "--generate"]
-        generate += [f"--prompt={args.prompt}", "--max_new_tokens=600", "--temperature=0.8"]
-        generate += ["--top_k=40", "--seed=0"]
-        with open(sample_path, "w", encoding="utf-8") as f:
-            subprocess.run(generate, cwd=ROOT, stdout=f, stderr=subprocess.DEVNULL, check=True)
-    with open(sample_path, encoding="utf-8") as f:
-        sample = f.read()
+    sentencepiece = lambda name: os.path.abspath(os.path.join(args.out, f"sentencepiece_{name}"))
+    samples = [_generate(python, sentencepiece(corpora[-1][0]), args.prompt)]
+    if args.prompt_smallest is not None:
+        samples.append(_generate(python, sentencepiece(corpora[0][0]), args.prompt_smallest))
     if args.json:
         summary = {
             "command": " ".join(sys.argv),
             "python": platform.python_version(),
+            # Perplexities and texts, not timings: the load does not change them.
+            "machine": common.machine(),
+            "heldout": _files(args.heldout),
             "runs": runs,
-            "generated": {"run": f"sentencepiece_{name}", "prompt": args.prompt, "text": sample},
+            "samples": samples,
         }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, ensure_ascii=False)
