@@ -41,6 +41,8 @@ def _pipeline_rate(source, tokenizer, config, batches: int):
             batch_size=config.batch_size,
             seed=seed[0],
             tokenizer=tokenizer,
+            shuffle_rows=config.data.shuffle_rows,  # as train.py's, and recorded
+            open_documents=config.data.open_documents,
         )
         seconds = common.timed(lambda: [next(iterator) for _ in range(batches)])
         return batches * config.batch_size * config.train_len / seconds
@@ -92,10 +94,10 @@ def run(args) -> dict:
             "pipeline_batches_per_round": args.batches,
             "train_steps_per_round": args.steps,
             "worker_count": 0,
-            # The data order measured (lexjax.data.pipeline), with its defaults:
+            # The data order measured (lexjax.data.pipeline's stream, the config's settings):
             "stream": pipeline.STREAM_VERSION,
-            "open_documents": pipeline.OPEN_DOCUMENTS,
-            "shuffle_rows": pipeline.SHUFFLE_ROWS,
+            "open_documents": config.data.open_documents,
+            "shuffle_rows": config.data.shuffle_rows,
         },
         machine=common.machine(),
         note=args.note,

@@ -79,6 +79,7 @@ def invoker(monkeypatch):
             loaded[name] = _load(name)
             invoke.own_flags[name] = set(FLAGS) - known
         if name == STUDY:  # its --out, removed below with the flags defined per run
+            monkeypatch.chdir(ROOT)  # its documented command's relative --config, as there
             monkeypatch.setattr(loaded[name], "_OUT", None)
             monkeypatch.setattr(loaded[name], "_train_stage", _raise_reached)
         defined = set(FLAGS)
