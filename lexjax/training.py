@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
-from lexjax import distributed, metrics, passkey, signals
+from lexjax import distributed, errors, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import positions as pos_lib
 from lexjax import sharding as shard_lib
@@ -584,6 +584,17 @@ def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
     return [] if bool(jnp.allclose(*rates, rtol=1e-6, atol=0.0)) else changed
 
 
+class _Position:
+    """A data iterator's position before the batch that failed, saved as
+    :meth:`Checkpointer.save` saves an iterator (``get_state``, ``stream_settings``)."""
+
+    def __init__(self, state, stream_settings):
+        self.state, self.stream_settings = state, stream_settings
+
+    def get_state(self):
+        return self.state
+
+
 class _Loop:
     """One invocation of the step loop, with its metrics, progress and saves."""
 
@@ -593,6 +604,9 @@ class _Loop:
         self.setup, self.checkpointer, self.data_iter = setup, checkpointer, data_iter
         self.data_stream: Callable[[], Any] | None = None  # makes a new data_iter
         self.replaced_data_iter = False  # then data_iter is ours to close, not the caller's
+        # data_iter's position before the batch being read, with one process (a save
+        # is collective: with several, one whose data fails cannot save alone)
+        self.position, self.one_process = None, jax.process_count() == 1
         self.tokenizer, self.workdir, self.lease = tokenizer, workdir, lease
         self.say = say
         self.writer = metrics.MetricsWriter(workdir, jax.process_index() == 0)
@@ -619,7 +633,10 @@ class _Loop:
         with jax.set_mesh(setup.mesh):
             try:
                 while step < total and not self._stop_requested(stop, step):
-                    batch = self._next_batch(stop)
+                    try:
+                        batch = self._next_batch(stop)
+                    except errors.DataError as e:  # a damaged record, read only now
+                        raise self._save_before(e, step, state, saved_step) from e
                     state, step_metrics = setup.train_step(state, setup.global_batch(batch))
                     step += 1
                     if step == self.summary["start_step"] + 1:  # compiled and ran: not timed
@@ -683,6 +700,24 @@ class _Loop:
             return True
         return False
 
+    def _save_before(self, error, step: int, state, saved_step) -> errors.DataError:
+        """``error``, once the steps trained since the last save are saved with the
+        data position before the batch that failed (the run resumes there once the
+        data is mended): saying where. With several processes a save is collective,
+        and only this one failed: it stops as before, the others then stop too."""
+        if saved_step != step:
+            if self.position is None or step == self.summary["start_step"]:
+                return error  # nothing trained here (or several processes)
+            if self.pending:
+                self._flush()  # a non-finite step raises, and is not saved
+            settings = getattr(self.data_iter, "stream_settings", None)
+            self._save(step, state, _Position(self.position, settings))
+            self.checkpointer.wait()
+        return errors.DataError(
+            f"{error}; the steps before it are saved: checkpoint step {step} in "
+            f"{self.checkpointer.directory}, where the run resumes"
+        )
+
     def _next_batch(self, stop: _StopFlag) -> dict:
         """The next batch.
 
@@ -694,6 +729,8 @@ class _Loop:
         iterator is replaced, once, by a new one at the position reached, with
         new workers, and the run stops and saves where it would have.
         """
+        if self.one_process:  # kept for a save should the next batch fail
+            self.position = self.data_iter.get_state()
         try:
             return next(self.data_iter)
         except Exception:
@@ -765,12 +802,12 @@ class _Loop:
         self.summary["val_loss"] = float(nll / max(weight, 1.0))
         self.writer.write(step, {"val_loss": self.summary["val_loss"]})
 
-    def _save(self, step: int, state) -> int:
+    def _save(self, step: int, state, data_iter=None) -> int:
         lease_lib.check_held(self.lease, self.workdir)  # never write over another job
         self.checkpointer.save(
             step,
             state,
-            data_iter=self.data_iter,
+            data_iter=data_iter or self.data_iter,
             config=to_dict(self.setup.config),
             tokenizer=self.tokenizer.to_json(),
         )
