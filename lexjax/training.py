@@ -605,7 +605,8 @@ class _Loop:
         self.data_stream: Callable[[], Any] | None = None  # makes a new data_iter
         self.replaced_data_iter = False  # then data_iter is ours to close, not the caller's
         # data_iter's position before the batch being read, with one process (a save
-        # is collective: with several, one whose data fails cannot save alone)
+        # is collective: with several, one that fails alone, as with a per-host copy
+        # of the build, cannot save, so none does)
         self.position, self.one_process = None, jax.process_count() == 1
         self.tokenizer, self.workdir, self.lease = tokenizer, workdir, lease
         self.say = say
@@ -703,19 +704,22 @@ class _Loop:
     def _save_before(self, error, step: int, state, saved_step) -> errors.DataError:
         """``error``, once the steps trained since the last save are saved with the
         data position before the batch that failed (the run resumes there once the
-        data is mended): saying where. With several processes a save is collective,
-        and only this one failed: it stops as before, the others then stop too."""
+        data is mended), saying where. Not with several processes (a save is
+        collective, and the others may not have failed): they stop as before."""
         if saved_step != step:
             if self.position is None or step == self.summary["start_step"]:
                 return error  # nothing trained here (or several processes)
             if self.pending:
                 self._flush()  # a non-finite step raises, and is not saved
             settings = getattr(self.data_iter, "stream_settings", None)
-            self._save(step, state, _Position(self.position, settings))
-            self.checkpointer.wait()
+            try:
+                self._save(step, state, _Position(self.position, settings))
+                self.checkpointer.wait()
+            except CheckpointError as e:  # the data's error first: it is why the run stopped
+                return errors.DataError(f"{error}; saving the steps trained before failed: {e}")
         return errors.DataError(
-            f"{error}; the steps before it are saved: checkpoint step {step} in "
-            f"{self.checkpointer.directory}, where the run resumes"
+            f"{error}; the steps trained before the damaged record was read are saved "
+            f"(checkpoint step {step} in {self.checkpointer.directory}), and the run resumes there"
         )
 
     def _next_batch(self, stop: _StopFlag) -> dict:
