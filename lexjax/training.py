@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import data as data_lib
-from lexjax import distributed, metrics, passkey, signals
+from lexjax import distributed, errors, metrics, passkey, signals
 from lexjax import lease as lease_lib
 from lexjax import positions as pos_lib
 from lexjax import sharding as shard_lib
@@ -584,6 +584,17 @@ def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
     return [] if bool(jnp.allclose(*rates, rtol=1e-6, atol=0.0)) else changed
 
 
+class _Position:
+    """A data iterator's position before the batch that failed, saved as
+    :meth:`Checkpointer.save` saves an iterator (``get_state``, ``stream_settings``)."""
+
+    def __init__(self, state, stream_settings):
+        self.state, self.stream_settings = state, stream_settings
+
+    def get_state(self):
+        return self.state
+
+
 class _Loop:
     """One invocation of the step loop, with its metrics, progress and saves."""
 
@@ -593,6 +604,10 @@ class _Loop:
         self.setup, self.checkpointer, self.data_iter = setup, checkpointer, data_iter
         self.data_stream: Callable[[], Any] | None = None  # makes a new data_iter
         self.replaced_data_iter = False  # then data_iter is ours to close, not the caller's
+        # data_iter's position before the batch being read, with one process (a save
+        # is collective: with several, one that fails alone, as with a per-host copy
+        # of the build, cannot save, so none does)
+        self.position, self.one_process = None, jax.process_count() == 1
         self.tokenizer, self.workdir, self.lease = tokenizer, workdir, lease
         self.say = say
         self.writer = metrics.MetricsWriter(workdir, jax.process_index() == 0)
@@ -619,7 +634,10 @@ class _Loop:
         with jax.set_mesh(setup.mesh):
             try:
                 while step < total and not self._stop_requested(stop, step):
-                    batch = self._next_batch(stop)
+                    try:
+                        batch = self._next_batch(stop)
+                    except errors.DataError as e:  # a damaged record, read only now
+                        raise self._save_before(e, step, state, saved_step) from e
                     state, step_metrics = setup.train_step(state, setup.global_batch(batch))
                     step += 1
                     if step == self.summary["start_step"] + 1:  # compiled and ran: not timed
@@ -683,6 +701,27 @@ class _Loop:
             return True
         return False
 
+    def _save_before(self, error, step: int, state, saved_step) -> errors.DataError:
+        """``error``, once the steps trained since the last save are saved with the
+        data position before the batch that failed (the run resumes there once the
+        data is mended), saying where. Not with several processes (a save is
+        collective, and the others may not have failed): they stop as before."""
+        if saved_step != step:
+            if self.position is None or step == self.summary["start_step"]:
+                return error  # nothing trained here (or several processes)
+            if self.pending:
+                self._flush()  # a non-finite step raises, and is not saved
+            settings = getattr(self.data_iter, "stream_settings", None)
+            try:
+                self._save(step, state, _Position(self.position, settings))
+                self.checkpointer.wait()
+            except CheckpointError as e:  # the data's error first: it is why the run stopped
+                return errors.DataError(f"{error}; saving the steps trained before failed: {e}")
+        return errors.DataError(
+            f"{error}; the steps trained before the damaged record was read are saved "
+            f"(checkpoint step {step} in {self.checkpointer.directory}), and the run resumes there"
+        )
+
     def _next_batch(self, stop: _StopFlag) -> dict:
         """The next batch.
 
@@ -694,6 +733,8 @@ class _Loop:
         iterator is replaced, once, by a new one at the position reached, with
         new workers, and the run stops and saves where it would have.
         """
+        if self.one_process:  # kept for a save should the next batch fail
+            self.position = self.data_iter.get_state()
         try:
             return next(self.data_iter)
         except Exception:
@@ -765,12 +806,12 @@ class _Loop:
         self.summary["val_loss"] = float(nll / max(weight, 1.0))
         self.writer.write(step, {"val_loss": self.summary["val_loss"]})
 
-    def _save(self, step: int, state) -> int:
+    def _save(self, step: int, state, data_iter=None) -> int:
         lease_lib.check_held(self.lease, self.workdir)  # never write over another job
         self.checkpointer.save(
             step,
             state,
-            data_iter=self.data_iter,
+            data_iter=data_iter or self.data_iter,
             config=to_dict(self.setup.config),
             tokenizer=self.tokenizer.to_json(),
         )

@@ -1174,6 +1174,46 @@ def test_a_damaged_corpus_build_is_one_line(ctx, sentencepiece_build, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_record_damaged_mid_run_saves_the_steps_before_it_and_the_run_resumes(ctx, tmp_path):
+    """A flipped byte in a record first read mid-run (a window of 64 rows reads the
+    build as it goes), here in a grain worker process and between two log steps: exit
+    3, one line naming the build and the checkpoint of the steps trained, saved with
+    the data position before the batch that failed (they were lost back to the last
+    save). Once the build is deleted, the same command builds it again and resumes
+    there: its losses equal an undamaged run's."""
+    data_dir, steps = tmp_path / "tfds", 60
+    data.prepare("textfiles", data_dir, ctx[1])
+    [records] = data_dir.glob("textfiles/*/*/textfiles-train.array_record-00000-of-00001")
+    _flip_byte(records, offset=9000)  # ~1/3 into this corpus's records
+    workdir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    flags = dict(num_train_steps=steps, checkpoint_every=1000, log_every=7)
+    flags["data.worker_count"] = 1
+    argv = P.train_args(workdir, ctx[1], data_dir, **flags)
+    result = P.run(argv, ctx[3])
+    line = one_error_line(result)
+    assert result.returncode == 3, line
+    trained = P.last_step(workdir)  # the steps not yet logged were, before the save
+    assert 0 < trained < steps and trained % 7, line  # mid-run, between log steps
+    build = records.parent
+    assert line.startswith(f"error: the corpus build {build} is damaged; delete it and run"), line
+    said = "; the steps trained before the damaged record was read are saved (checkpoint step "
+    assert line.endswith(f"{said}{trained} in {ckpts}), and the run resumes there"), line
+    assert P.complete_steps(workdir) == [trained]
+
+    shutil.rmtree(build)
+    again = P.run(argv, ctx[3])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpts} at step {trained}" in again.stdout, again.stdout
+    reference = tmp_path / "reference"
+    done = P.run(P.train_args(reference, ctx[1], ctx[2], **flags), ctx[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, uninterrupted = dict(P.losses(workdir)), dict(P.losses(reference))
+    # Both log every 7th step and the last; the resumed run also the step it saved.
+    assert set(resumed) == set(uninterrupted) | {trained}
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), step
+
+
 def test_glob_matching_nothing(ctx):
     files = str(ctx[0] / "nowhere" / "*.txt")
     result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])
