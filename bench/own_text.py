@@ -98,10 +98,13 @@ def main() -> int:
         parser.error("--corpus takes NAME:GLOB")
     os.makedirs(args.out, exist_ok=True)
     python = sys.executable
+    workdir_of = lambda tokenizer, name: os.path.abspath(
+        os.path.join(args.out, f"{tokenizer}_{name}")
+    )
     runs = []
     for tokenizer, flags in TOKENIZERS.items():
         for name, pattern in corpora:
-            workdir = os.path.abspath(os.path.join(args.out, f"{tokenizer}_{name}"))
+            workdir = workdir_of(tokenizer, name)
             train = [python, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}"]
             train += ["--config.data.name=textfiles", f"--config.data.files={pattern}", *flags]
             done = os.path.join(workdir, "train.done")
@@ -136,10 +139,10 @@ def main() -> int:
                     "bpb_8x_over_1x_bca": bca[8 * train_len] / bca[train_len],
                 }
             )
-    sentencepiece = lambda name: os.path.abspath(os.path.join(args.out, f"sentencepiece_{name}"))
-    samples = [_generate(python, sentencepiece(corpora[-1][0]), args.prompt)]
+    samples = [_generate(python, workdir_of("sentencepiece", corpora[-1][0]), args.prompt)]
     if args.prompt_smallest is not None:
-        samples.append(_generate(python, sentencepiece(corpora[0][0]), args.prompt_smallest))
+        smallest = workdir_of("sentencepiece", corpora[0][0])
+        samples.append(_generate(python, smallest, args.prompt_smallest))
     if args.json:
         summary = {
             "command": " ".join(sys.argv),
