@@ -150,6 +150,25 @@ def test_python_stdlib_builds_once_and_reuses(tmp_path):
     assert "tensorflow" not in sys.modules
 
 
+def test_python_stdlib_leaves_out_a_link_to_nothing(tmp_path, monkeypatch):
+    """A stdlib file that links to nothing (Debian's sitecustomize.py, whose /etc
+    target a slimmed image removed) is left out, as a files= glob leaves it out: it
+    was a FileNotFoundError traceback from the README's first command."""
+    stdlib = tmp_path / "lib"
+    (stdlib / "email").mkdir(parents=True)
+    (stdlib / "abc.py").write_text("x = 1\n")
+    (stdlib / "email" / "utils.py").write_text("y = 2\n")
+    (stdlib / "sitecustomize.py").symlink_to(tmp_path / "etc" / "sitecustomize.py")
+    (stdlib / "linked.py").symlink_to(stdlib / "abc.py")  # a link to a file stays
+    monkeypatch.setattr(builders.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    root, relpaths = builders.stdlib_files()
+    assert root == str(stdlib) and relpaths == ["abc.py", "email/utils.py", "linked.py"]
+    for i in range(20):  # enough files to plan the three splits
+        (stdlib / f"m{i:02d}.py").write_text(f"value_{i} = {i}\n" * 40)
+    planned = data.plan_corpus("python_stdlib").pieces.values()
+    assert "m00.py" in {p.relpath for pieces in planned for p in pieces}
+
+
 def test_one_build_per_corpus_and_a_changed_file_gets_a_new_one(tmp_path):
     root, other, data_dir = tmp_path / "corpus", tmp_path / "other", tmp_path / "tfds"
     names = _write_corpus(str(root), 5)

@@ -139,14 +139,17 @@ def stdlib_files(max_files: int | None = None) -> tuple[str, list[str]]:
     """Returns (stdlib root, sorted relative posix paths of its .py files).
 
     `max_files` keeps the first files in sorted order (for small test corpora).
+    A link to nothing is left out, as a files= glob leaves it out (Debian's
+    ``sitecustomize.py`` links to /etc, which a slimmed image may have removed).
     """
     root = sysconfig.get_paths()["stdlib"]
     relpaths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
         for filename in filenames:
-            if filename.endswith(".py"):
-                relpaths.append(_relative(os.path.join(dirpath, filename), root))
+            path = os.path.join(dirpath, filename)
+            if filename.endswith(".py") and os.path.isfile(path):
+                relpaths.append(_relative(path, root))
     relpaths.sort()
     return root, relpaths[:max_files] if max_files is not None else relpaths
 
