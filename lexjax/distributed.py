@@ -331,10 +331,41 @@ def join(options: ClusterOptions = ClusterOptions()) -> str | None:
     # lexjax's programs agree on their stops themselves: Python's handler back.
     with contextlib.suppress(ValueError):  # (not the main thread: leave it)
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+    _no_cache_on_cpu_processes()
     # One collective while every process is here: CPU (gloo) contexts are set up on
     # first use and give up after 30 s if a peer is late, e.g. still building data.
     any_process(False)
     return how or "jax auto-detection"
+
+
+# The first JAX release seen to hang below (jax 0.10.2 and 0.12.0.1 do not).
+CACHE_HANGS_FROM = (0, 12, 1)
+
+
+def _no_cache_on_cpu_processes() -> None:
+    """Turns JAX's persistent compilation cache off for a joined run on CPUs under
+    jax ≥ :data:`CACHE_HANGS_FROM`, saying so on process 0. Only process 0 writes
+    the cache and the others' keys differ, so process 0 alone runs an entry that
+    another program compiled (eval.py after train.py, a resume after an evaluation,
+    with one ``JAX_COMPILATION_CACHE_DIR``) while its peers compile their own: under
+    jax 0.12.1 the first collective of such a pair waits forever. Call before the
+    first compilation."""
+    if jax.__version_info__ < CACHE_HANGS_FROM or not jax.config.jax_compilation_cache_dir:
+        return
+    if not jax.config.jax_enable_compilation_cache or jax.process_count() == 1:
+        return
+    if jax.default_backend() != "cpu":
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    if jax.process_index() == 0:
+        print(
+            f"note: JAX's persistent compilation cache is off for this run: on CPUs "
+            f"with several processes, jax {jax.__version__} hangs when process 0 "
+            "reads an entry another program wrote (JAX_COMPILATION_CACHE_DIR="
+            f"{jax.config.jax_compilation_cache_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def check_same_settings(settings: Mapping[str, Any], started: str) -> None:

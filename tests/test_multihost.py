@@ -603,3 +603,40 @@ def test_a_sigterm_after_joining_takes_pythons_action_not_jaxlibs():
     )
     assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
     assert "survived" not in done.stdout
+
+
+def test_a_cpu_run_of_several_processes_turns_the_compilation_cache_off_where_it_hangs(
+    monkeypatch, capsys, tmp_path
+):
+    """Under jax 0.12.1, process 0 of a joined CPU run reading a cache entry another
+    program wrote (its peers never find theirs) waits forever in the first collective:
+    this module's runs hung there with their shared JAX_COMPILATION_CACHE_DIR (eval.py
+    after train.py). Joining turns the cache off there, process 0 saying so in one
+    line; under jax 0.12.0.1 and older, or with no cache, nothing changes."""
+    from lexjax import distributed
+
+    settings = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {name: getattr(jax.config, name) for name in settings}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    try:
+        for directory, version, index, off in (
+            (tmp_path, (0, 12, 0, 1), 0, False),
+            (None, (0, 12, 1), 0, False),
+            (tmp_path, (0, 12, 1), 0, True),
+            (tmp_path, (0, 13, 0), 1, True),
+        ):
+            jax.config.update("jax_compilation_cache_dir", directory and str(directory))
+            jax.config.update("jax_enable_compilation_cache", True)
+            monkeypatch.setattr(jax, "__version_info__", version)
+            monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+            distributed._no_cache_on_cpu_processes()
+            assert jax.config.jax_enable_compilation_cache is not off, (directory, version)
+            err = capsys.readouterr().err
+            if off and index == 0:
+                assert err.startswith("note: JAX's persistent compilation cache is off")
+                assert err.count("\n") == 1 and str(tmp_path) in err
+            else:
+                assert err == ""
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
