@@ -359,10 +359,10 @@ def _no_cache_on_cpu_processes() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
     if jax.process_index() == 0:
         print(
-            f"note: JAX's persistent compilation cache is off for this run: on CPUs "
-            f"with several processes, jax {jax.__version__} hangs when process 0 "
-            "reads an entry another program wrote (JAX_COMPILATION_CACHE_DIR="
-            f"{jax.config.jax_compilation_cache_dir})",
+            "note: JAX's persistent compilation cache is off for this run: on CPUs with "
+            "several processes, jax 0.12.1 and newer (this is "
+            f"{jax.__version__}) can hang when process 0 reads an entry another program "
+            f"wrote (JAX_COMPILATION_CACHE_DIR={jax.config.jax_compilation_cache_dir})",
             file=sys.stderr,
             flush=True,
         )
