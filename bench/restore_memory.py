@@ -131,7 +131,7 @@ def _child(kind: str, workdir: str) -> dict:
         handler = ocp.PyTreeCheckpointHandler()
         path = epath.Path(directory) / str(step) / "state"
         tree = handler.metadata(path).tree
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.make_single_device_sharding(jax.devices()[0])
         args = jax.tree.map(
             lambda m: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=m.shape, dtype=m.dtype),
             tree,

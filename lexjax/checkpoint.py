@@ -1244,7 +1244,7 @@ def _restore_params(
     checkpointer._check_shapes(step, in_params, wanted)
     algorithm = _algorithm(integrity)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.make_single_device_sharding(jax.devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.tree.map(lambda _: sharding, abstract)
     # Restore in the saved dtype so the checksum applies, then cast.
