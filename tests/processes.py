@@ -66,13 +66,20 @@ def train_args(workdir, files, data_dir, **overrides) -> list[str]:
     return [flag.replace("---", "--") for flag in flags]
 
 
+def xla_flags(devices: int = 1) -> str:
+    """A child's XLA_FLAGS: ``devices`` simulated CPU devices, and XLA:CPU's backend
+    optimization level 0 as in this process (tests/conftest.py): a child's programs
+    compile faster and run the same computation (the tests check meaning)."""
+    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+
+
 def env(devices: int, cache_dir) -> dict[str, str]:
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
         "PYTHONUNBUFFERED": "1",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

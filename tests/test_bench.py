@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _run(args, tmp_path, **environ):
     env = {
-        **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device
+        **os.environ,
+        "XLA_FLAGS": P.xla_flags(),  # one CPU device
         **environ,
     }
     return subprocess.run(
@@ -227,7 +228,7 @@ def test_ctrl_c_keeps_an_earlier_json_and_the_finished_benchmarks(tmp_path):
     proc = subprocess.Popen(  # Ctrl-C's default action, also where the suite has it ignored
         P.interruptible([sys.executable, "bench/run.py", *args, "--json", str(out)]),
         cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        env=dict(os.environ, XLA_FLAGS=P.xla_flags()),
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -28,8 +28,8 @@ COMMAND = [
 
 def _on_cpu(args, timeout=120, home=None):
     """``args`` run from the repository on one CPU device (the study's own setting)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **({"HOME": str(home)} if home else {}))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=P.xla_flags())
+    env.update({"HOME": str(home)} if home else {})
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -373,7 +373,7 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
         done = subprocess.run(
             [*COMMAND, f"--out={out}"],
             cwd=ROOT,
-            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+            env=dict(os.environ, XLA_FLAGS=P.xla_flags()),
             capture_output=True,
             text=True,
             timeout=300,
@@ -593,8 +593,7 @@ def test_a_signal_while_the_study_imports_jax_stops_it_at_its_start(tmp_path, na
     """Before the study had handlers (importing JAX) a SIGTERM ended it by the default
     action (status 143, nothing said, where train.py exits 0) and a Ctrl-C was a
     KeyboardInterrupt traceback from inside an import."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=P.xla_flags())
     out = tmp_path / "out"
     proc = subprocess.Popen(  # Ctrl-C's default action, also where the suite has it ignored
         P.interruptible([*COMMAND, f"--out={out}"]),
@@ -653,8 +652,7 @@ def test_a_signal_outside_training_stops_the_study(tmp_path, name):
     said, the invocation not in timing.json); a Ctrl-C that landed in a callback was
     lost (1 in 6: the study ran to its end). SIGHUP (an ssh session that dropped)
     still ended it by the default handler (129)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=P.xla_flags())
     out = tmp_path / "out"
     done = subprocess.run(  # Ctrl-C's default action, also where the suite has it ignored
         P.interruptible([sys.executable, "-c", _SIGNALLED, name, str(out)]),

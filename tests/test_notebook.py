@@ -8,6 +8,8 @@ import jupytext
 import nbformat
 import pytest
 
+from tests import processes as P
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
@@ -31,7 +33,7 @@ def test_pair_agrees_and_outputs_are_stripped():
 
 
 def test_notebook_runs_at_smoke_size_from_another_directory(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: faster
+    env = dict(os.environ, XLA_FLAGS=P.xla_flags())  # one CPU device: faster
     notebook, _ = _executor().execute(
         smoke=True, cwd=str(tmp_path), env=env
     )  # raises on a failing cell
