@@ -70,6 +70,7 @@ import numpy as np
 
 from lexjax import checkpoint, reports
 from lexjax import data as data_lib
+from lexjax import lease as lease_lib
 from lexjax import positions as pos_lib
 from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
@@ -1268,6 +1269,12 @@ def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | N
         return shard_lib.model_param_shardings(config, meshes[-1])
 
     loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
+    if (holder := lease_lib.live_holder(workdir)) is not None:
+        _stderr(
+            f"note: {workdir} is still being trained by {holder}: this reads step "
+            f"{loaded.step} of {loaded.config.num_train_steps}, its newest complete "
+            "checkpoint, and no later one"
+        )
     here = _runnable_here(loaded.config)
     if here != loaded.config:
         _stderr(

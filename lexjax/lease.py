@@ -28,7 +28,8 @@ renewed after it was judged stale; the file is replaced atomically and is never
 absent while held. (On a filesystem without ``flock`` the steps run unlocked.)
 
 Readers (``eval.py``, :func:`lexjax.checkpoint.load_params`) take no lease:
-they only read complete, verified steps.
+they only read complete, verified steps; ``eval.py`` and :func:`lexjax.api.load`
+say when a live job still trains the run they read (:func:`live_holder`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,15 @@ import jax
 from lexjax import distributed
 from lexjax.errors import CheckpointError, arg, refused_by
 
-__all__ = ["WorkdirLease", "LEASE_FILE", "DEFAULT_TIMEOUT_S", "hold", "check_held", "try_flock"]
+__all__ = [
+    "WorkdirLease",
+    "LEASE_FILE",
+    "DEFAULT_TIMEOUT_S",
+    "hold",
+    "check_held",
+    "live_holder",
+    "try_flock",
+]
 
 LEASE_FILE = "lease.json"
 # A job's heartbeat timeout unless given (train.py's --lease_timeout_s): another job
@@ -545,6 +554,18 @@ def hold(workdir: str, *, timeout_s: float, log=print) -> Iterator[WorkdirLease 
     finally:
         if lease is not None:
             lease.release()
+
+
+def live_holder(workdir: str) -> str | None:
+    """The training job that holds ``workdir``'s lease and may be alive, described as
+    a refused job names it ("host … pid … (started …)"); None where there is no lease
+    or its holder is gone. A reader's look: nothing is written, taken or waited for
+    (a holder in another PID namespace counts as alive while its heartbeat is fresh)."""
+    probe = WorkdirLease(workdir)
+    record = probe._read()
+    if record is None or probe._stale_reason(record) is not None:
+        return None
+    return _describe(record) or "a job whose lease file is being written"
 
 
 def check_held(lease: WorkdirLease | None, workdir: str) -> None:

@@ -22,8 +22,8 @@ import pytest
 
 from lexjax import checkpoint as ckpt_lib
 from lexjax import config as cfg
+from lexjax import evaluation, training
 from lexjax import lease as lease_lib
-from lexjax import training
 from lexjax.errors import CheckpointError, DataError
 from tests import processes as P
 
@@ -506,7 +506,7 @@ def args(ctx, workdir, **overrides):
     return P.train_args(workdir, files, data_dir, **overrides)
 
 
-def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
+def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx, capsys):
     workdir = ctx[0] / "shared"
     overrides = {"checkpoint_every": 4, "keep_checkpoints": 100}
     # The first job is killed long before its last step: it must still be running (and
@@ -534,10 +534,23 @@ def test_one_writer_while_readers_read_and_a_killed_holder_is_taken_over(ctx):
         reads.append(step)
     assert reads and first.poll() is None, "the run ended before the readers read"
     assert lease_record(workdir)["pid"] == first.pid
+    # What eval.py and api.load read while the job trains, they say they read (eval.py
+    # used to give a mid-run step's numbers as the run's).
+    capsys.readouterr()
+    loaded, _ = evaluation.load_on_mesh(str(workdir))
+    assert first.poll() is None, "the run ended while the reader read"
+    started = lease_record(workdir)["started"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: {workdir} is still being trained by host {HOST} pid {first.pid} (started "
+        f"{started}): this reads step {loaded.step} of 100000, its newest complete "
+        "checkpoint, and no later one"
+    ]
 
     code, out, err = P.kill(first)  # leaves its lease behind
     assert code == -signal.SIGKILL
     assert lease_record(workdir)["pid"] == first.pid
+    evaluation.load_on_mesh(str(workdir))  # a lease its holder left behind: nothing said
+    assert capsys.readouterr().err == ""
     logged = [s for s, _ in P.losses(workdir)]
     assert logged == list(range(1, len(logged) + 1)), "the refused job wrote metrics"
     assert not (workdir / "checkpoints" / "superseded").exists()  # nothing saved over
