@@ -28,6 +28,7 @@ from lexjax.errors import CheckpointError, ConfigError, arg, nearest_existing
 
 __all__ = [
     "MODE_NAMES",
+    "REPORT_FORMAT",
     "perplexity_table",
     "perplexity_json",
     "plot_perplexity",
@@ -45,6 +46,11 @@ __all__ = [
     "write_all",
     "variant_label",
 ]
+
+# The "format" every report JSON starts with (eval.py's perplexity, resolution and passkey
+# files, the study's results.json): it grows when a field changes meaning or goes away,
+# not when one is added. Files written before it was recorded have none (they read as 1).
+REPORT_FORMAT = 1
 
 # The display name of each evaluation mode (lexjax.evaluation.MODES), in table order.
 MODE_NAMES = {"bca": "with BCA", "full": "without BCA", "sinks": "with sinks + window"}
@@ -102,14 +108,14 @@ def perplexity_table(
 
 
 def perplexity_json(results: Sequence, *, train_len: int, **extra) -> dict:
-    """``{"train_len", ..., "results": [{"mode", "length", "perplexity", "tokens",
+    """``{"format", "train_len", ..., "results": [{"mode", "length", "perplexity", "tokens",
     "documents", "max_length", ...}]}``.
 
     ``seconds`` (and ``tokens_per_second``) are wall time including each
     shape's compilation; ``bench/eval_throughput.py`` measures steady speed.
     """
     rows = [dict(r.as_dict(), tokens_per_second=r.tokens / max(r.seconds, 1e-9)) for r in results]
-    return {"train_len": train_len, **extra, "results": rows}
+    return {"format": REPORT_FORMAT, "train_len": train_len, **extra, "results": rows}
 
 
 def _tmp(path: str) -> str:
@@ -357,6 +363,7 @@ def resolution_table(results: Sequence, position: str) -> str:
 
 def resolution_json(results: Sequence, *, train_len: int, **extra) -> dict:
     return {
+        "format": REPORT_FORMAT,
         "train_len": train_len,
         **extra,
         "results": [
@@ -432,8 +439,10 @@ def passkey_table(results: Sequence, position: str, skipped: Sequence[dict] = ()
 
 
 def passkey_json(results: Sequence, *, train_len: int, **extra) -> dict:
-    """``{"train_len", ..., "results": [{"mode", "length", "depth", "accuracy", "trials"}]}``."""
-    return {"train_len": train_len, **extra, "results": [r.as_dict() for r in results]}
+    """``{"format", "train_len", ..., "results": [{"mode", "length", "depth", "accuracy",
+    "trials", ...}]}``."""
+    results = [r.as_dict() for r in results]
+    return {"format": REPORT_FORMAT, "train_len": train_len, **extra, "results": results}
 
 
 @_one_figure_at_a_time
@@ -1161,7 +1170,7 @@ def write_all(out, c) -> None:
     }
     for name, (title, body) in tables.items():
         write_text(os.path.join(out, name), f"## {title}\n\n{body}\n")
-    write_json(os.path.join(out, "results.json"), c)
+    write_json(os.path.join(out, "results.json"), {"format": REPORT_FORMAT, **c})
     _plot_variants(c, os.path.join(out, "perplexity.png"))
     _plot_scalings(c, os.path.join(out, "scalings.png"))
     plot_passkey_grid(c, os.path.join(out, "passkey.png"))

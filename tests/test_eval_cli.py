@@ -83,6 +83,8 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     with open(os.path.join(eval_dir, "perplexity.json")) as f:
         summary = json.load(f)
     assert summary["train_len"] == 32 and summary["max_length"] == 128
+    assert summary["format"] == 1  # REPORT_FORMAT, first in the file
+    assert next(iter(summary)) == "format"
     rows = summary["results"]
     assert {(r["mode"], r["length"]) for r in rows} == {
         (m, n) for m in ("bca", "full") for n in (32, 64, 128)
@@ -93,6 +95,7 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
         assert r["tokens"] == 3 * 128 and r["documents"] == 3 and r["max_length"] == 128
     with open(os.path.join(eval_dir, "resolution.json")) as f:
         resolution = json.load(f)
+    assert resolution["format"] == 1
     assert {(r["mode"], r["length"]) for r in resolution["results"]} == {
         (m, n) for m in ("bca", "full") for n in (32, 64)
     }
@@ -411,7 +414,7 @@ def test_eval_passkey_writes_the_json_heat_maps_and_tables(workdir):
     eval_dir = os.path.join(workdir, "eval")
     with open(os.path.join(eval_dir, "passkey.json")) as f:
         summary = json.load(f)
-    assert summary["train_len"] == 32 and summary["seed"] == 3
+    assert summary["train_len"] == 32 and summary["seed"] == 3 and summary["format"] == 1
     assert [(r["mode"], r["length"], r["depth"], r["trials"]) for r in summary["results"]] == [
         (m, 96, d, 2) for m in ("bca", "full") for d in (0.0, 1.0)
     ]

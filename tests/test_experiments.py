@@ -113,6 +113,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     with open(out / "results.json") as f:
         results = json.load(f)
     assert results["lengths"] == [16, 32] and results["train_len"] == 16
+    assert results["format"] == 1
     assert [r["name"] for r in results["runs"]] == ["rope_s0", "xpos_b8_s0"]
     for run in results["runs"]:
         assert run["steps"] == 2 and run["tokens"] == 2 * 4 * 16
