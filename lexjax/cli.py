@@ -60,13 +60,12 @@ def run_training(
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0 or summary.get("stopped_by") is not None:
         return 0
+    steps, nan = errors.counted(summary["step"], "step"), float("nan")
     if summary["start_step"] == summary["step"]:
-        print(f"already trained {summary['step']} steps; checkpoint: {summary['checkpoint_dir']}")
+        print(f"already trained {steps}; checkpoint: {summary['checkpoint_dir']}")
     else:
-        print(
-            f"trained {summary['step']} steps: loss {summary.get('loss', float('nan')):.4f}, "
-            f"validation loss {summary.get('val_loss', float('nan')):.4f}"
-        )
+        loss, val_loss = summary.get("loss", nan), summary.get("val_loss", nan)
+        print(f"trained {steps}: loss {loss:.4f}, validation loss {val_loss:.4f}")
         print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")
     print(f"next: python eval.py --workdir={shlex.quote(workdir)}")
     return 0

@@ -54,6 +54,7 @@ __all__ = [
     "EvaluationError",
     "DistributedError",
     "one_line",
+    "counted",
     "out_of_memory",
     "arg",
     "naming_flags",
@@ -165,6 +166,11 @@ def out_of_memory(error: BaseException) -> bool:
     if type(error).__name__ != "JaxRuntimeError":  # (jax is not imported here)
         return False
     return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 step"``, ``"2 steps"``: a count and its noun, plural unless one."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def one_line(error: BaseException, *, innermost: bool = False, limit: int = 300) -> str:

@@ -94,7 +94,7 @@ from lexjax.config import (
     check_rope_scaling,
 )
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
-from lexjax.errors import DataError, EvaluationError, LexjaxError, arg, one_line
+from lexjax.errors import DataError, EvaluationError, LexjaxError, arg, counted, one_line
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -781,7 +781,8 @@ def held_out_documents(
                     )
                 return document
 
-            return f"{len(relpaths)} files of {eval_files}", _Documents(len(relpaths), read)
+            where = f"{counted(len(relpaths), 'file')} of {eval_files}"
+            return where, _Documents(len(relpaths), read)
         d = config.data
         # Found from the files first, so a changed corpus is refused before it is built.
         if corpus is not None and (planned := data_lib.planned_build(d)):

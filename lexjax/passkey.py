@@ -52,7 +52,7 @@ from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
-from lexjax.errors import DataError, EvaluationError, arg
+from lexjax.errors import DataError, EvaluationError, arg, counted
 from lexjax.model import Decoder
 from lexjax.progress import Progress
 
@@ -514,7 +514,8 @@ def _text_filler(config, eval_files, max_docs, tokenizer, corpus, say) -> tuple[
     stream = np.concatenate(bodies) if bodies else np.zeros(0, np.int32)
     if not len(stream):
         raise DataError(f"{where} holds no text to fill passkey samples with")
-    return f"{min(len(documents), max_docs)} documents of {where}", stream.astype(np.int32)
+    used = counted(min(len(documents), max_docs), "document")
+    return f"{used} of {where}", stream.astype(np.int32)
 
 
 def evaluate_passkey(

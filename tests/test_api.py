@@ -421,7 +421,7 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
         )
 
     named = lambda: {f for f in os.listdir(os.path.join(workdir, "eval")) if "passkey-step" in f}
-    assert passkey_with_text() == 0 and "filler: 1 documents of" in capfd.readouterr().out
+    assert passkey_with_text() == 0 and "filler: 1 document of" in capfd.readouterr().out
     # That text edited: the same settings, other filler, so a file of another name.
     before = named()
     sorted(docs.glob("*.txt"))[0].write_text("other words in the filler now " * 20)

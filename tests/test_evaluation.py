@@ -385,7 +385,7 @@ def test_eval_files_skip_empty_and_binary_files_as_the_corpus_build_does(tmp_pat
     where, docs = evaluation.held_out_documents(
         small_config(), str(tmp_path / "*.txt"), say=notes.append
     )
-    assert (where, len(docs)) == (f"1 files of {tmp_path}/*.txt", 1)
+    assert (where, len(docs)) == (f"1 file of {tmp_path}/*.txt", 1)
     assert notes == ["note: evaluation files: skipped 1 empty, 1 binary of 3"]
     with pytest.raises(DataError, match="no evaluation text: .* 1 binary .*all skipped"):
         evaluation.held_out_documents(small_config(), str(tmp_path / "b.txt"))

@@ -79,7 +79,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from lexjax.data import tokenizer as tokenizer_lib
-from lexjax.errors import DataError, globs_to_itself, one_line
+from lexjax.errors import DataError, counted, globs_to_itself, one_line
 from lexjax.lease import open_lock, try_flock
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "lexjax", "tensorflow_datasets")
@@ -853,7 +853,7 @@ def prepare(
             skipped = _counts(plan.skipped)
             try:  # the line is ended whatever stops the build (a signal: also in print)
                 print(
-                    f"building dataset {name} ({plan.num_files} files, split {plan.rule}"
+                    f"building dataset {name} ({counted(plan.num_files, 'file')}, split {plan.rule}"
                     f"{'; skipped ' + skipped if skipped else ''}) in {data_dir}...",
                     end="",
                     flush=True,

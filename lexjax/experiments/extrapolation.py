@@ -74,7 +74,7 @@ from lexjax.config import (
     to_dict,
     upgraded,
 )
-from lexjax.errors import CheckpointError, TrainingError, one_line, stdout_failures
+from lexjax.errors import CheckpointError, TrainingError, counted, one_line, stdout_failures
 from lexjax.evaluation import MODES
 from lexjax.model import Decoder
 
@@ -260,12 +260,12 @@ def _train_stage(spec, config, workdir, log) -> dict | None:
     path = os.path.join(workdir, "train.json")
     done = _stage_done(path, config)
     if done is not None:
-        log(f"[{spec.name}] trained already ({done['summary']['step']} steps)")
+        log(f"[{spec.name}] trained already ({counted(done['summary']['step'], 'step')})")
         return done
     started_path = os.path.join(workdir, STARTED)
     earlier = _earlier_training(started_path, config, workdir)
     log(
-        f"[{spec.name}] training {config.num_train_steps} steps of "
+        f"[{spec.name}] training {counted(config.num_train_steps, 'step')} of "
         f"{config.batch_size}×{config.train_len} tokens"
     )
 
@@ -498,7 +498,7 @@ def _eval_stage(spec, config, workdir, plan, log) -> None:
         reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
     for key, mode, scaling in todo:
-        say(f"perplexity {key}: {len(docs)} documents × {plan['max_length']} tokens")
+        say(f"perplexity {key}: {counted(len(docs), 'document')} × {plan['max_length']} tokens")
         start = time.perf_counter()
         scaled = dataclasses.replace(stored_config.model, rope_scaling=scaling, rope_factor=0.0)
         results = evaluation.perplexity(
