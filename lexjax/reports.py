@@ -49,7 +49,7 @@ __all__ = [
 
 # The "format" every report JSON starts with (eval.py's perplexity, resolution and passkey
 # files, the study's results.json): it grows when a field changes meaning or goes away,
-# not when one is added. Files written before it was recorded have none (they read as 1).
+# not when one is added. Files written before it was recorded have none (read them as 1).
 REPORT_FORMAT = 1
 
 # The display name of each evaluation mode (lexjax.evaluation.MODES), in table order.
