@@ -73,6 +73,26 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
     ]
 
 
+def test_a_reader_is_told_of_a_live_holder_only(tmp_path):
+    """live_holder (what eval.py's note names) judges a lease as a newcomer would, and
+    writes nothing: no lease, a gone holder, a silent other host: None."""
+    assert lease_lib.live_holder(tmp_path) is None
+    with lease_lib.WorkdirLease(tmp_path) as lease:  # this process, holding it
+        started = lease_record(tmp_path)["started"]
+        assert (
+            lease_lib.live_holder(tmp_path) == f"host {HOST} pid {os.getpid()} (started {started})"
+        )
+        assert lease_record(tmp_path)["token"] == lease.token
+    write_lease(tmp_path, pid=dead_pid())
+    before = (tmp_path / lease_lib.LEASE_FILE).read_bytes()
+    assert lease_lib.live_holder(tmp_path) is None
+    assert (tmp_path / lease_lib.LEASE_FILE).read_bytes() == before  # nothing taken over
+    write_lease(tmp_path, host="elsewhere", pid=1)  # its heartbeat fresh
+    assert lease_lib.live_holder(tmp_path) == "host elsewhere pid 1 (started then)"
+    write_lease(tmp_path, host="elsewhere", pid=1, heartbeat=time.time() - 600)
+    assert lease_lib.live_holder(tmp_path) is None  # silent beyond its 60 s timeout
+
+
 def killed_holders_lease(workdir) -> dict:
     """The lease.json a holder leaves when it is SIGKILLed: taken by a real WorkdirLease
     in another process that then kills itself."""
