@@ -872,7 +872,7 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str):
     if not chosen:
         raise DataError(
             f"no document is long enough for the budget of {max_length} tokens: {where} has "
-            f"{len(documents)} document{'s' * (len(documents) != 1)}, the longest {longest} "
+            f"{counted(len(documents), 'document')}, the longest {longest} "
             "tokens; pass "
             f"{arg('max_length')}={max(longest - 1, 1)} or less (with {arg('lengths')} that "
             f"divide it) or other {arg('eval_files')}"
@@ -1227,9 +1227,7 @@ def evaluate_run(
             # Its own documents: those holding 2 × train_len tokens, maybe fewer than
             # the perplexity table's.
             n = len(measured_docs)
-            print(
-                f"\nattention resolution (paper eq. 3 with eq. 11; {n} document{'s' * (n != 1)})\n"
-            )
+            print(f"\nattention resolution (paper eq. 3 with eq. 11; {counted(n, 'document')})\n")
             print(reports.resolution_table(measured, label))
 
         def write_resolution():  # the settings' own record first, the latest last

@@ -24,7 +24,7 @@ import numpy as np
 
 from lexjax import resolution as res_lib
 from lexjax.config import ABSOLUTE_ENCODINGS, ROTARY_ENCODINGS, check_path
-from lexjax.errors import CheckpointError, ConfigError, arg, nearest_existing
+from lexjax.errors import CheckpointError, ConfigError, arg, counted, nearest_existing
 
 __all__ = [
     "MODE_NAMES",
@@ -93,7 +93,7 @@ def perplexity_table(
     some = results[0]
     lines += [
         "",
-        f"every cell: {some.documents} document{'s' * (some.documents != 1)} × the first "
+        f"every cell: {counted(some.documents, 'document')} × the first "
         f"{some.max_length} tokens = "
         f"{some.tokens} scored tokens"
         + (f" ({some.bytes} bytes of text)" if some.bytes is not None else ""),
@@ -441,8 +441,8 @@ def passkey_table(results: Sequence, position: str, skipped: Sequence[dict] = ()
 def passkey_json(results: Sequence, *, train_len: int, **extra) -> dict:
     """``{"format", "train_len", ..., "results": [{"mode", "length", "depth", "accuracy",
     "trials", ...}]}``."""
-    results = [r.as_dict() for r in results]
-    return {"format": REPORT_FORMAT, "train_len": train_len, **extra, "results": results}
+    rows = [r.as_dict() for r in results]
+    return {"format": REPORT_FORMAT, "train_len": train_len, **extra, "results": rows}
 
 
 @_one_figure_at_a_time

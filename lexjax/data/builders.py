@@ -875,7 +875,7 @@ def prepare(
                     f"{cure} or choose another data.data_dir"
                 ) from None
             n = len(builder.replaced)
-            replaced = f"; {n} file{'s' * (n != 1)} had invalid UTF-8, replaced by U+FFFD"
+            replaced = f"; {counted(n, 'file')} had invalid UTF-8, replaced by U+FFFD"
             print(f" done{replaced if builder.replaced else ''}", flush=True)
     return builder
 
