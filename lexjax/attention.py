@@ -62,6 +62,8 @@ class Context:
     blockwise window of ``block`` when set, between equal segment ids.
     ``sinks``: the context of a second key group (StreamingLLM's attention sinks)
     with its own query and key positions and mask, or None (see :func:`attention`).
+    ``halves`` (static): queries and keys hold each rotated pair as ``(x_i,
+    x_i+Dh/2)`` rather than interleaved (see :func:`context`).
     """
 
     q_rotary: tuple | None = None
@@ -72,6 +74,7 @@ class Context:
     kv_segment_ids: jax.Array | None = None
     block: int | None = struct.field(pytree_node=False, default=None)
     sinks: Context | None = None
+    halves: bool = struct.field(pytree_node=False, default=False)
 
 
 def context(
@@ -89,6 +92,7 @@ def context(
     rope_scaling: str = "none",
     rope_factor=1.0,
     train_len: int | None = None,
+    halves: bool = False,
 ) -> Context:
     """Builds the shared :class:`Context` of one forward (pure).
 
@@ -107,6 +111,11 @@ def context(
     too (they are cached before encoding), is rotated with this call's
     frequencies, so a chunk's queries and all earlier keys share one s.
     ``xpos_norotate``: XPOS tables with θ_i = 0 (decay only).
+
+    ``halves``: the queries and keys this context encodes come in the layout of
+    :func:`lexjax.positions.to_halves` (the model's: its query and key
+    projections emit it), where a CPU rotates pairs several times faster than
+    interleaved ones; scores are unchanged, since both sides share the layout.
     """
     if position not in get_args(PositionKind):
         known = ", ".join(get_args(PositionKind))
@@ -156,14 +165,14 @@ def context(
     elif position == "alibi":
         bias = logit_bias(q_positions, k_positions, num_heads, position=position)
     q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
-    return Context(q_rotary, k_rotary, bias, mask, q_segments, kv_segments, block)
+    return Context(q_rotary, k_rotary, bias, mask, q_segments, kv_segments, block, halves=halves)
 
 
 def encode(q, k, ctx: Context):
     """Applies the context's rotary tables (if any) to queries and keys."""
     if ctx.q_rotary is not None:
-        q = pos_lib.apply_rotary(q, *ctx.q_rotary)
-        k = pos_lib.apply_rotary(k, *ctx.k_rotary)
+        q = pos_lib.apply_rotary(q, *ctx.q_rotary, halves=ctx.halves)
+        k = pos_lib.apply_rotary(k, *ctx.k_rotary, halves=ctx.halves)
     return q, k
 
 

@@ -66,7 +66,7 @@ from flax import struct
 
 from lexjax.config import ModelConfig
 from lexjax.errors import ConfigError, arg
-from lexjax.model import _DTYPES, Decoder
+from lexjax.model import _DTYPES, Decoder, halve_kernels
 
 __all__ = [
     "KVCache",
@@ -141,6 +141,16 @@ class KVCache:
             jnp.concatenate([positions_BxW, positions_BxW], axis=1),
             jnp.concatenate([self.valid[:, block:], jnp.zeros((B, block), bool)], axis=1),
         )
+
+
+def for_loop(model: Decoder, params):
+    """``(model, params)`` for a loop that calls the model with these parameters many
+    times (a scan over blocks or tokens): the query and key kernels permuted once
+    here (:func:`lexjax.model.halve_kernels`), not in every call. Computes the same
+    outputs; a second call changes nothing."""
+    if model.kernels_halved:
+        return model, params
+    return model.clone(kernels_halved=True), halve_kernels(model.config, params)
 
 
 def window_positions(block: int, *, first, offsets=None) -> jax.Array:
@@ -222,6 +232,7 @@ def scan_blocks(
     Returns ``(the last block as a KVCache of w slots, stacked outputs or None)``.
     XLA compiles the step once; memory is O(B·w) besides the inputs and outputs.
     """
+    model, params = for_loop(model, params)
     step = lambda previous, tokens_BxW, index: block_step(
         model, params, previous, tokens_BxW, index == 0, return_scores=return_scores
     )
@@ -241,6 +252,7 @@ def scan_prefix(model: Decoder, params, tokens_BxN, block: int, blocks):
     so one compilation serves every count up to N/w."""
     B = tokens_BxN.shape[0]
     _check_whole_blocks(tokens_BxN, block)
+    model, params = for_loop(model, params)
 
     def body(index, previous):
         tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxN, index * block, block, axis=1)
@@ -385,6 +397,7 @@ def scan_sinks(
     """
     sink_window(block, sinks)
     B = tokens_BxN.shape[0]
+    model, params = for_loop(model, params)
     step = lambda carry, tokens_BxW, index: sink_step(
         model, params, carry, tokens_BxW, index, sinks=sinks, return_scores=return_scores
     )

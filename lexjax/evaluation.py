@@ -77,6 +77,7 @@ from lexjax import sharding as shard_lib
 from lexjax.blockwise import (
     KVCache,
     compiled_scan,
+    for_loop,
     pad_to,
     scan_blocks,
     scan_sinks,
@@ -336,6 +337,7 @@ def _compiled_full(model: Decoder, chunk: int):
         # Unwritten slots keep position 0 (and are invalid), so XPOS's centring
         # shift spans only the positions used so far: |p| ≤ N/2.
         cache = KVCache.empty(model.config, B, N)
+        loop_model, loop_params = for_loop(model, params)
         chunks = (
             inputs_BxN.reshape(B, n, chunk).swapaxes(0, 1),
             targets_BxN.reshape(B, n, chunk).swapaxes(0, 1),
@@ -346,7 +348,9 @@ def _compiled_full(model: Decoder, chunk: int):
             tokens_BxC, targets_BxC, index = xs
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-            logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
+            logits, kv = loop_model.apply(
+                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache
+            )
             return cache.write(start, kv, positions_BxC), target_logprobs(logits, targets_BxC)
 
         _, logprobs_nxBxC = jax.lax.scan(step, cache, chunks)

@@ -37,7 +37,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import distributed
 from lexjax import sharding as shard_lib
-from lexjax.blockwise import KVCache, block_step, pad_to, scan_prefix, window_positions
+from lexjax.blockwise import KVCache, block_step, for_loop, pad_to, scan_prefix, window_positions
 from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError, StdoutClosed, arg
 from lexjax.evaluation import full_length_limit, full_length_problem
@@ -69,9 +69,10 @@ def _compiled_prefill(model: Decoder, block: int):
         tokens, traced: prompts of as many blocks up to N/w share this compilation."""
         B = prompt_BxN.shape[0]
         n = (length + block - 1) // block  # blocks holding real tokens
-        previous = scan_prefix(model, params, prompt_BxN, block, n - 1)
+        loop_model, params = for_loop(model, params)
+        previous = scan_prefix(loop_model, params, prompt_BxN, block, n - 1)
         last_BxW = jax.lax.dynamic_slice_in_dim(prompt_BxN, (n - 1) * block, block, axis=1)
-        logits, current, _ = block_step(model, params, previous, last_BxW, n == 1)
+        logits, current, _ = block_step(loop_model, params, previous, last_BxW, n == 1)
         filled = length - (n - 1) * block
         positions_BxW = jnp.broadcast_to(window_positions(block, first=n == 1), (B, block))
         real_BxW = jnp.broadcast_to(jnp.arange(block) < filled, (B, block))
@@ -147,13 +148,16 @@ def _compiled_dense_prefill(model: Decoder, chunk: int, slots: int):
         """prompt padded to n·C tokens, ``length`` real ones; a cache of ``slots`` ≥ N."""
         B, N = prompt_BxN.shape
         n = N // chunk
+        loop_model, loop_params = for_loop(model, params)
 
         def step(carry, xs):
             cache, last_BxV = carry
             tokens_BxC, index = xs
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-            logits, kv = model.apply({"params": params}, tokens_BxC, positions_BxC, cache=cache)
+            logits, kv = loop_model.apply(
+                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache
+            )
             at = length - 1 - start  # the last real token, if in this chunk
             here = (at >= 0) & (at < chunk)
             last_BxV = jnp.where(here, logits[:, jnp.clip(at, 0, chunk - 1)], last_BxV)
@@ -331,6 +335,7 @@ def _compiled_generate(
 ):
     def run(params, logits_BxV, state, keys_N, temperature, top_k, top_p, bias_V):
         """One token per key: ``(tokens_BxN, the logits and state after them)``."""
+        loop_model, loop_params = for_loop(model, params)
 
         def step(carry, key):
             logits, state = carry
@@ -339,9 +344,9 @@ def _compiled_generate(
                 k_room=k_room, bias_V=bias_V,
             )  # fmt: skip
             if mode == "bca":
-                logits, state = _decode(model, params, state, token, block)
+                logits, state = _decode(loop_model, loop_params, state, token, block)
             else:
-                logits, state = _dense_decode(model, params, state, token)
+                logits, state = _dense_decode(loop_model, loop_params, state, token)
             return (logits, state), token
 
         (logits_BxV, state), tokens_NxB = jax.lax.scan(step, (logits_BxV, state), keys_N)

@@ -8,11 +8,13 @@ segment_ids_BxT)``: causal attention within each packed document, positions
 restarting at each document.
 
 Inference (the block scan, generation) passes ``cache``: keys and values of
-earlier tokens *before* position encoding, with their positions and a
-validity flag. Each query then sees every valid cached or current key whose
-position is not after its own (``masks.causal_by_position``); with
-window-relative positions that is exactly the blockwise-causal pattern, and
-the same module serves every length with no mask bigger than the window.
+earlier tokens *before* position encoding (keys with rotated pairs in the
+halves layout of ``positions.to_halves``, as the key projection emits them),
+with their positions and a validity flag. Each query then sees every valid
+cached or current key whose position is not after its own
+(``masks.causal_by_position``); with window-relative positions that is exactly
+the blockwise-causal pattern, and the same module serves every length with no
+mask bigger than the window.
 The sink + sliding-window mode adds a distance limit (``window``) and a second
 cache of attention sinks seen from their own query positions (``sinks``).
 """
@@ -29,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lexjax import attention as attn_lib
 from lexjax import masks
 from lexjax import positions as pos_lib
-from lexjax.config import ModelConfig, check_dtypes
+from lexjax.config import PAIRED_ENCODINGS, ModelConfig, check_dtypes
 from lexjax.errors import ConfigError
 from lexjax.sharding import split_axes
 
@@ -151,10 +153,41 @@ def _check_splash_backend() -> None:
         )
 
 
+def _halves_projection(x, kernel, dimension_numbers, precision=None, **kwargs):
+    """``lax.dot_general`` of a query or key projection, its kernel's head_dim axis
+    (the last) permuted to :func:`lexjax.positions.to_halves`'s layout first: the
+    parameters keep the interleaved pairs of the paper's equations (and of
+    checkpoints and the reference), while the activations come out in the layout
+    a CPU rotates fastest. Permuting the small kernel costs a transpose of
+    D·H·K entries per call; permuting the activations would cost B·T·H·K."""
+    return jax.lax.dot_general(
+        x, pos_lib.to_halves(kernel), dimension_numbers, precision=precision, **kwargs
+    )
+
+
+def _rotated_kernel(path) -> bool:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return names[-2:] in (["query", "kernel"], ["key", "kernel"])
+
+
+def halve_kernels(config: ModelConfig, params):
+    """``params`` with the query and key kernels permuted as :func:`_halves_projection`
+    does on every call, for a :class:`Decoder` with ``kernels_halved=True``: a loop
+    calling the model many times with the same parameters (the block scan,
+    generation) permutes them once, outside it. Unchanged for position kinds
+    that rotate nothing."""
+    if config.position not in PAIRED_ENCODINGS:
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: pos_lib.to_halves(x) if _rotated_kernel(path) else x, params
+    )
+
+
 class Attention(nn.Module):
     config: ModelConfig
     return_scores: bool = False
     rules: tuple | None = None
+    kernels_halved: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD, ctx: attn_lib.Context, kv_cache=None):
@@ -166,6 +199,8 @@ class Attention(nn.Module):
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
         def proj(name):
+            rotated = name != "value" and c.position in PAIRED_ENCODINGS
+            rotated = rotated and not self.kernels_halved
             y_BxTxHxK = nn.DenseGeneral(
                 (c.num_heads, c.head_dim),
                 use_bias=False,
@@ -173,6 +208,7 @@ class Attention(nn.Module):
                 param_dtype=pdtype,
                 name=name,
                 kernel_init=_init(("embed", "heads", "kv")),
+                dot_general=_halves_projection if rotated else None,
             )(x_BxTxD)
             y_BxTxHxK = _pin(y_BxTxHxK, self.rules, "batch", "length", "act_heads", "act_kv")
             return checkpoint_name(y_BxTxHxK, f"{name}_proj")
@@ -213,6 +249,7 @@ class Block(nn.Module):
     config: ModelConfig
     return_scores: bool = False
     rules: tuple | None = None
+    kernels_halved: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD, layer_cache, ctx: attn_lib.Context):
@@ -228,9 +265,10 @@ class Block(nn.Module):
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
             )
 
-        h, new_kv, scores = Attention(c, self.return_scores, self.rules, name="attention")(
-            norm("ln_attention")(x_BxTxD), ctx, layer_cache
+        attention = Attention(
+            c, self.return_scores, self.rules, self.kernels_halved, name="attention"
         )
+        h, new_kv, scores = attention(norm("ln_attention")(x_BxTxD), ctx, layer_cache)
         x_BxTxD = x_BxTxD + h
         h = nn.Dense(
             c.mlp_dim,
@@ -305,10 +343,14 @@ class Decoder(nn.Module):
     arrays, the layout :func:`lexjax.load`'s ``run.params`` has. Tests that
     differentiate with respect to each token's input vector pass
     ``{"perturbations": {"embedded": zeros_BxTxD}}`` to ``apply`` (a no-op otherwise).
+
+    ``kernels_halved``: the params' query and key kernels were permuted by
+    :func:`halve_kernels` (a loop's, once before it) instead of on every call.
     """
 
     config: ModelConfig
     rules: tuple | None = None
+    kernels_halved: bool = False
 
     @nn.compact
     def __call__(
@@ -422,6 +464,7 @@ class Decoder(nn.Module):
             mask=mask,
             scale_base=c.scale_base,
             theta=c.theta,
+            halves=True,
             segment_ids=segments if splash else None,
             block=block if splash else None,
             **_rope_extension(c, T, cached=cache is not None, streaming=window is not None),
@@ -437,6 +480,7 @@ class Decoder(nn.Module):
                 mask=(sink_mask & sinks.valid[:, None, :])[:, None],
                 scale_base=c.scale_base,
                 theta=c.theta,
+                halves=True,
                 # The sinks share the window's softmax, so the same frequencies.
                 **_rope_extension(c, T, cached=True, streaming=True),
             )
@@ -457,7 +501,7 @@ class Decoder(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(
-                c, return_scores, self.rules, name="layers"
+                c, return_scores, self.rules, self.kernels_halved, name="layers"
             )(x_BxTxD, layer_caches, ctx)
         else:
             per_layer = []
@@ -465,9 +509,10 @@ class Decoder(nn.Module):
                 layer_cache = None
                 if layer_caches is not None:
                     layer_cache = tuple(x[layer] for x in layer_caches)
-                x_BxTxD, out = block_cls(c, return_scores, self.rules, name=f"layer_{layer}")(
-                    x_BxTxD, layer_cache, ctx
+                layer_module = block_cls(
+                    c, return_scores, self.rules, self.kernels_halved, name=f"layer_{layer}"
                 )
+                x_BxTxD, out = layer_module(x_BxTxD, layer_cache, ctx)
                 per_layer.append(out)
             new_kv, scores_LxBxHxTxS = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 

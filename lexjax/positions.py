@@ -63,6 +63,7 @@ __all__ = [
     "rotary_tables",
     "xpos_tables",
     "apply_rotary",
+    "to_halves",
     "alibi_slopes",
     "alibi_bias",
     "sinusoidal",
@@ -304,9 +305,12 @@ def rotary_tables(
     return _materialize(cos), _materialize(sin)
 
 
-def apply_rotary(x, cos, sin):
+def apply_rotary(x, cos, sin, *, halves: bool = False):
     """Rotates the interleaved pairs ``(a, b) = (x_2i, x_2i+1)`` of ``x`` by the
     tables of :func:`rotary_tables`: ``(a·c_i − b·s_i, b·c_i + a·s_i)``.
+    ``halves``: the pairs are ``(x_i, x_i+d/2)`` instead, ``x`` in the layout
+    :func:`to_halves` gives (the model's queries and keys: see ``halves`` in
+    :func:`lexjax.attention.context`).
     Computed in float32 (float64 for a float64 ``x``, under x64: XPOS is linear
     in ``x``, so a float64 gradient check sees exact derivatives of the
     float32-rounded tables); returns ``x``'s shape ``[..., seq, heads, d]`` and dtype.
@@ -314,13 +318,28 @@ def apply_rotary(x, cos, sin):
     The tables stay half width and each pair is split into its two halves,
     rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``,
     which needed a swapped copy of ``x``. On a CPU the two forms measured the
-    same XPOS overhead, within the noise (docs/benchmarks.md §16).
+    same XPOS overhead, within the noise (docs/benchmarks.md §16); splitting
+    interleaved pairs there costs several times the rotation of contiguous
+    halves (§17), hence ``halves``.
     """
-    pairs = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if halves:
+        a, b = jnp.split(x32, 2, axis=-1)
+        rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        return rotated.astype(x.dtype)
+    pairs = x32
     pairs = pairs.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def to_halves(x):
+    """``x`` ``[..., d]`` with its interleaved pairs ``(x_2i, x_2i+1)`` moved to
+    ``(x_i, x_i+d/2)``: the even entries, then the odd ones. A permutation of the
+    last axis, so scores ``q·k`` are the same when both sides take it."""
+    _check_head_dim(x.shape[-1])
+    return x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2).swapaxes(-1, -2).reshape(x.shape)
 
 
 def xpos_tables(

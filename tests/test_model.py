@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lexjax import blockwise
 from lexjax import config as cfg_lib
 from lexjax.blockwise import KVCache
 from lexjax.model import Decoder
@@ -74,6 +75,29 @@ def test_cached_block_step_equals_full_forward(position):
         {"params": params}, tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=empty
     )
     np.testing.assert_allclose(first, full[:, :8], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("position", ["xpos", "rope", "xpos_norotate", "alibi"])
+def test_kernels_halved_once_for_a_loop_give_the_same_outputs(position, scan_layers):
+    # A loop permutes the query and key kernels once (blockwise.for_loop) instead of
+    # in every call: same logits and the same cached keys and values, for every
+    # layer layout; a second for_loop changes nothing.
+    config = small_config(**{"model.position": position, "model.scan_layers": scan_layers})
+    model, params = _init(config)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 258, (2, 16)), jnp.int32)
+    want_logits, want_kv = model.apply({"params": params}, tokens)
+    loop_model, loop_params = blockwise.for_loop(model, params)
+    assert loop_model.kernels_halved
+    got_logits, got_kv = loop_model.apply({"params": loop_params}, tokens)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got_kv, want_kv
+    )
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), loop_params, params)
+    assert any(jax.tree.leaves(moved)) == (position != "alibi")
+    again = blockwise.for_loop(loop_model, loop_params)
+    assert again[0] is loop_model and again[1] is loop_params
 
 
 def test_scan_and_remat_match_the_unrolled_layers():

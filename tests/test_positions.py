@@ -55,6 +55,23 @@ class XposEquationTest(chex.TestCase):
             np.asarray(got, np.float64), paper.rope(x, pos), rtol=1e-5, atol=1e-5
         )
 
+    @parameterized.named_parameters(("query", False), ("key", True))
+    def test_the_halves_layout_rotates_the_permuted_pairs_as_the_equations_do(self, downscale):
+        # The model's projections emit q and k with each pair (2i, 2i+1) moved to
+        # (i, i + d/2); rotated in that layout they are the paper's rotation, permuted.
+        x = _normal(3, (2, 5, 3, 8))
+        pos = np.random.default_rng(4).integers(-40, 41, size=(2, 5)).astype(np.int32)
+        tables = positions.xpos_tables(pos, 8, scale_base=64.0, downscale=downscale)
+        got = positions.apply_rotary(positions.to_halves(x), *tables, halves=True)
+        want = paper.xpos(x, pos, scale_base=64.0, downscale=downscale)
+        order = [0, 2, 4, 6, 1, 3, 5, 7]  # even entries, then odd ones
+        np.testing.assert_array_equal(positions.to_halves(x), x[..., order])
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), want[..., order], rtol=1e-5, atol=1e-5
+        )
+        with self.assertRaisesRegex(ValueError, "even"):
+            positions.to_halves(np.ones((2, 5)))
+
     def test_a_traced_downscale_says_to_mark_it_static(self):
         # It was a bare TracerBoolConversionError from inside xpos_tables.
         x, pos = jnp.ones((4, 1, 2)), jnp.arange(4)
