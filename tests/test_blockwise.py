@@ -11,6 +11,7 @@ from lexjax.blockwise import (
     KVCache,
     block_step,
     scan_blocks,
+    scan_prefix,
     scan_sinks,
     window_mask,
     window_positions,
@@ -98,3 +99,35 @@ def test_sink_scan_keeps_the_first_tokens_once_and_slides_the_window():
     assert window.positions.tolist() == [list(range(2 * W))]
     (none, window), _ = scan_sinks(model, params, tokens[:, :W], W, 0)
     assert none is None and window.valid.tolist() == [[False] * W + [True] * W]
+
+
+def test_every_loop_over_the_model_permutes_the_kernels_once_before_it(monkeypatch):
+    """XLA left the per-call kernel permutation inside the block scan's loop body
+    (a transpose per layer and block); each loop takes for_loop's permuted kernels,
+    so tracing one never reaches the per-call permutation, while a plain call does."""
+    from lexjax import evaluation, generation
+    from lexjax import model as model_lib
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return jax.lax.dot_general(*args, **kwargs)
+
+    monkeypatch.setattr(model_lib, "_halves_projection", counted)
+    model = Decoder(CONFIG)  # xpos
+    tokens = jnp.ones((1, 4 * W), jnp.int32)
+    params = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens[:, :W]))["params"]
+    calls.clear()  # init's forward permutes on the spot
+    loops = {
+        "scan_blocks": lambda p: scan_blocks(model, p, tokens, W),
+        "scan_sinks": lambda p: scan_sinks(model, p, tokens, W, 1),
+        "scan_prefix": lambda p: scan_prefix(model, p, tokens, W, 2),
+        "full_logprobs": lambda p: evaluation.full_logprobs(model, p, tokens, chunk=W),
+        "prefill": lambda p: generation.prefill(model, p, tokens[:, :5], block=W),
+    }
+    for name, loop in loops.items():
+        jax.eval_shape(loop, params)
+        assert not calls, name
+    jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params)
+    assert calls  # the plain call permutes on the spot
