@@ -497,6 +497,22 @@ def test_a_standalone_benchmarks_json_records_its_command_and_load(tmp_path):
     )
 
 
+def test_the_rotation_layout_benchmark_times_both_layouts_and_records_its_run(tmp_path, capsys):
+    module = programs.load_script("bench/rotation_layout.py")
+    out = tmp_path / "r.json"
+    assert module.main(["--rounds", "1", "--json", str(out)]) == 0
+    record, printed = json.loads(out.read_text()), capsys.readouterr().out
+    for T in module.LENGTHS:
+        row = record[f"tokens_{T}"]
+        assert set(row["us_per_call"]) == {"interleaved", "halves", "scale_only"}
+        assert all(v["median"] > 0 for v in row["us_per_call"].values())
+        assert row["interleaved_over_halves"]["median"] > 0
+        assert f"{T:5d} tokens: interleaved " in printed
+    assert set(record) >= {"machine", "command", "load_check", "shared_cores"}
+    with pytest.raises(SystemExit):
+        module.main(["--rounds", "0"])
+
+
 def test_the_quartiles_of_two_rounds_lie_between_them():
     """--quick runs 2 rounds, whose quartiles fell outside their min-max."""
     from bench import common
