@@ -114,7 +114,7 @@ def context(
 
     ``halves``: the queries and keys this context encodes come in the layout of
     :func:`lexjax.positions.to_halves` (the model's: its query and key
-    projections emit it), where a CPU rotates pairs several times faster than
+    projections emit it), where a CPU rotates pairs about twice as fast as
     interleaved ones; scores are unchanged, since both sides share the layout.
     """
     if position not in get_args(PositionKind):

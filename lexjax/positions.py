@@ -319,7 +319,7 @@ def apply_rotary(x, cos, sin, *, halves: bool = False):
     rather than widening the tables to ``d`` and rotating ``x·cos + swap(x)·sin``,
     which needed a swapped copy of ``x``. On a CPU the two forms measured the
     same XPOS overhead, within the noise (docs/benchmarks.md §16); splitting
-    interleaved pairs there costs several times the rotation of contiguous
+    interleaved pairs there costs about twice the rotation of contiguous
     halves (§17), hence ``halves``.
     """
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
