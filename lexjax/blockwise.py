@@ -88,9 +88,10 @@ __all__ = [
 class KVCache:
     """Keys and values of earlier tokens, before position encoding (a pytree).
 
-    ``k``, ``v``: ``[L, B, S, H, K]``; ``positions``: int32 ``[B, S]``, the
-    position each key is encoded at; ``valid``: bool ``[B, S]``, which slots
-    hold a key. Pure: every operation returns a new cache.
+    ``k``, ``v``: ``[L, B, S, H, K]``, as the model returns them (keys of a
+    rotary kind in ``positions.to_halves``'s layout); ``positions``: int32
+    ``[B, S]``, the position each key is encoded at; ``valid``: bool ``[B, S]``,
+    which slots hold a key. Pure: every operation returns a new cache.
     """
 
     k: jax.Array

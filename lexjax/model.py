@@ -300,8 +300,10 @@ class Decoder(nn.Module):
     return_scores=False)`` returns ``(logits_BxTxV
     float32, new_kv)`` where ``new_kv = (k, v): [L, B, T, H, K]`` are this
     call's keys and values before position encoding (XLA removes them when
-    unused); with ``return_scores`` a third value, the pre-softmax scores
-    ``[L, B, H, T, S]`` of every layer (paper eq. 11), computed explicitly.
+    unused; with xpos, rope or xpos_norotate each key's rotated pairs are in
+    ``positions.to_halves``'s layout, the order the key projection emits them);
+    with ``return_scores`` a third value, the pre-softmax scores ``[L, B, H, T,
+    S]`` of every layer (paper eq. 11), computed explicitly.
 
     - no cache: query i sees key j iff ``j ≤ i`` (index order) and both are in
       the same segment; ``block`` (optional) adds the blockwise-causal limit
