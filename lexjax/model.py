@@ -165,9 +165,13 @@ def _halves_projection(x, kernel, dimension_numbers, precision=None, **kwargs):
     )
 
 
+# The projections whose outputs XPOS and RoPE rotate (Attention's module names).
+_ROTATED_PROJECTIONS = ("query", "key")
+
+
 def _rotated_kernel(path) -> bool:
     names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    return names[-2:] in (["query", "kernel"], ["key", "kernel"])
+    return len(names) >= 2 and names[-1] == "kernel" and names[-2] in _ROTATED_PROJECTIONS
 
 
 def halve_kernels(config: ModelConfig, params):
@@ -199,7 +203,7 @@ class Attention(nn.Module):
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
 
         def proj(name):
-            rotated = name != "value" and c.position in PAIRED_ENCODINGS
+            rotated = name in _ROTATED_PROJECTIONS and c.position in PAIRED_ENCODINGS
             rotated = rotated and not self.kernels_halved
             y_BxTxHxK = nn.DenseGeneral(
                 (c.num_heads, c.head_dim),
