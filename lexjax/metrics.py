@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 from lexjax.config import Config
 from lexjax.errors import CheckpointError
@@ -61,6 +62,25 @@ def mfu(tokens_per_sec: float, config: Config, peak_per_device: float, num_devic
     return tokens_per_sec * flops_per_token(config) / (peak_per_device * num_devices)
 
 
+def _summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch where the process has
+    not imported it already. tensorboardX imports ``torch`` whenever it is installed (as
+    in Colab), only to accept torch tensors, which this writer never passes: 1.5 s and
+    180 MB of a JAX training process's memory on a CPU host. Imported here, not at the
+    top: the FLOPs and MFU helpers above serve benchmarks on accelerator hosts that have
+    only jax, flax and optax."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # meanwhile, `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Appends ``{"step": s, ...}`` lines to ``workdir/metrics.jsonl`` and the same
     scalars to TensorBoard event files in ``workdir/tensorboard``.
@@ -112,13 +132,10 @@ class MetricsWriter:
             ) from None
 
     def open(self) -> None:
-        """Starts the TensorBoard writer (about 2 s: its import), so that a caller can
-        leave that out of what it times; else the first record does it."""
+        """Starts the TensorBoard writer (about a second: its import), so that a caller
+        can leave that out of what it times; else the first record does it."""
         if self.enabled and self.tb is None:
-            # Imported here: the FLOPs and MFU helpers above serve benchmarks on
-            # accelerator hosts that have only jax, flax and optax.
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             after = self.start_step
             if after is not None:
                 try:

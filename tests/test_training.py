@@ -751,6 +751,39 @@ def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_pa
     assert note.startswith("note: skipped 1 torn line(s) of ")
 
 
+_WRITES_METRICS = """
+import sys
+from lexjax import metrics
+writer = metrics.MetricsWriter(sys.argv[1])
+writer.write(1, {"loss": 2.5})
+writer.close()
+print("torch" in sys.modules, getattr(sys.modules.get("torch"), "__file__", None))
+"""
+
+
+def test_writing_tensorboard_events_does_not_import_an_installed_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed (Colab has it): 1.5 s and
+    180 MB of every training process. Here a package named torch on the path stands for
+    an installed one; the events are written all the same, and a process that imported
+    torch itself keeps it."""
+    (tmp_path / "site" / "torch").mkdir(parents=True)
+    (tmp_path / "site" / "torch" / "__init__.py").write_text("Tensor = type('Tensor', (), {})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.getcwd()])}
+    for preamble, imported in (("", "False None"), ("import torch\n", "True")):
+        workdir = tmp_path / f"run{len(preamble)}"
+        done = subprocess.run(
+            [sys.executable, "-c", preamble + _WRITES_METRICS, str(workdir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith(imported), done.stdout
+        assert metrics.read_metrics(str(workdir)) == [{"step": 1, "loss": 2.5}]
+        assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_a_metrics_file_this_user_cannot_write_is_one_line(tmp_path, monkeypatch):
     """Another user's metrics.jsonl (a workdir shared writable, the file not): resuming
     was a PermissionError traceback, exit 1; TensorBoard's directory was one line."""
