@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lexjax.config import ModelConfig
+from lexjax.config import ABSOLUTE_ENCODINGS, ModelConfig
 from lexjax.errors import ConfigError, arg
 from lexjax.model import _DTYPES, Decoder, halve_kernels
 
@@ -184,7 +184,9 @@ def block_step(
       previous: w slots holding the previous block at positions ``0 … w−1``
         (all invalid before the first block).
       tokens_BxW: the current block.
-      first: bool scalar, whether this is the sequence's first block.
+      first: bool scalar, whether this is the sequence's first block. Only an
+        absolute encoding (sinusoidal, learned) places it differently: at
+        positions ``0 … w−1``, later blocks at ``w … 2w−1``.
 
     Returns:
       ``(logits_BxWxV, this block as the next step's previous KVCache, scores)``;
@@ -197,6 +199,16 @@ def block_step(
             f"the previous block's cache holds {previous.valid.shape[0]} rows of "
             f"{previous.valid.shape[1]} slots for {B} rows of a block of {W} tokens; give "
             f"KVCache.empty(config, {B}, {W})"
+        )
+    if model.config.position not in ABSOLUTE_ENCODINGS:
+        # A relative encoding's scores depend on m − n only, so every block, the first
+        # too (whose previous slots are invalid), is encoded at the same positions:
+        # queries w … 2w−1, keys 0 … 2w−1. The rotary tables, the ALiBi bias and the
+        # centring shift are then the same at every step; in a scan XLA computes them
+        # once before the loop, not in every step (tests/test_blockwise.py).
+        first = False
+        previous = previous.replace(
+            positions=jnp.broadcast_to(window_positions(W, first=True), (B, W))
         )
     positions_BxW = jnp.broadcast_to(window_positions(W, first=first), (B, W))
     out = model.apply(

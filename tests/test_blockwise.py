@@ -1,5 +1,7 @@
 """The BCA window: its cache operations, positions and masks against the explicit mask."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -131,3 +133,54 @@ def test_every_loop_over_the_model_permutes_the_kernels_once_before_it(monkeypat
         assert not calls, name
     jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params)
     assert calls  # the plain call permutes on the spot
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """``{name: its lines}`` of the computations in compiled HLO text."""
+    bodies, current = {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = header.group(1)
+            bodies[current] = []
+        elif current:
+            bodies[current].append(line)
+    return bodies
+
+
+def _called(bodies: dict[str, list[str]], roots) -> set[str]:
+    """The computations that ``roots`` call, directly or not, themselves included."""
+    found, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in found or name not in bodies:
+            continue
+        found.add(name)
+        for line in bodies[name]:
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+    return found
+
+
+def test_a_relative_encodings_tables_are_computed_once_before_the_block_scans_loop():
+    """Each block step built XPOS's cos/sin tables (and the centring shift) again inside
+    the scan's loop, for positions that are the same at every step but the first; with
+    every block at the same window positions XLA computes them once, before the loop.
+    (An absolute encoding keeps the first block at 0 … w−1: test_evaluation.py checks
+    every kind against the explicit mask.)"""
+    model = Decoder(CONFIG)  # xpos
+    tokens = jnp.ones((2, 4 * W), jnp.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens[:, :W]))["params"]
+    scan = jax.jit(lambda p, t: scan_blocks(model, p, t, W, lambda logits, *_: logits)[1])
+    bodies = _computations(scan.lower(params, tokens).compile().as_text())
+    roots = [
+        b
+        for lines in bodies.values()
+        for line in lines
+        for b in re.findall(r"while\(.*?body=%?([\w.\-]+)", line)
+    ]
+    loops = _called(bodies, roots)
+    assert loops, "no loop in the compiled scan"
+    trig = lambda line: " sine(" in line or " cosine(" in line
+    inside = [line for name in loops for line in bodies[name] if trig(line)]
+    assert not inside, inside
+    assert any(trig(line) for lines in bodies.values() for line in lines)  # before the loop
