@@ -8,11 +8,12 @@ attends to the whole block ``b − 1`` (none for b = 0) and to block b up to
 itself: the mask of :func:`lexjax.masks.blockwise_causal`. Positions are
 window-relative (:func:`window_positions`): the previous block stands at
 ``0 … w−1`` and the current one at ``w … 2w−1``, so no distance exceeds
-``2w − 1 = train_len − 1``. The first block has no previous block and stands
-at ``0 … w−1``: for relative encodings (XPOS, RoPE, ALiBi) only distances
-matter, so that is the same as ``w … 2w−1``; for absolute ones (sinusoidal,
-learned) it is what training showed the model for a sequence start, and every
-position stays below ``train_len``.
+``2w − 1 = train_len − 1``. The first block has no previous block (its slots
+are invalid). For relative encodings (XPOS, RoPE, ALiBi) only distances matter:
+it stands at ``w … 2w−1`` like every other block, so each step encodes the same
+positions and a scan computes their tables once. For absolute ones (sinusoidal,
+learned) it stands at ``0 … w−1``, what training showed the model for a
+sequence start; every position stays below ``train_len``.
 
 Keys and values are cached *before* position encoding, so a block's keys are
 re-encoded at ``0 … w−1`` once it is the previous block; its values (and, for
