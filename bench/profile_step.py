@@ -42,27 +42,33 @@ KINDS = (
 )
 
 
-def fusion_bodies(hlo_text: str) -> dict[str, str]:
-    """``{instruction name: text of what it computes}`` from compiled HLO text:
-    a fusion's called computation, or the instruction's own line."""
-    computations, current, lines = {}, None, []
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """``{computation name: its instruction lines}`` from compiled HLO text."""
+    found, current = {}, None
     for line in hlo_text.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
         if header:
-            current, lines = header.group(1), []
-        elif line.startswith("}") and current:
-            computations[current] = "\n".join(lines)
+            current = header.group(1)
+            found[current] = []
+        elif line.startswith("}"):
             current = None
         elif current:
-            lines.append(line)
+            found[current].append(line)
+    return found
+
+
+def fusion_bodies(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: text of what it computes}`` from compiled HLO text:
+    a fusion's called computation, or the instruction's own line."""
+    texts = {name: "\n".join(lines) for name, lines in computations(hlo_text).items()}
     bodies = {}
-    for text in computations.values():
+    for text in texts.values():
         for line in text.splitlines():
             m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*", line)
             if not m:
                 continue
             called = re.search(r"calls=%([\w.\-]+)", line)
-            bodies[m.group(1)] = computations.get(called.group(1), line) if called else line
+            bodies[m.group(1)] = texts.get(called.group(1), line) if called else line
     return bodies
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.profile_step import computations
 from lexjax import masks
 from lexjax.blockwise import (
     KVCache,
@@ -135,19 +136,6 @@ def test_every_loop_over_the_model_permutes_the_kernels_once_before_it(monkeypat
     assert calls  # the plain call permutes on the spot
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    """``{name: its lines}`` of the computations in compiled HLO text."""
-    bodies, current = {}, None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header:
-            current = header.group(1)
-            bodies[current] = []
-        elif current:
-            bodies[current].append(line)
-    return bodies
-
-
 def _called(bodies: dict[str, list[str]], roots) -> set[str]:
     """The computations that ``roots`` call, directly or not, themselves included."""
     found, todo = set(), list(roots)
@@ -171,7 +159,7 @@ def test_a_relative_encodings_tables_are_computed_once_before_the_block_scans_lo
     tokens = jnp.ones((2, 4 * W), jnp.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens[:, :W]))["params"]
     scan = jax.jit(lambda p, t: scan_blocks(model, p, t, W, lambda logits, *_: logits)[1])
-    bodies = _computations(scan.lower(params, tokens).compile().as_text())
+    bodies = computations(scan.lower(params, tokens).compile().as_text())
     roots = [
         b
         for lines in bodies.values()
