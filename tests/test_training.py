@@ -768,7 +768,7 @@ def test_writing_tensorboard_events_does_not_import_an_installed_torch(tmp_path)
     torch itself keeps it."""
     (tmp_path / "site" / "torch").mkdir(parents=True)
     (tmp_path / "site" / "torch" / "__init__.py").write_text("Tensor = type('Tensor', (), {})\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.getcwd()])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), ROOT])}
     for preamble, imported in (("", "False None"), ("import torch\n", "True")):
         workdir = tmp_path / f"run{len(preamble)}"
         done = subprocess.run(
