@@ -60,6 +60,7 @@ __all__ = [
     "length_factor",
     "xpos",
     "rope",
+    "angles",
     "rotary_tables",
     "xpos_tables",
     "apply_rotary",
@@ -271,6 +272,44 @@ def rope_scaling(
     return RotaryScaling(jnp.asarray(inv_freq, jnp.float32), decay, qk)
 
 
+# 2π as C1 + C2 + C3 (Cody and Waite's reduction): C1 and C2 have 8 and 10 significant
+# bits, so n·C1 and n·C2 are exact in float32 for whole n < 2^14 wraps; C3 is the rest.
+_TWO_PI_PARTS = (6.28125, 0.0019359588623046875, -6.516827397717861e-07)
+
+
+def _wrapped(x):
+    """``x mod 2π``, in about [−π, π], for float32 ``0 ≤ x ≤ 2^16``: the n wraps
+    taken off in the three parts of 2π, exactly but for the last (|error| ≲ 2⁻²²)."""
+    n = jnp.round(x / (2 * math.pi))
+    c1, c2, c3 = (jnp.float32(c) for c in _TWO_PI_PARTS)
+    return ((x - n * c1) - n * c2) - n * c3
+
+
+def angles(positions, inv_freq):
+    """float32 ``[..., seq, d/2]``: the angles ``p·θ_i`` of integer ``positions``, as
+    accurate at a position of millions as near 0.
+
+    ``p·θ_i`` formed in float32 is rounded to half a unit in its last place (up to
+    2⁻⁶ radians at p = 5·10⁵ for θ_0 = 1, a whole radian at 2^24), and a rotary
+    score depends on the difference of two such angles. Here |p| = h·2^16 + m·2^8
+    + l with bytes m, l, and ``|p|·θ = h·w(2^16·θ) + m·w(2^8·θ) + l·θ``, where
+    ``w`` wraps modulo 2π (:func:`_wrapped`; ``2^k·θ`` is exact): each term is
+    below 256·2π, so the angle is within 2·10⁻⁴ radians of ``p·θ`` (θ as its
+    float32 value) for |p| ≤ 2^24, and is the plain product, bit for bit, for
+    |p| < 256.
+    """
+    p = as_positions(positions)
+    p = p.astype(jnp.promote_types(p.dtype, jnp.int32))
+    a = jnp.abs(p)  # split |p|: the bytes of a small negative p would be large
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    term = lambda part, freq: part.astype(jnp.float32)[..., None] * freq
+    angle = (
+        term(a >> 16, _wrapped(inv_freq * 65536.0))
+        + term((a >> 8) & 0xFF, _wrapped(inv_freq * 256.0))
+    ) + term(a & 0xFF, inv_freq)
+    return jnp.where((p < 0)[..., None], -angle, angle)
+
+
 def rotary_tables(
     positions, head_dim: int, *, theta: float = 10000.0, log_scale=None, inv_freq=None, scale=None
 ):
@@ -295,7 +334,7 @@ def rotary_tables(
     if inv_freq is None:
         inv_freq = jnp.asarray(rotary_frequencies(head_dim, theta), jnp.float32)
     pos = positions.astype(jnp.float32)[..., None, None]  # [..., seq, 1, 1]
-    angle = pos * inv_freq  # [..., seq, 1, d/2]
+    angle = angles(positions, inv_freq)[..., None, :]  # [..., seq, 1, d/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if log_scale is not None:
         scale_p = jnp.exp(pos * log_scale)
@@ -502,5 +541,5 @@ def sinusoidal(positions, dim: int):
         raise ValueError(f"sinusoidal embedding dim must be even, got {dim}")
     positions = as_positions(positions)
     inv_freq = jnp.asarray(10000.0 ** (-2.0 * np.arange(dim // 2) / dim), jnp.float32)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq
+    angle = angles(positions, inv_freq)  # accurate at large positions, as RoPE's
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(*positions.shape, dim)

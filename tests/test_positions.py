@@ -123,6 +123,21 @@ class RelativePositionTest(chex.TestCase):
             want = paper.scores(paper.rope(q, q_pos), paper.rope(k, k_pos))
         self.assertTrue(np.all(np.abs(scores - want) <= bound))
 
+    @parameterized.parameters(500_000, -3_000_000, 2**24 - 32)
+    def test_rope_scores_at_millions_of_positions_keep_their_distances(self, shift):
+        """Dense evaluation over L tokens encodes positions up to ±L/2. Angles p·θ_i
+        formed in float32 were rounded to half an ulp (2⁻⁶ rad at p·θ = 5·10⁵, 1 rad at
+        2^24), and the scores drifted from those of the same distances near 0."""
+        q, k = _normal(4, (1, 8, 2, 16)), _normal(5, (1, 8, 2, 16))
+        q_pos, k_pos = np.arange(8, dtype=np.int32), np.arange(8, dtype=np.int32)[::-1] * 3
+        want = paper.scores(paper.rope(q, q_pos), paper.rope(k, k_pos))  # float64
+        got = paper.scores(*_encode("rope", q, k, q_pos + shift, k_pos + shift))
+        bound = 5e-4 * np.einsum("bqhi,bkhi->bhqk", _pair_norms(q), _pair_norms(k))
+        self.assertTrue(
+            np.all(np.abs(got - want) <= bound),
+            f"max |Δ| / bound = {np.max(np.abs(got - want) / bound):.3g}",
+        )
+
     def test_xpos_scores_stay_under_a_decaying_envelope(self):
         # Pair i of q'_m · k'_n is |q_i||k_i|·cos(…)·ζ_i^((m−n)/b): for m ≥ n every
         # score is bounded by E(m−n) = Σ_i |q_i||k_i| ζ_i^((m−n)/b), which decreases
@@ -340,6 +355,37 @@ class SinusoidalTest(chex.TestCase):
                 want[idx + (2 * i + 1,)] = math.cos(angle)
         # float32 angles near 2000 rad are off by ~1e-4 rad.
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-4)
+
+    def test_values_at_millions_of_positions(self):
+        """Absolute, never centred: a long dense sequence reaches these positions."""
+        pos, dim = np.array([3_000_000, 2**24 - 1], np.int32), 16
+        inv_freq = np.float32(10000.0) ** (-2.0 * np.arange(dim // 2, dtype=np.float32) / dim)
+        angle = pos[:, None] * inv_freq.astype(np.float64)  # the float32 frequencies, exactly
+        want = np.stack([np.sin(angle), np.cos(angle)], axis=-1).reshape(2, dim)
+        got = np.asarray(positions.sinusoidal(pos, dim), np.float64)
+        np.testing.assert_allclose(got, want, atol=3e-4)
+
+
+class AnglesTest(chex.TestCase):
+    """``positions.angles``: p·θ_i for the float32 θ_i, against the exact product."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("none", "yarn")
+    def test_within_2e_4_radians_up_to_2_to_the_24(self, scaling):
+        rng = np.random.default_rng(0)
+        edges = [255, 256, 65535, 65536, 2**24 - 1, 2**24, 500_000]
+        p = np.concatenate(
+            [np.arange(-300, 301), edges, np.negative(edges), rng.integers(-(2**24), 2**24, 500)]
+        ).astype(np.int32)
+        inv_freq = positions.rope_scaling(scaling, 16.0, 64, train_len=128).inv_freq
+        got = np.asarray(self.variant(positions.angles)(p, inv_freq), np.float64)
+        exact = p[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
+        off = np.abs(np.angle(np.exp(1j * (got - exact))))  # modulo 2π
+        self.assertLess(off.max(), 2e-4)
+        # Near 0 (every training position, centred) it is the plain float32 product.
+        small = np.abs(p) < 256
+        plain = p[small, None].astype(np.float32) * np.asarray(inv_freq)
+        np.testing.assert_array_equal(got[small], plain)
 
 
 class BadArgumentsTest(parameterized.TestCase):
