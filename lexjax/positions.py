@@ -490,10 +490,9 @@ def rope(x, positions, *, theta: float = 10000.0):
     """Rotary position embedding (Su et al. 2021): XPOS with ζ = 1.
 
     Same shapes, pair layout and numerics as :func:`xpos`; no decay, so no
-    position overflows. The float32 angles ``p·θ_i`` lose precision as |p| grows
-    (their rounding error grows like |p|·2⁻²⁴ radians), so scores of distant
-    positions drift from their relative-position values: shift both position
-    sets toward zero, as :func:`lexjax.attention.context` does.
+    position overflows. The angles ``p·θ_i`` are within 2·10⁻⁴ radians of the
+    exact product for |p| ≤ 2^24 (:func:`angles`); beyond, within |p|·2⁻³⁷
+    radians.
     """
     x, positions = _check_positions(x, positions)
     _check_head_dim(x.shape[-1])

@@ -382,7 +382,13 @@ class AnglesTest(chex.TestCase):
         exact = p[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
         off = np.abs(np.angle(np.exp(1j * (got - exact))))  # modulo 2π
         self.assertLess(off.max(), 2e-4)
-        # Near 0 (every training position, centred) it is the plain float32 product.
+        # Beyond 2^24 the error grows with |p|, within |p|·2^-37 (rope's docstring).
+        far = np.array([2**26, -(2**28) - 3, 2**31 - 1], np.int32)
+        got_far = np.asarray(self.variant(positions.angles)(far, inv_freq), np.float64)
+        exact_far = far[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
+        off_far = np.abs(np.angle(np.exp(1j * (got_far - exact_far))))
+        self.assertTrue(np.all(off_far <= np.abs(far[:, None]) * 2.0**-37), off_far)
+        # Near 0 it is the plain float32 product, bit for bit.
         small = np.abs(p) < 256
         plain = p[small, None].astype(np.float32) * np.asarray(inv_freq)
         np.testing.assert_array_equal(got[small], plain)
