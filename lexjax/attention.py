@@ -139,9 +139,9 @@ def context(
             decay_base = scale_base * scaled.decay_base_scale
         # Both position sets are shifted by one integer per row, which changes no
         # score (they depend on m − n): XPOS's scales stay far inside their safe
-        # range, and positions stay within 2^24 (positions.angles) for twice as
-        # many tokens. Per row, since rows
-        # may sit at different offsets; written so that no int32 sum overflows.
+        # range, and the rotary angles keep positions.angles' accuracy (|p| ≤ 2^24)
+        # for twice as many tokens. Per row, since rows may sit at different
+        # offsets; written so that no int32 sum overflows.
         low = jnp.min(k_positions, axis=-1, keepdims=True)
         shift = low + (jnp.max(q_positions, axis=-1, keepdims=True) - low) // 2
         if position == "rope":  # a new paired kind needs its own branch (tested)
