@@ -359,8 +359,10 @@ class SinusoidalTest(chex.TestCase):
     def test_values_at_millions_of_positions(self):
         """Absolute, never centred: a long dense sequence reaches these positions."""
         pos, dim = np.array([3_000_000, 2**24 - 1], np.int32), 16
-        inv_freq = np.float32(10000.0) ** (-2.0 * np.arange(dim // 2, dtype=np.float32) / dim)
-        angle = pos[:, None] * inv_freq.astype(np.float64)  # the float32 frequencies, exactly
+        # The frequencies 10000^(−2i/d) rounded once to float32 (a float32 power can be an
+        # ulp off, 0.1 rad at 2^24), then the exact product with them.
+        inv_freq = (10000.0 ** (-2.0 * np.arange(dim // 2) / dim)).astype(np.float32)
+        angle = pos[:, None] * inv_freq.astype(np.float64)
         want = np.stack([np.sin(angle), np.cos(angle)], axis=-1).reshape(2, dim)
         got = np.asarray(positions.sinusoidal(pos, dim), np.float64)
         np.testing.assert_allclose(got, want, atol=3e-4)
@@ -378,16 +380,20 @@ class AnglesTest(chex.TestCase):
             [np.arange(-300, 301), edges, np.negative(edges), rng.integers(-(2**24), 2**24, 500)]
         ).astype(np.int32)
         inv_freq = positions.rope_scaling(scaling, 16.0, 64, train_len=128).inv_freq
-        got = np.asarray(self.variant(positions.angles)(p, inv_freq), np.float64)
-        exact = p[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
-        off = np.abs(np.angle(np.exp(1j * (got - exact))))  # modulo 2π
-        self.assertLess(off.max(), 2e-4)
+        angles = self.variant(positions.angles)
+
+        def off(p):
+            """The computed angles and their distance (modulo 2π) from the exact product."""
+            got = np.asarray(angles(p, inv_freq), np.float64)
+            exact = p[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
+            return got, np.abs(np.angle(np.exp(1j * (got - exact))))
+
+        got, error = off(p)
+        self.assertLess(error.max(), 2e-4)
         # Beyond 2^24 the error grows with |p|, within |p|·2^-37 (rope's docstring).
         far = np.array([2**26, -(2**28) - 3, 2**31 - 1], np.int32)
-        got_far = np.asarray(self.variant(positions.angles)(far, inv_freq), np.float64)
-        exact_far = far[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)
-        off_far = np.abs(np.angle(np.exp(1j * (got_far - exact_far))))
-        self.assertTrue(np.all(off_far <= np.abs(far[:, None]) * 2.0**-37), off_far)
+        _, error_far = off(far)
+        self.assertTrue(np.all(error_far <= np.abs(far[:, None]) * 2.0**-37), error_far)
         # Near 0 it is the plain float32 product, bit for bit.
         small = np.abs(p) < 256
         plain = p[small, None].astype(np.float32) * np.asarray(inv_freq)
