@@ -1,8 +1,11 @@
-"""Where the tiny config's train step spends its time, from a JAX profiler trace.
+"""Where the tiny config's train step (or block scan) spends its time, from a JAX profiler trace.
 
-    python bench/profile_step.py [--dtype float32] [--position xpos] [--steps 3] [--top 15]
+    python bench/profile_step.py [--program train] [--dtype float32] [--position xpos]
+                                 [--steps 3] [--top 15]
 
-Traces a few warm train steps with ``jax.profiler.trace(...,
+``--program scan`` profiles the block-scan evaluation that ``xpos_overhead``
+times instead: 4 rows of 8 × train_len tokens, a step being one whole scan.
+Traces a few warm steps with ``jax.profiler.trace(...,
 create_perfetto_trace=True)``, reads the Perfetto JSON it writes, and sums
 the durations of the XLA operations by name and by kind (matmuls, fused
 elementwise loops, reductions, copies...). Prints a table; ``--json`` writes
@@ -72,6 +75,19 @@ def fusion_bodies(hlo_text: str) -> dict[str, str]:
     return bodies
 
 
+def described(hlo_text: str) -> dict[str, dict[str, str]]:
+    """``{instruction name: {"shape": its result, "source": the JAX operation it came
+    from}}`` of every instruction in compiled HLO text (what a fusion computes is
+    named by its metadata: e.g. ``…/layer_3/attention/concatenate``)."""
+    found = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) ", line)
+        if m:
+            source = re.search(r'op_name="([^"]*)"', line)
+            found[m.group(1)] = {"shape": m.group(2), "source": source.group(1) if source else ""}
+    return found
+
+
 def kind_of(name: str, bodies: dict[str, str]) -> str:
     body = bodies.get(name, name)
     for kind, pattern in KINDS:
@@ -87,8 +103,41 @@ def trace_events(log_dir: pathlib.Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def train_timer(config, steps: int):
+    """(the train step's compiled HLO, a timer of ``steps`` warm steps)."""
+    batches = common.train_batches(config.batch_size, config.train_len, 2)
+    setup, timer = common.train_timer(config, batches, steps)
+    with jax.set_mesh(setup.mesh):
+        lowered = setup.train_step.lower(setup.init_state(), setup.global_batch(batches[0]))
+        return lowered.compile().as_text(), timer
+
+
+def scan_timer(config, steps: int):
+    """(the block scan's compiled HLO, a timer of ``steps`` warm scans): the
+    evaluation ``xpos_overhead`` times, 4 rows of 8 × train_len tokens."""
+    import flax.linen as nn
+
+    from lexjax.blockwise import compiled_scan
+    from lexjax.model import Decoder
+
+    model = Decoder(config.model)
+    tokens = common.text_tokens(4 * (8 * config.train_len + 1), seed=2).reshape(4, -1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), inputs[:, :8]))["params"]
+    scan = compiled_scan(model, config.block)
+    hlo = scan.lower(params, inputs, targets).compile().as_text()
+
+    def run():
+        for _ in range(steps):
+            scan(params, inputs, targets).block_until_ready()
+
+    run()  # compiled and warm before the timed window
+    return hlo, lambda: common.timed(run)
+
+
 def main(argv=None) -> int:
     p = common.ArgumentParser(description=__doc__.split("\n\n")[0])  # errors: one line
+    p.add_argument("--program", choices=("train", "scan"), default="train")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--position", default="xpos")
     p.add_argument("--steps", type=int, default=3)
@@ -103,14 +152,7 @@ def main(argv=None) -> int:
     except ConfigError as e:  # --position=bogus: was a traceback
         p.error(str(e))
     started = common.Provenance()
-    batches = common.train_batches(config.batch_size, config.train_len, 2)
-    setup, timer = common.train_timer(config, batches, args.steps)
-    with jax.set_mesh(setup.mesh):
-        hlo = (
-            setup.train_step.lower(setup.init_state(), setup.global_batch(batches[0]))
-            .compile()
-            .as_text()
-        )
+    hlo, timer = (scan_timer if args.program == "scan" else train_timer)(config, args.steps)
     bodies = fusion_bodies(hlo)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -139,22 +181,31 @@ def main(argv=None) -> int:
     for n, s in leaves.items():
         by_kind[kind_of(n, bodies)] += s
     print(
-        f"{args.steps} steps, {seconds:.2f} s wall; {total:.2f} s in {len(leaves)} traced "
-        f"operations (summed over threads)"
+        f"{args.steps} {args.program} steps, {seconds:.2f} s wall; {total:.2f} s in "
+        f"{len(leaves)} traced operations (summed over threads)"
     )
     for kind, s in by_kind.most_common():
         print(f"  {kind:<22} {s:7.2f} s  {100 * s / total:5.1f} %")
     print("top operations:")
+    about = described(hlo)
+    top = []
     for n, s in sorted(leaves.items(), key=lambda kv: -kv[1])[: args.top]:
-        print(f"  {n[:40]:<40} {kind_of(n, bodies):<16} {s:7.3f} s  {100 * s / total:5.1f} %")
+        what = about.get(n, {"shape": "", "source": ""})
+        top.append({"name": n, "kind": kind_of(n, bodies), "seconds": s, **what})
+        print(
+            f"  {n[:40]:<40} {top[-1]['kind']:<16} {s:7.3f} s  {100 * s / total:5.1f} %  "
+            f"{what['shape']}"
+        )
     if args.json:
         pathlib.Path(args.json).write_text(
             json.dumps(
                 {
+                    "program": args.program,
                     "seconds": seconds,
                     "steps": args.steps,
                     "by_kind": dict(by_kind),
                     "by_name": dict(sorted(leaves.items(), key=lambda kv: -kv[1])),
+                    "top": top,
                     **started.record(),
                 },
                 indent=1,

@@ -497,6 +497,26 @@ def test_a_standalone_benchmarks_json_records_its_command_and_load(tmp_path):
     )
 
 
+def test_the_block_scans_profile_names_what_each_operation_computes(tmp_path, capsys):
+    """``--program scan`` profiles the evaluation xpos_overhead times, and the JSON says
+    which JAX operation each fused operation came from (the fusions' names alone do not)."""
+    from bench import profile_step
+
+    out = tmp_path / "p.json"
+    argv = ["--program", "scan", "--steps", "1", "--top", "500", "--json", str(out)]
+    assert profile_step.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["program"] == "scan" and record["steps"] == 1
+    top = record["top"]
+    assert [t["name"] for t in top] == list(record["by_name"])[: len(top)]
+    # The scan's loop body runs every layer's attention; its matmuls are float32 arrays.
+    sources = {t["source"] for t in top}
+    assert any("while/body" in s and "layer_0/attention" in s for s in sources), sources
+    matmuls = [t for t in top if t["kind"] == "matmul"]
+    assert matmuls and all(t["shape"].startswith("f32[") for t in matmuls)
+    assert "1 scan steps" in capsys.readouterr().out
+
+
 def test_the_rotation_layout_benchmark_times_both_layouts_and_records_its_run(tmp_path, capsys):
     module = programs.load_script("bench/rotation_layout.py")
     out = tmp_path / "r.json"
