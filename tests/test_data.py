@@ -873,6 +873,19 @@ def test_few_files_split_within_each_file_and_no_byte_is_in_two_splits(tmp_path,
         assert b"".join(stored[s][name] for s in data.SPLITS) == content
 
 
+def test_a_cut_inside_a_long_run_of_invalid_utf8_leaves_no_byte_in_two_splits(tmp_path):
+    """The 90% cut found no character start within its window and snapped to the end
+    of the file, past the 95% cut: train took the whole file and test its tail too."""
+    content = bytearray(b"line of text\n" * 120_000)  # 1,560,000 bytes
+    content[1_400_000:1_480_000] = b"\x80" * 80_000  # around the 90% cut, before the 95%
+    (tmp_path / "book.txt").write_bytes(bytes(content))
+    plan = data.plan_corpus("textfiles", str(tmp_path / "*.txt"))
+    assert plan.rule == "within files"
+    (t0, t1), (v0, v1), (s0, s1) = (_split_bytes(plan)[s]["book.txt"][0] for s in data.SPLITS)
+    assert (t0, t1, v1, s1) == (0, v0, s0, len(content))  # contiguous, no byte twice
+    assert t1 == int(0.9 * len(content)) and content[s0 - 1 : s0] == b"\n"
+
+
 def test_many_files_split_by_file_hash(tmp_path):
     names = [f"f{i:03d}.txt" for i in range(300)]
     for i, name in enumerate(names):

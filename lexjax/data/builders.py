@@ -368,7 +368,8 @@ def _keep_text(root: str, relpaths: list[str], skipped: dict[str, int]) -> list[
 
 def _snap(f, size: int, offset: int) -> int:
     """The first line start at or after `offset` within _SNAP_BYTES, else the
-    first UTF-8 character start at or after it (f is open in binary mode)."""
+    first UTF-8 character start at or after it, else `offset` itself (no character
+    starts there: invalid UTF-8). f is open in binary mode."""
     if offset <= 0 or offset >= size:
         return min(max(offset, 0), size)
     f.seek(offset - 1)
@@ -379,7 +380,7 @@ def _snap(f, size: int, offset: int) -> int:
     for i in range(1, len(window)):
         if window[i] & 0xC0 != 0x80:  # not a continuation byte
             return offset - 1 + i
-    return size
+    return offset
 
 
 def _distinct(root: str, relpaths: list[str], taken: set) -> tuple[list[str], list[str]]:
@@ -517,6 +518,7 @@ def plan_splits(
             size = os.path.getsize(path)
             with open(path, "rb") as f:
                 cuts = [0] + [_snap(f, size, int(size * x)) for x in fractions] + [size]
+            cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # never a byte twice
             for split, start, end in zip(["train"] + held, cuts, cuts[1:]):
                 if end > start:
                     pieces[split].append(Piece(root, relpath, start, end))
