@@ -886,6 +886,29 @@ def test_a_cut_inside_a_long_run_of_invalid_utf8_leaves_no_byte_in_two_splits(tm
     assert t1 == int(0.9 * len(content)) and content[s0 - 1 : s0] == b"\n"
 
 
+def test_two_file_names_that_read_alike_are_both_built(tmp_path):
+    """A Latin-1 name is stored with its undecodable byte as '\\xe9'; a name with those
+    four characters gave the same TFDS key, and the build ended in a traceback."""
+    corpus = os.fsencode(tmp_path / "corpus")
+    os.mkdir(corpus)
+    texts = {b"caf\xe9.txt": b"first file's text\n" * 200, b"caf\\xe9.txt": b"other text\n" * 200}
+    for name, text in texts.items():
+        with open(os.path.join(corpus, name), "wb") as f:
+            f.write(text)
+    files = str(tmp_path / "corpus" / "*.txt")
+    stored = b"".join(
+        sorted(
+            source[i]
+            for split in data.SPLITS
+            for source in [data.load_source("textfiles", split, tmp_path / "tfds", files)]
+            for i in range(len(source))
+        )
+    )
+    assert sorted(stored.splitlines(keepends=True)) == sorted(
+        b"".join(texts.values()).splitlines(keepends=True)
+    )
+
+
 def test_many_files_split_by_file_hash(tmp_path):
     names = [f"f{i:03d}.txt" for i in range(300)]
     for i, name in enumerate(names):

@@ -713,6 +713,7 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         return {split: self._generate_examples(plan.pieces[split]) for split in SPLITS}
 
     def _generate_examples(self, pieces):
+        keys = set()
         for piece in pieces:
             for start, chunk in documents(piece):
                 text, replaced = decode_text(chunk)
@@ -722,6 +723,9 @@ class _FileCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                 # TFDS's key-hash order of the documents (hence evaluation's) stays.
                 name = path_text(piece.relpath)
                 key = name if start == 0 else f"{name}@{start}"
+                while key in keys:  # names that read alike: 'caf\xe9' in Latin-1 and ASCII
+                    key += "+"
+                keys.add(key)
                 yield key, {"text": text, "path": name}
 
 
