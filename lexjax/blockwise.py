@@ -73,6 +73,8 @@ __all__ = [
     "KVCache",
     "window_positions",
     "window_mask",
+    "bca_problem",
+    "check_bca",
     "block_step",
     "scan_blocks",
     "scan_prefix",
@@ -176,6 +178,27 @@ def window_mask(index: int, block: int, length: int) -> np.ndarray:
     return (previous | current) & (start + q < length)
 
 
+def bca_problem(config: ModelConfig, block: int) -> str | None:
+    """Why BCA cannot run this model at ``block``, or None: where dynamic NTK's factor
+    would differ between the block scan and BCA decoding. Its s = (largest query
+    position + 1) / ``rope_train_len`` is 1 in both only while ``rope_train_len``
+    covers the window's 2·block positions (a scan's queries stand at w … 2w−1 in
+    every block, a decoding step's anywhere in 0 … 2w−1)."""
+    if config.rope_scaling == "dynamic_ntk" and (config.rope_train_len or 0) < 2 * block:
+        return (
+            f"dynamic NTK with BCA takes s = 1, as the window's positions stay below "
+            f"2·block = {2 * block}; that needs model.rope_train_len ≥ {2 * block}, not "
+            f"{config.rope_train_len} (or evaluate without BCA)"
+        )
+    return None
+
+
+def check_bca(config: ModelConfig, block: int) -> None:
+    """A one-line :class:`~lexjax.errors.ConfigError` where :func:`bca_problem` names one."""
+    if problem := bca_problem(config, block):
+        raise ConfigError(problem)
+
+
 def block_step(
     model: Decoder, params, previous: KVCache, tokens_BxW, first, *, return_scores: bool = False
 ):
@@ -195,6 +218,7 @@ def block_step(
       ``return_scores``, else None.
     """
     B, W = tokens_BxW.shape
+    check_bca(model.config, W)
     if previous.valid.shape != (B, W):
         raise ValueError(
             f"the previous block's cache holds {previous.valid.shape[0]} rows of "

@@ -76,6 +76,7 @@ from lexjax import resolution as res_lib
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import (
     KVCache,
+    bca_problem,
     compiled_scan,
     for_loop,
     pad_to,
@@ -489,6 +490,8 @@ def cell_problem(
             return str(e)
     if mode == "sinks":
         return sinks_problem(config, block)
+    if mode == "bca":
+        return bca_problem(config, block)
     return None
 
 

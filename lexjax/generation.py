@@ -37,7 +37,15 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import distributed
 from lexjax import sharding as shard_lib
-from lexjax.blockwise import KVCache, block_step, for_loop, pad_to, scan_prefix, window_positions
+from lexjax.blockwise import (
+    KVCache,
+    block_step,
+    check_bca,
+    for_loop,
+    pad_to,
+    scan_prefix,
+    window_positions,
+)
 from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError, StdoutClosed, arg
 from lexjax.evaluation import full_length_limit, full_length_problem
@@ -97,6 +105,7 @@ def prefill(model: Decoder, params, prompt_BxP, *, block: int):
     prompts of many lengths compile a few times, not once per block count.
     """
     prompt_BxP = _tokens(prompt_BxP)
+    check_bca(model.config, block)  # its decoding steps' s would follow their positions
     length = prompt_BxP.shape[1]
     padded = pad_to(prompt_BxP, _blocks_bucket(length, block) * block)
     return _compiled_prefill(model, block)(params, padded, jnp.asarray(length, jnp.int32))

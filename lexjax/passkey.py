@@ -51,6 +51,7 @@ import numpy as np
 from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
+from lexjax.blockwise import bca_problem
 from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import DataError, EvaluationError, arg, counted
 from lexjax.model import Decoder
@@ -390,9 +391,13 @@ def _sorted_depths(depths: Sequence[float]) -> list[float]:
 
 
 def cell_problem(
-    config: ModelConfig, mode: str, length: int, tokenizer: data_lib.Tokenizer = data_lib.BYTES
+    config: ModelConfig,
+    mode: str,
+    length: int,
+    tokenizer: data_lib.Tokenizer = data_lib.BYTES,
+    block: int | None = None,
 ) -> str | None:
-    """Why the cell (mode, length) cannot be measured, or None."""
+    """Why the cell (mode, length) cannot be measured (at ``block``, if given), or None."""
     if mode not in generation.MODES:
         return f"generation cannot decode in mode {mode}"
     if length < min_length(tokenizer):
@@ -402,6 +407,8 @@ def cell_problem(
             evaluation.check_full_length(config, length + NEW_TOKENS)
         except EvaluationError as e:
             return str(e)
+    if mode == "bca" and block is not None:
+        return bca_problem(config, block)
     return None
 
 
@@ -452,7 +459,7 @@ def passkey_accuracy(
     cells = evaluation.usable_cells(
         modes,
         lengths,
-        lambda mode, length: cell_problem(model.config, mode, length, tokenizer),
+        lambda mode, length: cell_problem(model.config, mode, length, tokenizer, block),
         strict=strict,
         say=say,
         what="passkey ",
@@ -577,7 +584,7 @@ def evaluate_passkey(
         {"mode": m, "length": n, "reason": problem}
         for m in modes
         for n in lengths
-        if (problem := cell_problem(config.model, m, n, tokenizer))
+        if (problem := cell_problem(config.model, m, n, tokenizer, config.block))
     ]
     if len(skipped) == len(modes) * len(lengths):
         shortest = min_length(tokenizer)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lexjax import data as data_lib
-from lexjax import evaluation, generation
+from lexjax import evaluation, generation, passkey
 from lexjax.errors import ConfigError, EvaluationError
 from lexjax.model import Decoder
 from tests.helpers import SMALL_MODEL, TRAIN_LEN, small_config
@@ -30,14 +30,16 @@ def model_params():
 
 
 @pytest.mark.parametrize(
-    "prompt_len,scaling", [(1, "none"), (W + 3, "none"), (2 * W, "none"), (W + 3, "yarn")]
+    "prompt_len,scaling",
+    [(1, "none"), (W + 3, "none"), (2 * W, "none"), (W + 3, "yarn"), (W + 3, "dynamic_ntk")],
 )
 def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len, scaling):
     model, params = model_params
     if scaling != "none":  # an explicit factor: every step, the scan and the mask share it
+        factor = 0.0 if scaling == "dynamic_ntk" else 3.0  # dynamic: s = 1 within the window
         model = Decoder(
             dataclasses.replace(
-                CONFIG, rope_scaling=scaling, rope_factor=3.0, rope_train_len=TRAIN_LEN
+                CONFIG, rope_scaling=scaling, rope_factor=factor, rope_train_len=TRAIN_LEN
             )
         )
     tokens = jnp.asarray(
@@ -54,10 +56,29 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len,
     by_decoding = jnp.take_along_axis(jax.nn.log_softmax(decoded), targets[..., None], -1)[..., 0]
     by_scan = evaluation.block_scan_logprobs(model, params, tokens, W)[:, prompt_len - 1 :]
     np.testing.assert_allclose(by_decoding, by_scan, atol=2e-5, rtol=1e-5)
+    if scaling == "dynamic_ntk":  # one forward of every token takes the s of its length
+        return
     # Every logit, not only the target's: the explicit blockwise mask (the scan's equal).
     explicit, _ = model.apply({"params": params}, tokens[:, :-1], block=W)
     np.testing.assert_allclose(decoded, explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5)
     assert state["cache"].k.shape[2] == 2 * W  # bounded, whatever the length
+
+
+def test_dynamic_ntk_with_bca_needs_a_rope_train_len_that_covers_the_window(model_params):
+    """Below 2w, decoding's s followed its query positions (0 … 2w−1) while the scan's
+    stood at 2w / rope_train_len in every block: the two gave other logits."""
+    _, params = model_params
+    short = dataclasses.replace(CONFIG, rope_scaling="dynamic_ntk", rope_train_len=2 * W - 1)
+    model = Decoder(short)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (1, 3 * W)))
+    message = rf"^dynamic NTK with BCA .* needs model.rope_train_len ≥ {2 * W}, not {2 * W - 1} "
+    with pytest.raises(ConfigError, match=message):
+        generation.prefill(model, params, tokens[:, :3], block=W)
+    with pytest.raises(ConfigError, match=message):
+        evaluation.block_scan_logprobs(model, params, tokens, W)
+    assert evaluation.cell_problem(short, "bca", 2 * W, 2 * W, W).startswith("dynamic NTK")
+    assert passkey.cell_problem(short, "bca", 128, block=W).startswith("dynamic NTK")
+    assert evaluation.cell_problem(short, "full", 2 * W, 2 * W, W) is None
 
 
 def test_sampling_filters():
