@@ -92,6 +92,7 @@ def context(
     rope_scaling: str = "none",
     rope_factor=1.0,
     train_len: int | None = None,
+    rope_length=None,
     halves: bool = False,
 ) -> Context:
     """Builds the shared :class:`Context` of one forward (pure).
@@ -107,7 +108,8 @@ def context(
     :func:`lexjax.positions.rope_scaling` with factor ``rope_factor`` (≥ 1)
     from training length ``train_len``; ``dynamic_ntk`` ignores the factor and
     takes s = max(1, n/train_len) with n = the largest query position + 1 (the
-    positions processed so far), before XPOS's centring. Every key, cached ones
+    positions processed so far), before XPOS's centring, or ``rope_length`` where
+    given (a chunk padded past the real tokens: their count). Every key, cached ones
     too (they are cached before encoding), is rotated with this call's
     frequencies, so a chunk's queries and all earlier keys share one s.
     ``xpos_norotate``: XPOS tables with θ_i = 0 (decay only).
@@ -129,7 +131,8 @@ def context(
             extension = dict(inv_freq=jnp.zeros(head_dim // 2, jnp.float32))
         elif rope_scaling != "none":
             if rope_scaling == "dynamic_ntk":
-                rope_factor = pos_lib.length_factor(jnp.max(q_positions) + 1, train_len)
+                seen = jnp.max(q_positions) + 1 if rope_length is None else rope_length
+                rope_factor = pos_lib.length_factor(seen, train_len)
             scaled = pos_lib.rope_scaling(
                 rope_scaling, rope_factor, head_dim, theta=theta, train_len=train_len
             )

@@ -41,14 +41,16 @@ factor of 0 means each evaluated length / ``rope_train_len``, resolved here
 per length (:func:`at_length`) in both modes, so a BCA window of train_len
 tokens is compressed by the same s as the dense path (the windows never exceed
 train_len, so there a scaling can only compress). ``dynamic_ntk`` follows the
-positions processed: with BCA they stay below train_len (s = 1, no change);
-without BCA each chunk of ``w`` queries takes s = max(1, (end of the chunk)/L)
-and rotates every cached key with it (keys are cached before encoding). For
-one layer that is exactly a dense forward over the prefix with that s (tested);
-from the second layer on, a cached key is the projection of a hidden state
-computed when its own chunk ran, at that chunk's s — what any KV cache keeps
-(implementations that cache rotated keys also keep their old rotation). With
-the default factor, ``ntk`` instead takes s = L/train_len for every chunk.
+positions processed: with BCA they stay below train_len (s = 1, no change;
+BCA refuses a ``rope_train_len`` below its window,
+:func:`lexjax.blockwise.bca_problem`); without BCA each chunk of ``w`` queries
+takes s = max(1, (end of the chunk)/L), the last real token's position + 1 for
+a padded last chunk, and rotates every cached key with it (keys are cached
+before encoding). For one layer that is exactly a dense forward over the
+prefix with that s (tested); from the second layer on, a cached key is the
+projection of a hidden state computed when its own chunk ran, at that chunk's
+s — what any KV cache keeps (implementations that cache rotated keys also keep
+their old rotation). With the default factor, ``ntk`` instead takes s = L/train_len for every chunk.
 """
 
 from __future__ import annotations
@@ -329,10 +331,11 @@ def full_length_limit(config: ModelConfig) -> float:
 
 @functools.cache
 def _compiled_full(model: Decoder, chunk: int):
-    """``(params, inputs [B, n·C], targets) → logprobs``: causal attention over all
-    earlier positions, C queries per step against an ``n·C``-slot cache."""
+    """``(params, inputs [B, n·C], targets, length) → logprobs``: causal attention over
+    all earlier positions, C queries per step against an ``n·C``-slot cache; the first
+    ``length`` inputs are real (dynamic NTK counts no padding)."""
 
-    def run(params, inputs_BxN, targets_BxN):
+    def run(params, inputs_BxN, targets_BxN, length):
         B, N = inputs_BxN.shape
         n = N // chunk
         # Unwritten slots keep position 0 (and are invalid), so XPOS's centring
@@ -349,8 +352,9 @@ def _compiled_full(model: Decoder, chunk: int):
             tokens_BxC, targets_BxC, index = xs
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            seen = jnp.minimum(start + chunk, length)
             logits, kv = loop_model.apply(
-                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache
+                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache, rope_length=seen
             )
             return cache.write(start, kv, positions_BxC), target_logprobs(logits, targets_BxC)
 
@@ -379,7 +383,8 @@ def full_logprobs(model: Decoder, params, tokens_BxL, *, chunk: int):
         # n ≤ max_len, a training-sized matrix; padding could stand past the
         # table, where a lookup is NaN and 0·NaN would reach the real tokens.
         chunk = n
-    logprobs = _compiled_full(model, chunk)(params, pad_to(inputs, chunk), pad_to(targets, chunk))
+    run = _compiled_full(model, chunk)
+    logprobs = run(params, pad_to(inputs, chunk), pad_to(targets, chunk), jnp.int32(n))
     return logprobs[:, :n]
 
 

@@ -164,8 +164,10 @@ def _compiled_dense_prefill(model: Decoder, chunk: int, slots: int):
             tokens_BxC, index = xs
             start = index * chunk
             positions_BxC = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            # Dynamic NTK's n: the real tokens up to this chunk's end, not its padding.
+            seen = jnp.minimum(start + chunk, length)
             logits, kv = loop_model.apply(
-                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache
+                {"params": loop_params}, tokens_BxC, positions_BxC, cache=cache, rope_length=seen
             )
             at = length - 1 - start  # the last real token, if in this chunk
             here = (at >= 0) & (at < chunk)

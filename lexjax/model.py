@@ -301,7 +301,7 @@ class Decoder(nn.Module):
 
     ``__call__(tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
     cache=None, block=None, window=None, sinks=None, sink_positions_BxT=None,
-    return_scores=False)`` returns ``(logits_BxTxV
+    rope_length=None, return_scores=False)`` returns ``(logits_BxTxV
     float32, new_kv)`` where ``new_kv = (k, v): [L, B, T, H, K]`` are this
     call's keys and values before position encoding (XLA removes them when
     unused; with xpos, rope or xpos_norotate each key's rotated pairs are in
@@ -329,6 +329,9 @@ class Decoder(nn.Module):
     to every layer's shared tables (:func:`lexjax.attention.context`); its
     factor 0 is this call's length / ``rope_train_len`` without a cache and 1
     with one (:func:`lexjax.evaluation.at_length` resolves it per evaluated length).
+    ``dynamic_ntk``'s n is the largest query position + 1, or ``rope_length`` (int32
+    scalar, may be traced) where given: a chunk padded past the real tokens passes
+    their count, so padding does not set the factor.
 
     ``rules`` (``sharding.rules(config)``; optional): under a mesh, the embedding
     output, every layer's output, q/k/v, the MLP's activations and the logits are
@@ -370,6 +373,7 @@ class Decoder(nn.Module):
         window: int | None = None,
         sinks=None,
         sink_positions_BxT=None,
+        rope_length=None,
         return_scores: bool = False,
     ):
         c = self.config
@@ -473,7 +477,9 @@ class Decoder(nn.Module):
             halves=True,
             segment_ids=segments if splash else None,
             block=block if splash else None,
-            **_rope_extension(c, T, cached=cache is not None, streaming=window is not None),
+            **_rope_extension(
+                c, T, cached=cache is not None, streaming=window is not None, seen=rope_length
+            ),
         )
         if sinks is not None:
             sink_mask = masks.causal_by_position(sink_positions_BxT, sinks.positions)
@@ -550,7 +556,9 @@ class Decoder(nn.Module):
         return logits_BxTxV, new_kv
 
 
-def _rope_extension(c: ModelConfig, length: int, *, cached: bool, streaming: bool = False) -> dict:
+def _rope_extension(
+    c: ModelConfig, length: int, *, cached: bool, streaming: bool = False, seen=None
+) -> dict:
     """:func:`lexjax.attention.context`'s RoPE-extension arguments for this call.
 
     ``rope_factor`` 0 means the evaluated length / ``rope_train_len``: here the
@@ -573,7 +581,8 @@ def _rope_extension(c: ModelConfig, length: int, *, cached: bool, streaming: boo
     factor = c.rope_factor
     if not factor:
         factor = 1.0 if cached else pos_lib.length_factor(length, c.rope_train_len)
-    return dict(rope_scaling=c.rope_scaling, rope_factor=factor, train_len=c.rope_train_len)
+    extension = dict(rope_scaling=c.rope_scaling, rope_factor=factor, train_len=c.rope_train_len)
+    return extension | ({"rope_length": seen} if c.rope_scaling == "dynamic_ntk" else {})
 
 
 def count_params(params) -> int:

@@ -143,20 +143,25 @@ def test_dynamic_ntk_without_bca_takes_the_factor_of_each_chunk():
     """Chunk j (queries jC … jC + C − 1) of a one-layer model is scored as a dense
     forward over the prefix up to its end with NTK's s = max(1, (j + 1)·C / train_len):
     every earlier key is re-encoded with the chunk's s. (With more layers the cached
-    keys of layer 2 on come from hidden states computed at their own chunk's s.)"""
+    keys of layer 2 on come from hidden states computed at their own chunk's s.)
+    A last chunk padded to C ends at the last real token: padding took s from its own
+    positions."""
     model = Decoder(dataclasses.replace(BASE, num_layers=1))
     params = nn.unbox(model.init(jax.random.key(4), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
-    tokens = _tokens(2, 5 * W + 1, seed=9)
-    got = np.asarray(
-        evaluation.full_logprobs(_scaled(model, "dynamic_ntk"), params, tokens, chunk=W)
-    )
-    for j in range(5):
-        end = (j + 1) * W
-        s = max(1.0, end / TRAIN_LEN)
-        ntk = _scaled(model, "ntk", s) if s > 1 else model
-        logits, _ = ntk.apply({"params": params}, tokens[:, :end])
-        want = _logprobs(logits, tokens[:, 1 : end + 1])[:, -W:]
-        np.testing.assert_allclose(got[:, j * W : end], want, atol=2e-5, rtol=1e-5, err_msg=f"{j}")
+    for tokens in (_tokens(2, 5 * W + 1, seed=9), _tokens(2, 4 * W + 4, seed=9)):
+        n = tokens.shape[1] - 1
+        got = np.asarray(
+            evaluation.full_logprobs(_scaled(model, "dynamic_ntk"), params, tokens, chunk=W)
+        )
+        for j in range(-(-n // W)):
+            end = min((j + 1) * W, n)
+            s = max(1.0, end / TRAIN_LEN)
+            ntk = _scaled(model, "ntk", s) if s > 1 else model
+            logits, _ = ntk.apply({"params": params}, tokens[:, :end])
+            want = _logprobs(logits, tokens[:, 1 : end + 1])[:, j * W - end :]
+            np.testing.assert_allclose(
+                got[:, j * W : end], want, atol=2e-5, rtol=1e-5, err_msg=f"{n} tokens, {j}"
+            )
     # Under BCA the window positions stay below train_len: s = 1, no change at all.
     np.testing.assert_allclose(
         evaluation.block_scan_logprobs(_scaled(model, "dynamic_ntk"), params, tokens, W),

@@ -64,6 +64,21 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len,
     assert state["cache"].k.shape[2] == 2 * W  # bounded, whatever the length
 
 
+def test_full_mode_prefill_with_dynamic_ntk_counts_the_prompt_not_its_padding():
+    """One layer, where the chunked prefill is a dense forward over the prompt: a prompt
+    padded to whole chunks took dynamic NTK's s from the padding's last position."""
+    config = dataclasses.replace(
+        CONFIG, num_layers=1, rope_scaling="dynamic_ntk", rope_train_len=TRAIN_LEN
+    )
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    for length in (3 * W, 3 * W + 3):  # s = 1.5, and 1.6875 (padded: 2)
+        prompt = np.random.default_rng(length).integers(0, CONFIG.vocab_size, (2, length))
+        logits, _ = generation._dense_prefill(model, params, prompt.astype(np.int32), W, 1)
+        dense, _ = model.apply({"params": params}, jnp.asarray(prompt, jnp.int32))
+        np.testing.assert_allclose(logits, dense[:, -1], atol=2e-5, rtol=1e-5, err_msg=f"{length}")
+
+
 def test_dynamic_ntk_with_bca_needs_a_rope_train_len_that_covers_the_window(model_params):
     """Below 2w, decoding's s followed its query positions (0 … 2w−1) while the scan's
     stood at 2w / rope_train_len in every block: the two gave other logits."""
