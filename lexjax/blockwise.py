@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lexjax.config import ABSOLUTE_ENCODINGS, ModelConfig
+from lexjax.config import ABSOLUTE_ENCODINGS, ModelConfig, check_int
 from lexjax.errors import ConfigError, arg
 from lexjax.model import _DTYPES, Decoder, halve_kernels
 
@@ -279,6 +279,7 @@ def scan_blocks(
 
 
 def _check_whole_blocks(tokens_BxN, block: int) -> None:
+    check_int(arg("block"), block)  # 0 was a ZeroDivisionError
     if (N := tokens_BxN.shape[1]) % block:
         raise ValueError(f"{N} tokens are not whole blocks of {block}; pad them with pad_to first")
 
@@ -350,6 +351,7 @@ def sink_window(block: int, sinks: int) -> int:
     """W = train_len − sinks = 2w − sinks: the recent tokens each query sees
     (itself included). Raises :class:`~lexjax.errors.ConfigError` (a ValueError)
     unless ``0 ≤ sinks ≤ w`` (the sinks come from the first block)."""
+    check_int(arg("block"), block)
     if (
         not isinstance(sinks, numbers.Integral)
         or isinstance(sinks, bool)

@@ -406,6 +406,7 @@ def generate(
     in one collective per chunk), e.g. once the reader of the text went away.
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
+    check_int(arg("block"), block)  # 0 was a ZeroDivisionError
     max_new_tokens = int(max_new_tokens)  # numpy's too
     if mode not in MODES:
         raise ConfigError(f"{arg('mode')}={mode!r}: generation decodes in {' or '.join(MODES)}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.profile_step import computations
-from lexjax import masks
+from lexjax import generation, masks
 from lexjax.blockwise import (
     KVCache,
     block_step,
@@ -20,6 +20,7 @@ from lexjax.blockwise import (
     window_positions,
 )
 from lexjax.config import ModelConfig
+from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 
 W = 4
@@ -69,6 +70,17 @@ def test_a_write_past_the_cache_or_a_step_of_another_block_size_is_refused():
         block_step(model, params, cache, jnp.ones((2, W), jnp.int32), False)
     with pytest.raises(ValueError, match=f"{3 * W - 1} tokens are not whole blocks of {W}; pad"):
         scan_blocks(model, params, jnp.ones((1, 3 * W - 1), jnp.int32), W)
+    # A block of 0 was a ZeroDivisionError in each of them.
+    tokens = jnp.ones((1, 2 * W), jnp.int32)
+    for run in (
+        lambda: scan_blocks(model, params, tokens, 0),
+        lambda: scan_sinks(model, params, tokens, 0, 0),
+        lambda: generation.generate(
+            model, params, tokens, block=0, max_new_tokens=1, rng=jax.random.key(0)
+        ),
+    ):
+        with pytest.raises(ConfigError, match="^block=0 must be a positive integer$"):
+            run()
 
 
 @pytest.mark.parametrize("length", [W, 3 * W, 3 * W - 1])
