@@ -663,10 +663,15 @@ class Checkpointer:
             self._verified.pop(s, None)
 
     def _verify_on_host(self, step: int) -> bool:
-        """Reads `step` back into host memory and checks it (cached)."""
+        """Reads `step` back into host memory and checks it as a restore would (cached)."""
         if step not in self._verified:
             try:
                 integrity = self._read_integrity(step)
+                # The records a restore and load_params refuse a step for (no collective
+                # here: every process reaches the one below whatever it finds).
+                self._read_config(step, integrity)
+                if error := self._tokenizer_on_this_process(step, integrity)[1]:
+                    raise _Damaged(error)
                 names = list(integrity["leaves"])
                 handler = ocp.PyTreeCheckpointHandler()
                 tree = handler.metadata(self._step_dir(step) / _STATE).tree
@@ -787,10 +792,18 @@ class Checkpointer:
     def _read_tokenizer(self, step: int, integrity: dict | None = None) -> dict[str, Any] | None:
         """The tokenizer record of ``step``, checked as :meth:`_read_config` checks."""
         integrity = self._read_integrity(step) if integrity is None else integrity
+        record, error = self._tokenizer_on_this_process(step, integrity)
+        if not all_processes(error is None):
+            raise _Damaged(error or "tokenizer record damaged on another process")
+        return record
+
+    def _tokenizer_on_this_process(self, step: int, integrity: dict) -> tuple[Any, str | None]:
+        """``(the tokenizer record or None, what is wrong with it or None)``."""
         if not self._has_item(step, _TOKENIZER):
             if "tokenizer_sha256" in integrity:  # It was written with the step.
-                raise _Damaged("tokenizer record missing")
-            return None
+                return None, "tokenizer record missing"
+            return None, None
+        record = None
         try:
             record = self._manager.restore(
                 step, args=ocp.args.Composite(**{_TOKENIZER: ocp.args.JsonRestore()})
@@ -801,9 +814,7 @@ class Checkpointer:
             error = str(e)
         except Exception as e:
             error = f"tokenizer record unreadable ({one_line(e, innermost=True)})"
-        if not all_processes(error is None):
-            raise _Damaged(error or "tokenizer record damaged on another process")
-        return record
+        return record, error
 
     def _pick_step(self, step: int | None) -> int:
         steps = self.all_steps()

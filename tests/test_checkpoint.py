@@ -545,6 +545,27 @@ def test_gc_keeps_the_last_good_step(two_steps, tmp_path):
     ckpt.close()
 
 
+@pytest.mark.parametrize("record", ["config", "tokenizer"])
+def test_gc_keeps_the_last_good_step_when_the_newest_has_a_damaged_record(
+    two_steps, tmp_path, record
+):
+    """Garbage collection read back only the arrays; a restore refuses a step whose
+    config or tokenizer record fails its checksum, so step 1 was deleted and no
+    good step was left."""
+    path = fresh_copy(two_steps, tmp_path)
+    metadata = path / "2" / record / "metadata"
+    text = metadata.read_bytes()
+    at = text.index(b'"step"' if record == "tokenizer" else b'"seed"') + 1
+    metadata.write_bytes(text[:at] + bytes([text[at] ^ 1]) + text[at + 1 :])
+    ckpt = Checkpointer(path, keep=1)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    mesh = mesh_of(8)
+    restored, config, step = ckpt.restore(abstract_state=abstract(make_state(mesh, seed=1), mesh))
+    assert (step, config) == (1, {"seed": 1})
+    ckpt.close()
+
+
 def test_other_model_shape_is_refused(two_steps, tmp_path):
     mesh = mesh_of(8)
     ckpt = Checkpointer(fresh_copy(two_steps, tmp_path))
