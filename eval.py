@@ -98,7 +98,7 @@ _BCA = flags.DEFINE_enum(
     "bca",
     "both",
     ["both", "on", "off"],
-    "Blockwise causal attention: both modes, only with, only without (--modes overrides).",
+    "Blockwise causal attention: both modes, only with, only without (or give --modes instead).",
 )
 _MODES = flags.DEFINE_list(
     "modes",
