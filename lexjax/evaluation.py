@@ -1103,6 +1103,8 @@ def evaluate_run(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
         )
         config = dataclasses.replace(config, model=scaled)
+    # What runs, the flag's or the run's own (trained with one): labels, names, JSON.
+    rope_scaling, rope_factor = config.model.rope_scaling, config.model.rope_factor
     rules = shard_lib.rules(config)
     model = Decoder(config.model, rules)
     train_len, position = config.train_len, config.model.position

@@ -1,6 +1,8 @@
 """eval.py on a tiny trained workdir: outputs, schema, and one-line errors."""
 
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -19,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lexjax import checkpoint, reports
+from lexjax import checkpoint, evaluation, reports
 from tests.processes import interruptible, kill, make_read_only, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -744,6 +746,42 @@ def test_a_rope_scaling_is_in_every_row_and_its_own_file(tmp_path):
     assert pi.perplexity != pytest.approx(rows[64]["perplexity"], rel=1e-4)
     kept = sorted(f for f in os.listdir(eval_dir) if re.match(r"perplexity-.+\.json$", f))
     assert len(kept) == 2 and named in kept and any("-budget64-pi2-" in f for f in kept), kept
+
+
+def test_a_run_trained_with_a_rope_scaling_is_labelled_and_named_by_it(tmp_path):
+    """Without --rope_scaling the run's own scaling ran and every row said so, but the
+    table's label, the file name and the JSON's top level said there was none."""
+    import lexjax
+
+    workdir = _fixture_copy(tmp_path)
+    run = lexjax.load(workdir)
+    yarn = dataclasses.replace(run.config.model, rope_scaling="yarn", rope_factor=2.0)
+    kwargs = dict(
+        lengths=[64],
+        max_length=64,
+        modes=("full",),
+        eval_files="tests/fixtures/eval_text.txt",
+        tokenizer=run.tokenizer,
+        say=lambda _: None,
+    )
+    evaluate = functools.partial(evaluation.evaluate_run, params=run.params, step=run.step)
+    (own,), written = evaluate(
+        dataclasses.replace(run.config, model=yarn), workdir=workdir, **kwargs
+    )
+    name = re.compile(r"perplexity-step6-full-budget64-yarn2-[0-9a-f]{8}\.json$")
+    (named,) = [p for p in written if name.search(p)]
+    with open(named) as f:
+        saved = json.load(f)
+    assert (saved["rope_scaling"], saved["settings"]["rope_factor"]) == ("yarn", 2.0)
+    assert (own.rope_scaling, own.rope_factor) == ("yarn", 2.0)
+    # The same as asking for that scaling of the unscaled run: one file, one number.
+    other = tmp_path / "asked"
+    shutil.copytree(workdir, other)
+    (asked,), again = evaluate(
+        run.config, workdir=other, rope_scaling="yarn", rope_factor=2.0, **kwargs
+    )
+    assert [os.path.basename(p) for p in again if name.search(p)] == [os.path.basename(named)]
+    assert asked.perplexity == own.perplexity
 
 
 def _tamper_integrity(workdir, leaf_prefix):
