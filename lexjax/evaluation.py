@@ -1032,11 +1032,13 @@ def resolution_protocol(
     max_docs: int,
     where: str = "the held-out text",
     say: Callable[[str], None] = _stderr,
+    skipped: list[dict] | None = None,
 ) -> list[ResolutionResult]:
     """Attention resolution at 1× and 2× ``train_len`` (paper Table 3) over the
     first ``max_docs`` documents of at least 2× ``train_len`` tokens, in each of
     ``modes`` (some of :data:`RESOLUTION_MODES`). A length a mode cannot evaluate
-    is skipped with a note (raises when it is the only mode)."""
+    is skipped with a note (raises when it is the only mode), and appended to
+    ``skipped`` (if given) as ``{"mode", "length", "reason"}``."""
     longest = 2 * train_len
     chosen = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
     results = []
@@ -1049,6 +1051,8 @@ def resolution_protocol(
                 if len(modes) == 1:
                     raise
                 say(f"note: no resolution at length {length} without BCA: {e}")
+                if skipped is not None:
+                    skipped.append({"mode": mode, "length": length, "reason": str(e)})
     return results
 
 
@@ -1213,6 +1217,7 @@ def evaluate_run(
         if len(resolution_modes) < len(modes):
             unmeasured = ", ".join(m for m in modes if m not in RESOLUTION_MODES)
             say(f"note: attention resolution is not measured in mode {unmeasured}")
+        unmeasurable = []  # in the JSON, as perplexity's missing cells
         measured = resolution_protocol(
             model,
             params,
@@ -1223,6 +1228,7 @@ def evaluate_run(
             max_docs=max_docs,
             where=where,
             say=say,
+            skipped=unmeasurable,
         )
         # What it measured: its own documents and modes (a name per measurement).
         # Not perplexity's lengths or sinks, which it does not measure: one measurement
@@ -1246,9 +1252,10 @@ def evaluate_run(
 
         def write_resolution():  # the settings' own record first, the latest last
             for path in reversed(paths):
-                reports.write_json(
-                    path, reports.resolution_json(measured, **info, settings=settings)
+                record = reports.resolution_json(
+                    measured, **info, settings=settings, missing=unmeasurable
                 )
+                reports.write_json(path, record)
 
         reports.write_then_show(write_resolution, show_resolution)
     if figure:

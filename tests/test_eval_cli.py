@@ -101,6 +101,7 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert {(r["mode"], r["length"]) for r in resolution["results"]} == {
         (m, n) for m in ("bca", "full") for n in (32, 64)
     }
+    assert resolution["missing"] == []  # as perplexity.json's: what could not be measured
     for name in ("perplexity.png", "expectation.png"):
         assert os.path.getsize(os.path.join(eval_dir, name)) > 0
 

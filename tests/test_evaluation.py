@@ -263,6 +263,32 @@ def test_resolution_pools_the_scores_each_mode_attends(models):
     assert np.isfinite(full.mean) and np.isfinite(bca.mean)
 
 
+def test_resolution_names_the_measurements_a_mode_could_not_make(models):
+    """A learned table of train_len positions cannot be read at 2 × train_len without
+    BCA: skipped with a note, and now also listed (resolution.json had no trace of it)."""
+    model, params = models["learned"]
+    docs = _documents(2, 2 * TRAIN_LEN, seed=12)
+    skipped, notes = [], []
+    results = evaluation.resolution_protocol(
+        model,
+        params,
+        docs,
+        train_len=TRAIN_LEN,
+        block=W,
+        modes=("bca", "full"),
+        max_docs=2,
+        say=notes.append,
+        skipped=skipped,
+    )
+    assert [(r.mode, r.length) for r in results] == [
+        ("bca", TRAIN_LEN),
+        ("bca", 2 * TRAIN_LEN),
+        ("full", TRAIN_LEN),
+    ]
+    assert [(m["mode"], m["length"]) for m in skipped] == [("full", 2 * TRAIN_LEN)]
+    assert skipped[0]["reason"].startswith("learned absolute positions") and len(notes) == 1
+
+
 def _documents(count, length, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, BASE.vocab_size, length).astype(np.int32) for _ in range(count)]
