@@ -73,6 +73,7 @@ __all__ = [
     "KVCache",
     "window_positions",
     "window_mask",
+    "window_ntk_problem",
     "bca_problem",
     "check_bca",
     "block_step",
@@ -178,19 +179,26 @@ def window_mask(index: int, block: int, length: int) -> np.ndarray:
     return (previous | current) & (start + q < length)
 
 
+def window_ntk_problem(config: ModelConfig, block: int, mode: str, instead: str) -> str | None:
+    """Why ``mode`` (``"BCA"``, ``"sinks + window"``), whose positions stay below
+    2·block, cannot take dynamic NTK's s as 1 there, or None: that is right only while
+    ``rope_train_len`` covers those positions (``instead``: what else to evaluate)."""
+    if config.rope_scaling == "dynamic_ntk" and (config.rope_train_len or 0) < 2 * block:
+        return (
+            f"{mode} with dynamic NTK takes s = 1, as its positions stay below 2·block = "
+            f"{2 * block}; that needs model.rope_train_len ≥ {2 * block}, not "
+            f"{config.rope_train_len} (or {instead})"
+        )
+    return None
+
+
 def bca_problem(config: ModelConfig, block: int) -> str | None:
     """Why BCA cannot run this model at ``block``, or None: where dynamic NTK's factor
     would differ between the block scan and BCA decoding. Its s = (largest query
     position + 1) / ``rope_train_len`` is 1 in both only while ``rope_train_len``
     covers the window's 2·block positions (a scan's queries stand at w … 2w−1 in
     every block, a decoding step's anywhere in 0 … 2w−1)."""
-    if config.rope_scaling == "dynamic_ntk" and (config.rope_train_len or 0) < 2 * block:
-        return (
-            f"dynamic NTK with BCA takes s = 1, as the window's positions stay below "
-            f"2·block = {2 * block}; that needs model.rope_train_len ≥ {2 * block}, not "
-            f"{config.rope_train_len} (or evaluate without BCA)"
-        )
-    return None
+    return window_ntk_problem(config, block, "BCA", "evaluate without BCA")
 
 
 def check_bca(config: ModelConfig, block: int) -> None:

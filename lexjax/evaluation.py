@@ -87,6 +87,7 @@ from lexjax.blockwise import (
     sink_window,
     target_logprobs,
     window_mask,
+    window_ntk_problem,
 )
 from lexjax.config import (
     ABSOLUTE_ENCODINGS,
@@ -246,14 +247,9 @@ def sinks_problem(config: ModelConfig, block: int) -> str | None:
             "StreamingLLM re-positions cached keys inside its cache, and an absolute "
             "position is added to a token's input once (evaluate bca or full)"
         )
-    if config.rope_scaling == "dynamic_ntk" and (config.rope_train_len or 0) < 2 * block:
-        # Its s is 1 here (the model: StreamingLLM's positions stay below 2·block);
-        # a shorter rope_train_len would make it more, as BCA's is.
-        return (
-            f"sinks + window with dynamic NTK takes s = 1, as its cache positions stay below "
-            f"2·block = {2 * block}; that needs model.rope_train_len ≥ {2 * block}, not "
-            f"{config.rope_train_len} (or evaluate bca or full)"
-        )
+    # Its s is 1 here (the model: StreamingLLM's positions stay below 2·block).
+    if problem := window_ntk_problem(config, block, "sinks + window", "evaluate bca or full"):
+        return problem
     if config.position in DECAYING_ENCODINGS:
         limit = pos_lib.max_safe_position(config.scale_base, dtype=config.dtype)
         if 3 * block / 2 > limit:

@@ -86,13 +86,13 @@ def test_dynamic_ntk_with_bca_needs_a_rope_train_len_that_covers_the_window(mode
     short = dataclasses.replace(CONFIG, rope_scaling="dynamic_ntk", rope_train_len=2 * W - 1)
     model = Decoder(short)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (1, 3 * W)))
-    message = rf"^dynamic NTK with BCA .* needs model.rope_train_len ≥ {2 * W}, not {2 * W - 1} "
+    message = rf"^BCA with dynamic NTK .* needs model.rope_train_len ≥ {2 * W}, not {2 * W - 1} "
     with pytest.raises(ConfigError, match=message):
         generation.prefill(model, params, tokens[:, :3], block=W)
     with pytest.raises(ConfigError, match=message):
         evaluation.block_scan_logprobs(model, params, tokens, W)
-    assert evaluation.cell_problem(short, "bca", 2 * W, 2 * W, W).startswith("dynamic NTK")
-    assert passkey.cell_problem(short, "bca", 128, block=W).startswith("dynamic NTK")
+    assert evaluation.cell_problem(short, "bca", 2 * W, 2 * W, W).startswith("BCA with dynamic")
+    assert passkey.cell_problem(short, "bca", 128, block=W).startswith("BCA with dynamic")
     assert evaluation.cell_problem(short, "full", 2 * W, 2 * W, W) is None
 
 
