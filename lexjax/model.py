@@ -581,8 +581,12 @@ def _rope_extension(
     factor = c.rope_factor
     if not factor:
         factor = 1.0 if cached else pos_lib.length_factor(length, c.rope_train_len)
-    extension = dict(rope_scaling=c.rope_scaling, rope_factor=factor, train_len=c.rope_train_len)
-    return extension | ({"rope_length": seen} if c.rope_scaling == "dynamic_ntk" else {})
+    return dict(
+        rope_scaling=c.rope_scaling,
+        rope_factor=factor,
+        train_len=c.rope_train_len,
+        rope_length=seen,
+    )
 
 
 def count_params(params) -> int:
