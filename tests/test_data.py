@@ -897,12 +897,10 @@ def test_two_file_names_that_read_alike_are_both_built(tmp_path):
             f.write(text)
     files = str(tmp_path / "corpus" / "*.txt")
     stored = b"".join(
-        sorted(
-            source[i]
-            for split in data.SPLITS
-            for source in [data.load_source("textfiles", split, tmp_path / "tfds", files)]
-            for i in range(len(source))
-        )
+        source[i]
+        for split in data.SPLITS
+        for source in [data.load_source("textfiles", split, tmp_path / "tfds", files)]
+        for i in range(len(source))
     )
     assert sorted(stored.splitlines(keepends=True)) == sorted(
         b"".join(texts.values()).splitlines(keepends=True)
