@@ -302,6 +302,13 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
                 f"--config={path}: get_config() returned a {type(config).__name__}, not a "
                 "ConfigDict; start from lexjax.config.default_configdict()"
             )
+        # Another program's config (the study's given to train.py) named its first field
+        # as a typo of this program's ("unknown config field eval_docs").
+        if path != default_file and not set(config) & set(_load_file(default_file)):
+            raise ConfigError(
+                f"--config={path}: none of its fields is one of this program's (a config "
+                f"for another program?); name a config like {os.path.relpath(default_file)}"
+            )
         for arg in rest:
             if match := re.match(r"--?(?:no)?config\.([^=]+)", arg):
                 _check_field(config, match[1])
@@ -345,6 +352,8 @@ def _load_file(path: str):
     file, preset = path[:end], path[end + 1 :]
     if os.path.isdir(file):
         raise ConfigError(f"--config={path}: {file} is a directory; name a config file in it")
+    if os.path.exists(file) and not os.path.isfile(file):  # /dev/null, a pipe: it said "no file"
+        raise ConfigError(f"--config={path}: {file} is not a regular file; name a config file")
     if not os.path.isfile(file):
         siblings = glob.glob(os.path.join(glob.escape(os.path.dirname(file)), "*.py"))
         close = difflib.get_close_matches(file, siblings, n=1)

@@ -181,6 +181,23 @@ def test_a_bad_config_file_is_one_line_exit_2(tmp_path, text, suffix, expected, 
     assert not os.path.exists(tmp_path / "w")
 
 
+def test_a_config_for_another_program_or_no_regular_file_is_named_so(tmp_path, program, capsys):
+    """The study's config given to train.py named its first field as a typo ("unknown
+    config field eval_docs; did you mean eval_batches?"), and /dev/null was "no file"."""
+    study_file = os.path.join(ROOT, "configs", "extrapolation.py")
+    like = "; name a config like " + os.path.relpath(os.path.join(ROOT, "configs", "tiny.py"))
+    for path, expected in [
+        (study_file, "none of its fields is one of this program's (a config for another "),
+        (f"{study_file}:small", "none of its fields is one of this program's (a config for "),
+        (os.devnull, f"{os.devnull} is not a regular file; name a config file\n"),
+    ]:
+        code, err = program("train", [f"--workdir={tmp_path}/w", f"--config={path}"], capsys)
+        assert code == 2, err
+        assert err.startswith(f"error: --config={path}: {expected}") and err.count("\n") == 1
+        assert (like in err) == (path != os.devnull), err
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_a_workdir_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
     """A shell expands no ``~`` after ``--workdir=``: train.py made a directory named
     ``~`` in the current one, which invites an ``rm -rf ~``."""
