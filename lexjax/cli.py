@@ -60,13 +60,14 @@ def run_training(
     summary = api.train(config, workdir, lease_timeout_s=lease_timeout_s)
     if jax.process_index() != 0 or summary.get("stopped_by") is not None:
         return 0
-    steps, nan = errors.counted(summary["step"], "step"), float("nan")
-    if summary["start_step"] == summary["step"]:
-        print(f"already trained {steps}; checkpoint: {summary['checkpoint_dir']}")
-    else:
-        loss, val_loss = summary.get("loss", nan), summary.get("val_loss", nan)
+    start, step, where = summary["start_step"], summary["step"], summary["checkpoint_dir"]
+    if start == step:
+        print(f"already trained {errors.counted(step, 'step')}; checkpoint: {where}")
+    else:  # after a resume: the steps this run trained, and from where to where
+        loss, val_loss = (summary.get(key, float("nan")) for key in ("loss", "val_loss"))
+        steps = errors.counted(step - start, "step") + f" ({start} → {step})" * bool(start)
         print(f"trained {steps}: loss {loss:.4f}, validation loss {val_loss:.4f}")
-        print(f"checkpoint: {summary['checkpoint_dir']} (step {summary['step']})")
+        print(f"checkpoint: {where} (step {step})")
     print(f"next: python eval.py --workdir={shlex.quote(workdir)}")
     return 0
 

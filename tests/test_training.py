@@ -871,6 +871,22 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_one_line_exit_3(tmp_path):
     assert not list((tmp_path / "tfds").glob("textfiles/*/*/sentencepiece-*"))
 
 
+def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(tmp_path, capsys):
+    """After a resume from step 2 to 5, train.py said "trained 5 steps": the workdir's
+    total, not this run's (api.train is replaced by its summary of such a run)."""
+    from lexjax import cli, distributed
+
+    summary = {"start_step": 2, "step": 5, "loss": 1.25, "val_loss": 2.5, "checkpoint_dir": "c"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli.api, "train", lambda *_, **__: {"stopped_by": None, **summary})
+        cluster = distributed.ClusterOptions(mode="off")
+        assert cli.run_training(cfg.default_configdict(), str(tmp_path), cluster, 60.0) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        "trained 3 steps (2 → 5): loss 1.2500, validation loss 2.5000",
+        "checkpoint: c (step 5)",
+    ]
+
+
 def test_train_program_end_to_end(tmp_path):
     workdir = tmp_path / "my run"  # the next: line quotes it for the shell
     argv = (
