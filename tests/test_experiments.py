@@ -240,6 +240,8 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         # Empty lists were empty tables (exit 0) after every training.
         ("--config.modes=", "modes is empty; list some of bca, full, sinks"),
         ("--config.passkey_modes=", "passkey_modes is empty (passkey_trials=2; 0 measures"),
+        # A bad passkey multiplier was named as one of multipliers (which were fine).
+        ("--config.passkey_multipliers=1,2,x", "passkey_multipliers: 'x' is not a number"),
         # A sink count the block cannot hold: refused after the first run's training.
         ("--config.sinks=100", "sinks=100 must be an integer in [0, 8] (train_len/2)"),
         # Every passkey length below the format: no passkey table, after every training.
@@ -291,6 +293,20 @@ def test_runs_expand_seeds_and_refuse_repeats():
         parse_runs("rope/seeds=2,rope/seed=1", scale_base=64.0, seed=0)
     with pytest.raises(ExperimentError, match="at least 1"):
         parse_runs("rope/seeds=0", scale_base=64.0, seed=0)
+
+
+def test_lengths_are_exact_products_and_passkey_settings_in_another_order_the_same():
+    """1.1 × train_len 100 was refused (110.00000000000001 is no whole number), and a
+    finished study measured passkey again for depths 1,0 after 0,1 (the same cells)."""
+    from lexjax.experiments.extrapolation import ExperimentError, _passkey_plan, eval_lengths
+
+    assert eval_lengths("1.1", 100) == [110] and eval_lengths("0.7,1.4", 90) == [63, 126]
+    with pytest.raises(ExperimentError, match=r"^multipliers: 0\.333 × train_len 100 = 33\.3 "):
+        eval_lengths("0.333", 100)
+    plan = lambda **given: _passkey_plan({"passkey_trials": 2, **given}, 16)
+    swapped = plan(passkey_depths="1,0", passkey_modes="full,bca")
+    assert swapped == plan(passkey_depths="0,1,1", passkey_modes="bca,full")
+    assert (swapped["depths"], swapped["modes"]) == ([0.0, 1.0], ["bca", "full"])
 
 
 def test_seed_statistics_and_the_noise_verdict_by_hand():
@@ -515,7 +531,7 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     plan keeps those that have it): with more multipliers perplexity was measured
     again, resolution kept, from other documents than the new numbers."""
     from lexjax import checkpoint, evaluation
-    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _eval_stage
+    from lexjax.experiments.extrapolation import ExperimentError, RunSpec, _eval_stage, _stage_done
 
     spec, config = RunSpec("rope", 8.0, 0), _smoke_config(batch_size=8)  # 8 devices
     lexjax.train(config, str(tmp_path), log=lambda _: None)  # a real run of 2 steps
@@ -543,6 +559,17 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     assert measured[2:] == [first[2:]]
     with open(tmp_path / "resolution.json") as f:
         assert json.load(f)["measured"]["documents"] == 1
+    # A result damaged from outside (the study writes atomically) is measured again; it
+    # was a JSONDecodeError traceback (exit 1).
+    (tmp_path / "resolution.json").write_text('{"config": ')
+    _eval_stage(spec, config, workdir, {**plan, "documents": first[2:]}, log)
+    assert measured[3:] == [first[2:]]
+    with open(tmp_path / "resolution.json") as f:
+        assert json.load(f)["measured"]["documents"] == 1
+    # A damaged train.json is not measured: refused, naming the file.
+    (tmp_path / "train.json").write_text("{")
+    with pytest.raises(ExperimentError, match=r"^cannot read .*train\.json \(Expecting "):
+        _stage_done(str(tmp_path / "train.json"), config)
     # Files that changed since the run trained make another build: refused, not
     # measured on text its held-out split may share with its training (and kept, not
     # mixed with other runs' numbers, when measured already).
@@ -552,7 +579,7 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
         ExperimentError, match=f"^run rope_s0 trained on the corpus build {trained}, "
     ):
         _eval_stage(spec, config, workdir, {**plan, "documents": first[2:], "corpus": "x/y/1"}, log)
-    assert measured[3:] == []
+    assert measured[4:] == []
 
 
 def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):

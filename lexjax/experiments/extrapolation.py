@@ -50,6 +50,7 @@ if __name__ == "__main__":  # before JAX loads, as train.py does
 
 import contextlib
 import dataclasses
+import fractions
 import hashlib
 import json
 import os
@@ -143,22 +144,23 @@ def parse_runs(text: str, *, scale_base: float, seed: int) -> list[RunSpec]:
     return specs
 
 
-def eval_lengths(multipliers: str, train_len: int) -> list[int]:
-    """``"0.25,1,2"`` × train_len → sorted integer lengths; each product must be a whole number."""
+def eval_lengths(multipliers: str, train_len: int, field: str = "multipliers") -> list[int]:
+    """``"0.25,1,2"`` × train_len → sorted integer lengths; each product must be a whole
+    number, computed exactly (1.1 × 100 is 110, where floats give 110.00000000000001)."""
     lengths = []
     for item in filter(None, (part.strip() for part in multipliers.split(","))):
         try:
-            value = float(item) * train_len
-        except ValueError:
-            raise ExperimentError(f"multipliers: {item!r} is not a number") from None
-        if value < 1 or value != int(value):
+            value = fractions.Fraction(item) * train_len
+        except (ValueError, ZeroDivisionError):
+            raise ExperimentError(f"{field}: {item!r} is not a number") from None
+        if value < 1 or value.denominator != 1:
             raise ExperimentError(
-                f"multipliers: {item} × train_len {train_len} = {value:g} is "
+                f"{field}: {item} × train_len {train_len} = {float(value):g} is "
                 "not a positive whole number of tokens"
             )
         lengths.append(int(value))
     if not lengths:
-        raise ExperimentError("multipliers is empty; e.g. '1,2,4'")
+        raise ExperimentError(f"{field} is empty; e.g. '1,2,4'")
     return sorted(set(lengths))
 
 
@@ -192,7 +194,15 @@ def _stage_done(
     not measured with."""
     if not os.path.exists(path):
         return None
-    stored = reports.read_json(path)
+    try:
+        stored = reports.read_json(path)
+    except (OSError, ValueError) as e:  # damaged outside the study (its writes are atomic)
+        if protocol is not None:  # a measurement: made again, and its file replaced
+            return None
+        raise ExperimentError(
+            f"cannot read {path} ({one_line(e)}); remove it to train that run again from its "
+            "checkpoints, or use a new --out"
+        ) from None
     ours = _plain(to_dict(config))
     theirs = upgraded(stored.get("config") or {})  # no note of a removed field: not the user's
     with contextlib.suppress(ConfigError):  # today's form: fields added since take defaults
@@ -594,13 +604,16 @@ def _passkey_plan(exp, train_len: int) -> dict | None:
         return None
     if trials < 0:
         raise ExperimentError(f"passkey_trials={trials} must be 0 (off) or positive")
-    lengths = eval_lengths(exp.get("passkey_multipliers", "1,2,4,8"), train_len)
-    try:
-        depths = [float(d) for d in exp.get("passkey_depths", "0,0.5,1").split(",") if d.strip()]
+    lengths = eval_lengths(
+        exp.get("passkey_multipliers", "1,2,4,8"), train_len, "passkey_multipliers"
+    )
+    try:  # sorted, once each, as passkey_accuracy measures them: "1,0" is "0,1"'s stage
+        text = exp.get("passkey_depths", "0,0.5,1")
+        depths = sorted({float(d) for d in text.split(",") if d.strip()})
     except ValueError:
-        raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: not numbers") from None
+        raise ExperimentError(f"passkey_depths={text!r}: not numbers") from None
     if not depths or not all(0 <= d <= 1 for d in depths):
-        raise ExperimentError(f"passkey_depths={exp['passkey_depths']!r}: use numbers in [0, 1]")
+        raise ExperimentError(f"passkey_depths={text!r}: use numbers in [0, 1]")
     modes = _names(
         exp.get("passkey_modes", "bca,full"),
         "passkey_modes",
@@ -612,7 +625,7 @@ def _passkey_plan(exp, train_len: int) -> dict | None:
         "lengths": lengths,
         "depths": depths,
         "trials": trials,
-        "modes": modes,
+        "modes": [mode for mode in generation.MODES if mode in modes],  # "full,bca" is "bca,full"
         "seed": 0,
         "chance_nats": passkey.CHANCE_NATS,
     }
