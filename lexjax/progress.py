@@ -55,6 +55,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self._last_line = -float("inf")
         self._drawn = False
+        self._width = 0  # of the longest line drawn on a terminal
 
     def update(self, done: int, text: str = "") -> None:
         if not self.enabled:
@@ -68,7 +69,11 @@ class Progress:
             width = 30
             filled = int(width * min(done, self.total) / self.total)
             bar = "#" * filled + "-" * (width - filled)
-            print(f"\r[{bar}] {status} ", end="", file=self.stream, flush=True)
+            # Padded to the longest line drawn: a shorter one (a rate one digit shorter)
+            # left the end of the one before on the screen.
+            line = f"[{bar}] {status} "
+            self._width = max(self._width, len(line))
+            print("\r" + line.ljust(self._width), end="", file=self.stream, flush=True)
             self._drawn = True
             global _open
             _open = self

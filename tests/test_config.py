@@ -694,6 +694,27 @@ def test_an_interrupt_or_error_during_a_progress_bar_starts_a_line_of_its_own(mo
     assert terminal.getvalue().split("\n")[1:] == ["error: gone", ""]
 
 
+def test_a_shorter_progress_line_leaves_nothing_of_the_longer_one_on_the_screen(monkeypatch):
+    """Redrawn in place, a line shorter than the one before (a rate one digit shorter)
+    left the end of that line on the screen: "... 999 tok/s eta 0s ta 0s"."""
+    import io
+
+    from lexjax.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    bar = Progress(100, label="step", stream=terminal)
+    bar.update(50, "loss 2.345 1,234,567 tok/s")
+    bar.update(51, "loss 2.344 999 tok/s")
+    screen = ""  # what a terminal shows: each carriage return writes from column 0 again
+    for part in terminal.getvalue().split("\r"):
+        screen = part + screen[len(part) :]
+    assert re.fullmatch(r"\[#+-+\] step 51/100 loss 2\.344 999 tok/s eta \d+s *", screen), screen
+
+
 def test_refused_by_names_whose_file_this_user_may_not_read(tmp_path, monkeypatch):
     import pwd
 
