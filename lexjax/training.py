@@ -565,7 +565,8 @@ def _changes(stored: dict, config: Config, names) -> list[str]:
 
 def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
     """``"field old → new"`` for each schedule setting that differs from the
-    checkpoint's config, if the rates from ``step`` on differ; else nothing."""
+    checkpoint's config, if the rates of the updates left from ``step`` on differ;
+    else nothing."""
 
     before = to_dict(config)
     changed = _changes(stored, config, _SCHEDULE_FIELDS)
@@ -579,7 +580,8 @@ def _schedule_changes(stored: dict, config: Config, step: int) -> list[str]:
         old_config = from_configdict(before)
     except ConfigError:  # a value this version no longer takes: say what changed
         return changed
-    steps = jnp.arange(step, max(config.num_train_steps, old_config.num_train_steps) + 1)
+    # The rates of the updates this run makes: update s (from 0) takes the rate at s.
+    steps = jnp.arange(step, config.num_train_steps)
     rates = [learning_rate_schedule(c)(steps) for c in (config, old_config)]
     return [] if bool(jnp.allclose(*rates, rtol=1e-6, atol=0.0)) else changed
 

@@ -732,6 +732,13 @@ def test_the_schedule_note_names_every_change_that_moves_the_rate():
     ]
     assert _schedule_changes(stored(cosine), cosine, 4) == []
     assert _schedule_changes({}, cosine, 4) == []  # a checkpoint without a config record
+    # The one update left (step 11 of 12, after warmup 11) takes the peak rate whatever
+    # the end fraction: a change was announced from the rate at 12, which no update takes.
+    late = config(**{"optim.schedule": "cosine", "warmup_steps": 11})
+    end = {**cfg.to_dict(late)["optim"], "end_lr_fraction": 0.5}
+    assert _schedule_changes(stored(late, optim=end), late, 11) == []
+    assert _schedule_changes(stored(late, optim=end), late, 10) == []  # warmup: the same
+    assert _schedule_changes(stored(late, optim=end), late, 12) == []  # nothing left
 
 
 def test_a_record_torn_by_a_killed_writer_is_skipped_and_not_written_onto(tmp_path, caplog):
