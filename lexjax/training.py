@@ -656,7 +656,9 @@ class _Loop:
                         saved_step = self._save(step, state)
                     if evaluate or boundary:  # the next rate times training steps only
                         self.last = (time.perf_counter(), step)
-                    if stop_after is not None and step - self.summary["start_step"] >= stop_after:
+                    # Not at the last step: a run that finished was reported stopped.
+                    left = step < total and stop_after is not None
+                    if left and step - self.summary["start_step"] >= stop_after:
                         stop.signal_name = stop.signal_name or "stop_after"
                 if self.pending:
                     self._flush()

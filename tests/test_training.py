@@ -417,8 +417,10 @@ def test_resume_equals_uninterrupted(tmp_path):
     steps = [line for line in lines if line.startswith("step ")]
     assert [s.split()[1] for s in steps] == ["1/6", "2/6", "3/6"], lines
     assert all(re.fullmatch(r"step \d/6 loss \d+\.\d{3}( [\d,]+ tok/s)?", s) for s in steps)
-    second = train(config, resumed, log=lambda _: None, progress=False)
+    # stop_after as many steps as are left finishes the run: it was reported stopped.
+    second = train(config, resumed, log=lambda _: None, progress=False, stop_after=3)
     assert second["start_step"] == 3 and second["step"] == 6
+    assert second["stopped_by"] is None and first["stopped_by"] == "stop_after"
     assert _losses(straight) == _losses(resumed)
     (p1, s1), (p2, s2) = _final_params(straight, config), _final_params(resumed, config)
     assert s1 == s2 == 6
