@@ -128,24 +128,32 @@ def _locked(directory: str, wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie (killed, not yet reaped by its
+    parent, e.g. a supervisor about to restart it; ``kill(pid, 0)`` still succeeds)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by another user
-        return True
-    return True
+        pass
+    return _stat_field(pid, 0) not in (b"Z", b"X")
+
+
+def _stat_field(pid: int, index: int) -> bytes | None:
+    """Field ``index + 3`` of ``/proc/PID/stat`` (those from 3 on follow "(comm)", which
+    may hold spaces); None without /proc or without such a process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[index]
+    except (OSError, IndexError):
+        return None
 
 
 def _process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``
     field 22); None without /proc or without such a process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat.rsplit(b")", 1)[1].split()[19])  # fields from 3 on follow "(comm)"
-    except (OSError, ValueError, IndexError):
-        return None
+    field = _stat_field(pid, 19)
+    return None if field is None else int(field)
 
 
 def _pid_space() -> dict[str, str]:

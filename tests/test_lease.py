@@ -73,6 +73,27 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
     ]
 
 
+def test_a_killed_holder_not_yet_reaped_is_taken_over_at_once(tmp_path):
+    """A zombie (killed, its parent not yet waiting: a supervisor about to restart the
+    job) still answers kill(pid, 0): the restarted job was refused as in use."""
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lease(tmp_path, pid=holder.pid, pid_start=lease_lib._process_start(holder.pid))
+        with pytest.raises(CheckpointError, match=f"in use by .* pid {holder.pid}"):
+            lease_lib.WorkdirLease(tmp_path).acquire()  # alive: refused
+        holder.kill()
+        stat = pathlib.Path(f"/proc/{holder.pid}/stat")
+        while stat.read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":  # not waited for
+            time.sleep(0.01)
+        notes = []
+        with lease_lib.WorkdirLease(tmp_path, log=notes.append):
+            assert lease_lib.live_holder(tmp_path) is not None  # this one
+        assert notes[0].endswith(f"pid {holder.pid} is gone"), notes
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_reader_is_told_of_a_live_holder_only(tmp_path):
     """live_holder (what eval.py's note names) judges a lease as a newcomer would, and
     writes nothing: no lease, a gone holder, a silent other host: None."""
