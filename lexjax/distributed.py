@@ -168,6 +168,9 @@ def _check(options: ClusterOptions) -> bool:
     address = options.coordinator_address
     if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
         raise ConfigError(f"--coordinator_address={address!r}: use HOST:PORT of process 0")
+    if address is not None and not 1 <= int(address.rsplit(":", 1)[1]) <= 65535:
+        # 99999 was a bind() traceback on process 0, and port 34463 (mod 2^16) elsewhere
+        raise ConfigError(f"--coordinator_address={address!r}: its port must be in [1, 65535]")
     n, i = options.num_processes, options.process_id
     if n is not None and n < 1:
         raise ConfigError(f"--num_processes={n} must be positive")

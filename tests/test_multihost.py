@@ -560,6 +560,25 @@ def test_processes_started_with_different_settings_stop_in_one_line_naming_them(
             p.kill()
 
 
+def test_a_coordinator_port_out_of_range_is_a_one_line_config_error():
+    """Port 99999 passed: process 0 ended in bind()'s OverflowError traceback, and the
+    others dialled port 34463 (getaddrinfo takes it modulo 2^16)."""
+    from lexjax import distributed
+    from lexjax.errors import ConfigError
+
+    def check(port):
+        address = f"127.0.0.1:{port}"
+        cluster = distributed.ClusterOptions(
+            coordinator_address=address, num_processes=2, process_id=0
+        )
+        return distributed._check(cluster)
+
+    for port in (0, 65536, 99999):
+        with pytest.raises(ConfigError, match=rf"^--coordinator_address='127\.0\.0\.1:{port}': "):
+            check(port)
+    assert check(1) and check(65535)
+
+
 def test_distributed_on_with_no_coordinator_and_no_cluster_says_so(ctx):
     """It said "could not join ... within 30s (coordinator_address should be defined.)"
     after 2 s: no wait happened and no cluster was detected."""
