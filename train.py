@@ -47,6 +47,7 @@ _LEASE_TIMEOUT = flags.DEFINE_float(
     "The workdir lease's heartbeat timeout: another job takes over this job's lease once "
     "it has sent no heartbeat for this long (a dead pid on the same host is noticed at once).",
     lower_bound=1.0,
+    upper_bound=lease.MAX_TIMEOUT_S,  # inf ended the heartbeat thread at once
 )
 
 

@@ -65,6 +65,9 @@ LEASE_FILE = "lease.json"
 # A job's heartbeat timeout unless given (train.py's --lease_timeout_s): another job
 # takes over a lease whose holder has sent no heartbeat for this long.
 DEFAULT_TIMEOUT_S = 120.0
+# The longest: a week. (inf ended the heartbeat thread, whose waits take at most
+# threading.TIMEOUT_MAX, at once: a newcomer in another PID namespace then waited forever.)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 _HELD: set[str] = set()  # the tokens of the leases this process holds now
 _LOCK_WAIT_S = 10.0  # a lease change holds the lock for a few file operations
@@ -195,8 +198,8 @@ class WorkdirLease:
     """
 
     def __init__(self, workdir: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, log=print):
-        if not timeout_s > 0:
-            raise CheckpointError(f"lease timeout {timeout_s} s must be positive")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:  # inf ended the heartbeat thread at once
+            raise CheckpointError(f"lease timeout {timeout_s} s must be in (0, {MAX_TIMEOUT_S:g}]")
         self.path = os.path.join(os.path.abspath(workdir), LEASE_FILE)
         self.timeout_s = float(timeout_s)
         self.log = log

@@ -291,6 +291,11 @@ def train(
         raise ConfigError(
             f"peak_flops={peak_flops!r} must be a positive number (FLOP/s per device)"
         )
+    if not (is_real(lease_timeout_s) and 0 < lease_timeout_s <= lease_lib.MAX_TIMEOUT_S):
+        raise ConfigError(
+            f"lease_timeout_s={lease_timeout_s!r} must be a number of seconds in "
+            f"(0, {lease_lib.MAX_TIMEOUT_S:g}] (a week)"
+        )
     with _StopFlag() as stop:  # from here on a signal ends the call cleanly
         created = not os.path.isdir(workdir)
         _check_workdir(workdir)

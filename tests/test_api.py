@@ -475,6 +475,8 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         ({"stop_after": 0}, "stop_after=0 must be a positive integer or None"),
         ({"stop_after": 1.5}, "stop_after=1.5 must be a positive integer or None"),
         ({"peak_flops": "x"}, "peak_flops='x' must be a positive number"),
+        # It ended the lease's heartbeat thread at once (its waits overflowed).
+        ({"lease_timeout_s": float("inf")}, "lease_timeout_s=inf must be a number of seconds"),
     ]:
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             lexjax.train({**TINY, "data": data}, str(tmp_path / "refused"), **bad)

@@ -119,7 +119,7 @@ CLUSTER_FLAGS = {
     "distributed": ([["--distributed=off"]], ["maybe", ""]),
     "coordinator_address": (
         [["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]],
-        ["127.0.0.1", "", "host:port"],
+        ["127.0.0.1", "", "host:port", "h:99999 --num_processes=2 --process_id=1"],
     ),
     "num_processes": (
         [["--coordinator_address=h:1", "--num_processes=4", "--process_id=3"]],
@@ -138,7 +138,7 @@ CLUSTER_FLAGS = {
 TRAIN_FLAGS = {
     "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
     **CLUSTER_FLAGS,
-    "lease_timeout_s": ([["--lease_timeout_s=30"]], ["0", "-1"]),
+    "lease_timeout_s": ([["--lease_timeout_s=30"]], ["0", "-1", "inf", "1e300"]),
 }
 EVAL_FLAGS = {
     "workdir": ([["--workdir=/tmp/lexjax-fuzz"]], [""]),
