@@ -750,6 +750,8 @@ def _validated(config: Config) -> Config:
             f"data.vocab_size={d.vocab_size} is too small for sentencepiece: its 256 byte "
             f"pieces and 5 markers need at least {_MIN_SENTENCEPIECE_VOCAB}"
         )
+    if d.tokenizer == "sentencepiece" and d.vocab_size >= 2**31:  # its trainer's int32
+        raise ConfigError(f"data.vocab_size={d.vocab_size} is beyond sentencepiece's 2^31 - 1")
     needed = tokenizer_vocab_size(d)
     m = config.model
     if m.vocab_size is None:

@@ -231,6 +231,11 @@ def test_unknown_field_in_a_dict_names_the_closest():
             {"data": {"tokenizer": "sentencepiece", "vocab_size": 100}},
             "data.vocab_size=100 is too small for sentencepiece",
         ),
+        # Its trainer failed after the corpus build: cannot parse "2147483648" as int.
+        (
+            {"data": {"tokenizer": "sentencepiece", "vocab_size": 2**31}},
+            "data.vocab_size=2147483648 is beyond sentencepiece's 2^31 - 1",
+        ),
         ({"peak_flops": 0}, "peak_flops=0.0 must be positive"),
         ({"batch_size": 1.5}, "batch_size=1.5: expected an integer"),
         ({"model": {"rope_scaling": "linear"}}, "model.rope_scaling='linear': choose one of"),
