@@ -547,7 +547,13 @@ def hold(workdir: str, *, timeout_s: float, log=print) -> Iterator[WorkdirLease 
             lease.acquire()
         except CheckpointError as e:
             error = e
-    if not distributed.all_processes(error is None):
+    try:
+        agreed = distributed.all_processes(error is None)
+    except BaseException:  # a peer gone (or a stop) before the block: nothing is held for it
+        if lease is not None and error is None:
+            lease.release()
+        raise
+    if not agreed:
         raise error or CheckpointError(
             f"process 0 could not take the lease on workdir {workdir}; see its error"
         )

@@ -94,6 +94,23 @@ def test_a_killed_holder_not_yet_reaped_is_taken_over_at_once(tmp_path):
         holder.wait()
 
 
+def test_a_collective_that_fails_after_the_lease_is_taken_releases_it(tmp_path, monkeypatch):
+    """Process 0 took the lease, then the agreement with the other processes failed (a
+    peer gone): the lease stayed, and a job in another PID namespace waited its timeout."""
+    from lexjax import distributed
+    from lexjax.errors import DistributedError
+
+    def peer_gone(_):
+        assert lease_record(tmp_path)["pid"] == os.getpid()  # taken before the collective
+        raise DistributedError("process 1 is gone")
+
+    monkeypatch.setattr(distributed, "all_processes", peer_gone)
+    held = lease_lib.hold(str(tmp_path), timeout_s=60.0)
+    with pytest.raises(DistributedError, match="process 1 is gone"), held:
+        pass
+    assert not (tmp_path / lease_lib.LEASE_FILE).exists()
+
+
 def test_a_reader_is_told_of_a_live_holder_only(tmp_path):
     """live_holder (what eval.py's note names) judges a lease as a newcomer would, and
     writes nothing: no lease, a gone holder, a silent other host: None."""
