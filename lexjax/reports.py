@@ -576,6 +576,7 @@ def collect(out, specs, config, plan, timing) -> dict:
                 "resolution": resolution,
                 "passkey": passkey.get("accuracy", {}),
                 "passkey_nats": passkey.get("answer_nats", {}),
+                "passkey_skipped": passkey.get("skipped", []),
             }
         )
     m = config.model
@@ -626,9 +627,11 @@ def collect(out, specs, config, plan, timing) -> dict:
 
 def _passkey_cells(workdir) -> dict:
     """``{field: {mode: {length: {depth: value}}}}`` (str keys) of a run's passkey.json
-    for ``accuracy`` and ``answer_nats``; a field its results lack is left out."""
-    cells = {}
-    for r in read_json(os.path.join(workdir, "passkey.json"))["results"]:
+    for ``accuracy`` and ``answer_nats``; a field its results lack is left out; and
+    ``skipped``: the cells it could not measure, with why (none listed before)."""
+    stored = read_json(os.path.join(workdir, "passkey.json"))
+    cells = {"skipped": stored.get("skipped", [])}
+    for r in stored["results"]:
         for field in ("accuracy", "answer_nats"):
             if field in r:
                 by_mode = cells.setdefault(field, {}).setdefault(r["mode"], {})
@@ -659,7 +662,10 @@ def _nan_if_null(value):
 def study_passkey_table(c, key: str = "passkey") -> str:
     """Passkey accuracy (``key="passkey_nats"``: the key's teacher-forced nats) by
     length, averaged over depths: mean ± std over seeds."""
-    lengths = sorted({int(n) for r in c["runs"] for m in r.get(key, {}).values() for n in m})
+    lengths = {int(n) for r in c["runs"] for m in r.get(key, {}).values() for n in m}
+    lengths = sorted(
+        lengths | {s["length"] for r in c["runs"] for s in r.get("passkey_skipped", [])}
+    )
     if not lengths:
         return "The study measured no passkey retrieval."
     lines = [_header("model", lengths)]
@@ -672,6 +678,16 @@ def study_passkey_table(c, key: str = "passkey") -> str:
                 std = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
                 cells.append(f"{np.mean(values):.2f}{std}" if values else "–")
             lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
+    # Why a cell is empty, once per variant (its seeds skip the same cells), under the
+    # accuracy table (the nats table's cells are the same).
+    reasons = {
+        (label, s["mode"], s["length"]): s["reason"]
+        for label, _, _, group in _variants(c["runs"])
+        for r in group
+        for s in r.get("passkey_skipped", []) * (key == "passkey")
+    }
+    lines += [""] * bool(reasons)
+    lines += [f"– {label} {MODE_NAMES[m]} {n}: {why}" for (label, m, n), why in reasons.items()]
     return "\n".join(lines)
 
 

@@ -191,6 +191,7 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         "--config.eval_docs=1",
         "--config.sinks=2",
         "--config.passkey_trials=1",
+        "--config.passkey_multipliers=2,8",  # 32 tokens: below a sample's, skipped
     )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert changed.stdout.count("trained already") == 1, changed.stdout
@@ -203,7 +204,16 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
         assert {r["documents"] for r in stage["results"]} == {1}, path
         assert stage["mode"] != "sinks" or stage["measured"]["sinks"] == 2, path
     with open(out / "runs" / "rope_s0" / "passkey.json") as f:
-        assert json.load(f)["trials"] == 1
+        stored = json.load(f)
+    assert stored["trials"] == 1 and {r["length"] for r in stored["results"]} == {128}
+    # A skipped cell is listed with why, in the JSON and under the table (its "–" was all).
+    why = "length 32 is below the 69 tokens of the format"
+    assert stored["skipped"] == [{"mode": m, "length": 32, "reason": why} for m in ("bca", "full")]
+    header, rows = _table(out / "passkey.md")
+    assert header == ["model", "32", "128"] and [row[1] for row in rows] == ["–", "–"]
+    with open(out / "passkey.md") as f:
+        text = f.read()
+    assert f"– RoPE with BCA 32: {why}\n– RoPE without BCA 32: {why}\n" in text
 
 
 @pytest.mark.parametrize(

@@ -592,8 +592,20 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
         by_length = {n: [r.accuracy for r in cells if r.length == n] for n in settings["lengths"]}
         shown = ", ".join(f"{n}: {sum(a) / len(a):.2f}" for n, a in by_length.items() if a)
         say(f"  passkey {mode}: {shown}")
+    # The cells passkey_accuracy skipped, with why (as eval.py's passkey.json lists them):
+    # the report's "–" cells said nothing of it.
+    skipped = [
+        {"mode": mode, "length": n, "reason": problem}
+        for mode in settings["modes"]
+        for n in settings["lengths"]
+        if (
+            problem := passkey.cell_problem(
+                stored_config.model, mode, n, plan["tokenizer"], config.block
+            )
+        )
+    ]
     record = {"config": to_dict(config), "run": spec.name, "step": step, "protocol": PASSKEY}
-    record.update(settings, seconds=time.perf_counter() - start)
+    record.update(settings, seconds=time.perf_counter() - start, skipped=skipped)
     reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
 
 
