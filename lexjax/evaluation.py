@@ -879,9 +879,8 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str):
         )
     if not chosen:
         raise DataError(
-            f"no document is long enough for the budget of {max_length} tokens: {where} has "
-            f"{counted(len(documents), 'document')}, the longest {longest} "
-            "tokens; pass "
+            f"no document is long enough for the budget of {max_length} tokens (in {where}: "
+            f"{counted(len(documents), 'document')}, the longest {longest} tokens); pass "
             f"{arg('max_length')}={max(longest - 1, 1)} or less (with {arg('lengths')} that "
             f"divide it) or other {arg('eval_files')}"
         )

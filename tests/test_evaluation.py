@@ -529,3 +529,18 @@ def test_the_table_counts_one_document_in_the_singular():
     assert "every cell: 1 document × the first 64 tokens = 64 scored tokens" in (
         reports.perplexity_table([one], "xpos")
     )
+
+
+def test_no_document_long_enough_says_where_how_many_and_the_largest_budget():
+    """It said "2 files of … has 2 documents"; and no test held its numbers."""
+    from lexjax.errors import DataError
+
+    documents = [[1] * 10, [1] * 20]
+    with pytest.raises(DataError) as e:
+        evaluation.select_documents(documents, 30, max_docs=5, where="2 files of x/*.txt")
+    assert str(e.value).startswith(
+        "no document is long enough for the budget of 30 tokens (in 2 files of x/*.txt: "
+        "2 documents, the longest 20 tokens); pass max_length=19 or less"
+    ), e.value
+    # 19 is enough: the budget and the token after it.
+    assert evaluation.select_documents(documents, 19, max_docs=5, where="x") == [[1] * 20]
