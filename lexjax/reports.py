@@ -45,6 +45,7 @@ __all__ = [
     "collect",
     "write_all",
     "variant_label",
+    "variant_stats",
 ]
 
 # The "format" every report JSON starts with (eval.py's perplexity, resolution and passkey
@@ -621,7 +622,7 @@ def collect(out, specs, config, plan, timing) -> dict:
         "invocations": [{k: v for k, v in i.items() if k != "argv"} for i in invocations],
         "runs": runs,
         "expected_resolution": expected,
-        "variants": _variant_stats(runs, plan["lengths"]),
+        "variants": variant_stats(runs, plan["lengths"]),
     }
 
 
@@ -731,7 +732,7 @@ def plot_passkey_grid(c, path) -> None:
     _save(fig, path, dpi=110)
 
 
-def _variant_stats(runs, lengths) -> list[dict]:
+def variant_stats(runs, lengths) -> list[dict]:
     """Per variant: its seeds and each cell's mean, std (ddof 1) and seed count; and for
     RoPE and each XPOS variant, the XPOS − RoPE comparison of :func:`compare`."""
     groups = _variants(runs)
@@ -756,8 +757,54 @@ def _variant_stats(runs, lengths) -> list[dict]:
             entry["minus_rope"] = {
                 m: {str(n): compare(group, rope, m, n) for n in lengths} for m in modes
             }
+            # Attention resolution (over every distance; over the first train_len:
+            # "window") and passkey accuracy (mean over depths), compared as perplexity.
+            for name, (key, value) in _OTHER_METRICS.items():
+                their_modes = [m for m in MODE_NAMES if any(m in r.get(key, {}) for r in group)]
+                ns = sorted({int(n) for r in group for by in r.get(key, {}).values() for n in by})
+                mine, theirs = (_as_runs(g, value, their_modes, ns) for g in (group, rope))
+                entry[f"{name}_minus_rope"] = {
+                    m: {str(n): compare(mine, theirs, m, n) for n in ns} for m in their_modes
+                }
+        if "bca" in modes:  # every other mode against BCA, seed by seed
+            bca = _as_runs(group, lambda r, _, n: r["perplexity"]["bca"].get(n), modes, lengths)
+            entry["minus_bca"] = {
+                m: {str(n): compare(group, bca, m, n) for n in lengths} for m in modes if m != "bca"
+            }
         stats.append(entry)
     return stats
+
+
+def _passkey_over_depths(r, mode, n):
+    depths = r.get("passkey", {}).get(mode, {}).get(n)
+    return float(np.mean([_nan_if_null(v) for v in depths.values()])) if depths else None
+
+
+# name: (the runs' field, value(run, mode, str length) or None) of variant_stats.
+_OTHER_METRICS = {
+    "resolution": ("resolution", lambda r, m, n: r["resolution"].get(m, {}).get(n, {}).get("mean")),
+    "resolution_window": (
+        "resolution",
+        lambda r, m, n: r["resolution"].get(m, {}).get(n, {}).get("window_mean"),
+    ),
+    "passkey": ("passkey", _passkey_over_depths),
+}
+
+
+def _as_runs(group, value, modes, lengths) -> list[dict]:
+    """The runs with ``value(run, mode, str length)`` (None: no cell) where
+    :func:`compare` reads a perplexity: every metric compared, and paired by seed, as
+    perplexity is."""
+    return [
+        {
+            "seed": r["seed"],
+            "perplexity": {
+                m: {str(n): v for n in lengths if (v := value(r, m, str(n))) is not None}
+                for m in modes
+            },
+        }
+        for r in group
+    ]
 
 
 def _variants(runs):
@@ -825,6 +872,7 @@ def compare(a, b, mode, length) -> dict | None:
         "two_se": two_se,
         "seeds": n,
         "paired": pairs is not None,
+        **({"per_seed": pairs} if pairs is not None else {}),  # a − b of seed s, s ascending
         "verdict": verdict,
     }
 

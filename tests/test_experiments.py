@@ -363,6 +363,46 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     assert not reports.compare(seeded(*a), other, "bca", 8)["paired"]
 
 
+def test_resolution_passkey_and_modes_are_compared_seed_by_seed_in_the_results():
+    """The paired resolution and passkey differences docs/results.md quotes were worked
+    out by hand from the runs; and sinks − BCA was quoted only as unpaired spreads."""
+    from lexjax import reports
+
+    def run(position, seed, ppl_bca, ppl_sinks, r_full, window, passkey):
+        return {
+            "position": position,
+            "scale_base": 64.0 if position == "xpos" else None,
+            "seed": seed,
+            "perplexity": {"bca": {"8": ppl_bca}, "sinks": {"8": ppl_sinks}},
+            "resolution": {"full": {"16": {"mean": r_full, "window_mean": window}}},
+            "passkey": {"full": {"80": {"0.0": passkey, "1.0": 1.0}}},
+        }
+
+    rope = [run("rope", s, 9.0, 9.5 + s, 0.1 + s / 10, 0.2, 0.0) for s in range(3)]
+    xpos = [run("xpos", s, 8.0, 8.1, 0.3 + s / 5, 0.2 + s / 100, s / 2) for s in range(3)]
+    stats = {v["position"]: v for v in reports.variant_stats(rope + xpos, [8])}
+    # XPOS − RoPE per seed, by hand: resolution 0.2, 0.3, 0.4; window 0, 0.01, 0.02;
+    # passkey over depths (x + 1)/2: 0.5, 0.75, 1.0 against 0.5 each, so 0, 0.25, 0.5.
+    for name, diffs in [
+        ("resolution_minus_rope", [0.2, 0.3, 0.4]),
+        ("resolution_window_minus_rope", [0.0, 0.01, 0.02]),
+    ]:
+        d = stats["xpos"][name]["full"]["16"]
+        assert d["per_seed"] == pytest.approx(diffs) and d["diff"] == pytest.approx(diffs[1])
+        assert d["two_se"] == pytest.approx(2 * np.std(diffs, ddof=1) / np.sqrt(3))
+    d = stats["xpos"]["passkey_minus_rope"]["full"]["80"]
+    # mean 0.25, sample std 0.25: 2 SE = 0.289, so within seed noise
+    assert d["per_seed"] == pytest.approx([0.0, 0.25, 0.5])
+    assert d["verdict"] == "within seed noise"
+    # Sinks − BCA in the same seeds: RoPE 0.5, 1.5, 2.5 (mean 1.5, 2 SE = 2/√3 = 1.15);
+    # XPOS 0.1 each.
+    d = stats["rope"]["minus_bca"]["sinks"]["8"]
+    assert d["per_seed"] == pytest.approx([0.5, 1.5, 2.5]) and d["verdict"] == "higher"
+    assert d["two_se"] == pytest.approx(2 / np.sqrt(3))
+    assert stats["xpos"]["minus_bca"]["sinks"]["8"]["diff"] == pytest.approx(0.1)
+    assert "resolution_minus_rope" not in stats["rope"]
+
+
 def test_the_seeds_report_says_paired_only_for_the_same_seeds():
     """Three RoPE seeds against two XPOS ones were reported as "paired: the mean of
     the per-seed differences" beside the unpaired difference of the means (−30.1 where
