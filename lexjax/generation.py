@@ -197,10 +197,13 @@ def _dense_decode(model: Decoder, params, state: State, token_B):
 def sample_logits(logits_BxV, rng, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """One token per row: greedy when ``temperature == 0``, else sampled from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
-    tokens (0: all) and to the smallest set whose probability reaches ``top_p``
-    (1: all; the most likely token is always kept). Tokens tied with the last one
-    kept are kept too. A temperature below float32's smallest normal number
-    (about 1.2e-38) is greedy, the limit it stands for."""
+    tokens (0: all) and then to the smallest set whose probability, renormalised
+    after top-k, reaches ``top_p`` (1: all; the most likely token is always kept).
+    Tokens tied with the last one kept are kept too. A temperature below float32's
+    smallest normal number (about 1.2e-38) is greedy, the limit it stands for.
+    Values out of range raise :class:`ConfigError`, as :func:`generate`'s do
+    (a negative temperature sampled from ``softmax(-logits)``)."""
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     top_k = min(top_k, logits_BxV.shape[-1])  # within int32: no more ids to keep
     return _sample(
         logits_BxV,
