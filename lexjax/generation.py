@@ -238,8 +238,9 @@ def _sample(
     """:func:`sample_logits` with ``temperature``, ``top_k`` and ``top_p`` possibly
     traced: which steps apply (``greedy``, ``nucleus``, top-k where ``k_room`` > 0)
     is static, and ``k_room`` ≥ min(top_k, vocabulary) bounds the top-k search.
-    ``bias_V`` (0 or −inf per id) rules ids out first."""
-    logits = logits_BxV.astype(jnp.float32) + bias_V
+    ``bias_V`` (0 or −inf per id) rules ids out first, whatever their logits (a
+    NaN or +inf logit plus −inf was NaN, and such a ruled-out id was drawn)."""
+    logits = jnp.where(jnp.asarray(bias_V) < 0, -jnp.inf, logits_BxV.astype(jnp.float32))
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Largest logit 0 first: a small temperature sends the others to -inf, never to +inf.

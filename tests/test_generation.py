@@ -360,6 +360,33 @@ def test_the_largest_temperature_never_samples_a_ruled_out_id():
     assert (generation.sample_logits(logits, rng, temperature=top, top_k=2**40) == 9).all()
 
 
+def test_a_ruled_out_id_is_never_drawn_whatever_its_logit():
+    """A NaN or +inf logit plus the −inf of the allowed-ids mask was NaN, which won every
+    draw, greedy or sampled: an id the tokenizer cannot decode came out."""
+    logits = jnp.array([[1.0, jnp.nan, 0.5, 0.0], [1.0, jnp.inf, 0.5, 0.0]])
+    ruled_out = jnp.array([0.0, -jnp.inf, 0.0, 0.0])
+    keys = jax.random.split(jax.random.key(0), 256)
+    for greedy in (True, False):
+        settings = {"greedy": greedy, "nucleus": False, "k_room": 0, "bias_V": ruled_out}
+        ids = np.asarray(
+            jax.vmap(lambda k, s=settings: generation._sample(logits, k, 1.0, 0, 1.0, **s))(keys)
+        )
+        assert set(ids.ravel()) <= {0, 2, 3} and (ids == 0).any(), greedy
+
+
+def test_sample_logits_refuses_what_generate_refuses():
+    """A negative temperature sampled from softmax(-logits), top_k=-1 and top_p=NaN
+    meant no limit: sample_logits is public, and checked nothing."""
+    logits, rng = jnp.zeros((1, 4)), jax.random.key(0)
+    for bad, name in (
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": float("nan")}, "top_p"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{name}"):
+            generation.sample_logits(logits, rng, **bad)
+
+
 def test_other_token_counts_and_sampling_values_compile_nothing_new(model_params):
     """A notebook asking for 100, then 101 tokens, or sweeping temperature, top_k or
     top_p, paid a full compilation each time (seconds, against milliseconds of
