@@ -22,9 +22,10 @@ other lengths are asked. A cell that cannot (a length that does not divide the
 budget, a length the mode cannot evaluate) is shown as missing, with the reason.
 
 Results go to stdout and WORKDIR/eval/: perplexity.json/.png hold the latest
-run, and a copy named after the settings (perplexity-step…-budget…-HASH.json)
-keeps every run's results; --resolution writes resolution.json (and its settings'
-copy), --figure expectation.png (Figure 1's curve).
+run, and a copy named after the settings
+(perplexity-step…-MODES-budget…[-SCALING]-HASH.json) keeps every run's results;
+--resolution writes resolution.json (and its settings' copy), --figure
+expectation.png (Figure 1's curve).
 
 --rope_scaling extends a trained xpos or rope model without retraining
 (lexjax/positions.py): pi (position interpolation), ntk (NTK-aware base),
