@@ -622,8 +622,7 @@ def test_bad_input_is_one_line(workdir, tmp_path, program, capsys):
         _run("eval.py", f"--workdir={workdir}", f"--eval_files={short}", "--lengths=32,64"),
         3,
         "budget of 512 tokens",
-        "has 1 document,",
-        "longest 52 tokens",
+        f"(in 1 file of {short}: 1 document, the longest 52 tokens)",
         "--max_length=51",
     )
     # Resolution needs 2 × train_len tokens: refused before the perplexity run, not after.

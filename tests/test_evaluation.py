@@ -532,7 +532,7 @@ def test_the_table_counts_one_document_in_the_singular():
 
 
 def test_no_document_long_enough_says_where_how_many_and_the_largest_budget():
-    """It said "2 files of … has 2 documents"; and no test held its numbers."""
+    """It said "2 files of … has 2 documents" (eval.py's one file: test_eval_cli.py)."""
     from lexjax.errors import DataError
 
     documents = [[1] * 10, [1] * 20]
