@@ -323,6 +323,40 @@ def plain_own_log_lines() -> None:
     absl_logging.get_absl_handler().setFormatter(_PlainOwnLines())
 
 
+# Set by stopped_mid_work (a stop that interrupted work); report() reads and resets it.
+_stopped_mid_work = False
+
+
+def stopped_mid_work() -> None:
+    """A stop ended work that may go on in jaxlib's threads (a compilation the stop's
+    exception interrupted; the main thread only waited for it): :func:`report` then
+    ends the program without Python's finalization, which crashed in those threads
+    (train.py stopped while compiling its initial state: "stopped by SIGTERM", then
+    SIGSEGV, exit 139 instead of 0)."""
+    global _stopped_mid_work
+    _stopped_mid_work = True
+
+
+def _ends_process() -> bool:
+    """Whether :func:`report` runs a program of its own: its own stderr (not a test's
+    captured one), outside an interactive session (whose interpreter must go on)."""
+    interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    return sys.stderr is sys.__stderr__ and not interactive
+
+
+def _exit_now(status: int) -> None:
+    """Ends the process with ``status`` once what it printed and logged is out, without
+    Python's finalization (see :func:`stopped_mid_work`)."""
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # (None: started without one, `>&-`)
+            with contextlib.suppress(OSError, ValueError, StdoutClosed):
+                stream.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
 def report(program, *args, **kwargs) -> int:
     """``program(*args, **kwargs)`` (None: 0); a :class:`LexjaxError` becomes
     ``error: <one line>`` on stderr and the exit status of its kind.
@@ -333,16 +367,17 @@ def report(program, *args, **kwargs) -> int:
     threads still compiled, and ended 6 of 36 interrupted eval.py runs on loaded
     cores by SIGSEGV. In an interactive session, or a caller with its own stderr
     (a test's), it is raised again, without its traceback.
-    :class:`StdoutClosed` returns :data:`STDOUT_CLOSED`, quietly.
+    :class:`StdoutClosed` returns :data:`STDOUT_CLOSED`, quietly. After a stop that
+    interrupted work (:func:`stopped_mid_work`) the process ends at once, with the
+    program's status.
     """
+    global _stopped_mid_work
+    _stopped_mid_work = False
     try:
-        return program(*args, **kwargs) or 0
+        status = program(*args, **kwargs) or 0
     except KeyboardInterrupt:
         end_open_line()
-        # A program's own stderr (not a test's captured one), outside an interactive
-        # session (whose interpreter a Ctrl-C must not end).
-        interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
-        ends = sys.stderr is sys.__stderr__ and not interactive
+        ends = _ends_process()  # (an interactive session's interpreter must go on)
         if ends:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a flush stuck on a pipe: Ctrl-C
             if sys.stdout is not None:  # (None: started without one, `>&-`)
@@ -363,9 +398,16 @@ def report(program, *args, **kwargs) -> int:
         # be long (a foreign reason inside it was cut already).
         print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)
         return e.exit_code
+    except SystemExit as e:  # absl's app.run ends its program so, with its status
+        if _stopped_mid_work and _ends_process() and isinstance(e.code, int | None):
+            _exit_now(e.code or 0)
+        raise
     except BaseException:  # a bug's traceback, too, starts a line of its own
         end_open_line()
         raise
+    if _stopped_mid_work and _ends_process():
+        _exit_now(status)
+    return status
 
 
 def _quiet_interrupt(hook):

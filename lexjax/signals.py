@@ -47,7 +47,10 @@ _received: list[str] = []
 
 def _record(signum, frame):
     if _received and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        # A second Ctrl-C stops at once, as eval.py's while it loads (nothing is written
+        # yet): a KeyboardInterrupt raised inside JAX's import was a traceback, and one
+        # inside its gc callback was lost (the run went on and exited 0).
+        _end(signum, frame)
     _received.append(signal.Signals(signum).name)
 
 
@@ -145,7 +148,16 @@ def redeliver_swallowed_interrupts() -> None:
     """A Ctrl-C's KeyboardInterrupt that a callback swallowed is raised again in the
     main thread a moment later, after the callback, so a Ctrl-C always stops the
     program (seen lost in eval.py)."""
-    on_swallowed(KeyboardInterrupt, lambda: interrupt_main_later(signal.SIGINT))
+    on_swallowed(KeyboardInterrupt, _interrupt_again)
+
+
+def _interrupt_again() -> bool:
+    """A swallowed Ctrl-C raised anew in the main thread; while the interpreter shuts
+    down (no main thread to raise it in: an atexit callback's) the process ends as a
+    Ctrl-C ends it (it exited 0, silently, and a shell loop went on)."""
+    if sys.is_finalizing() or not threading.main_thread().is_alive():
+        _end(signal.SIGINT, None)
+    return interrupt_main_later(signal.SIGINT)
 
 
 def interrupt_main_later(signum: int) -> bool:

@@ -316,6 +316,7 @@ def train(
                 ) from None
             if not isinstance(e, _Stopped):
                 raise
+            errors.stopped_mid_work()  # its exception may have left a compilation running
         directory = ckpt_lib.checkpoint_dir(workdir)
         _say_nothing_trained(say, stop.signal_name, directory, ckpt_lib.has_steps(workdir))
         return dict(

@@ -1219,3 +1219,79 @@ def test_glob_matching_nothing(ctx):
     result = P.run(P.train_args(ctx[0] / "no-data", files, str(ctx[0] / "none-tfds")), ctx[3])
     line = one_error_line(result)
     assert f"error: data.files={files!r} matches no files" in line, line
+
+
+def _python_child(code: str, *, signal_after: str | None = None, timeout=60):
+    """``code`` in a new Python from the repository; with ``signal_after`` a line the
+    child prints, after which this sends it SIGINT. Returns (status, stdout, stderr)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=P.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(P.ROOT)},
+    )
+    if signal_after is not None:
+        while child.stdout.readline().strip() != signal_after:
+            assert child.poll() is None, child.stderr.read()
+        child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=timeout)
+    return child.returncode, out, err
+
+
+@pytest.mark.parametrize("end", ["return 0", "sys.exit(0)"])  # the latter: absl's app.run
+def test_a_stop_that_interrupted_work_ends_the_program_without_finalization(end):
+    """train.py stopped while it compiled its initial state printed its line, then
+    Python's finalization crashed in jaxlib's compiling thread: SIGSEGV, exit 139 (6 of
+    8 SIGTERMs 0.2-0.4 s after its model line). The stop now ends the process at once,
+    with the program's status, after what it printed (an atexit callback stands in
+    for the finalization)."""
+    code = f"""
+import atexit, sys
+from lexjax import errors
+atexit.register(lambda: print("finalized", flush=True))
+def program():
+    print("stopped by SIGTERM before the first step")
+    errors.stopped_mid_work()
+    {end}
+sys.exit(errors.report(program))
+"""
+    status, out, err = _python_child(code)
+    assert (status, out, err) == (0, "stopped by SIGTERM before the first step\n", "")
+    # Without an interrupted stop the program ends as usual.
+    status, out, _ = _python_child(code.replace("    errors.stopped_mid_work()\n", ""))
+    assert (status, out) == (0, "stopped by SIGTERM before the first step\nfinalized\n")
+
+
+def test_a_second_ctrl_c_while_a_program_starts_ends_it_in_one_line():
+    """A second Ctrl-C while train.py loaded JAX (signals deferred) raised a
+    KeyboardInterrupt there: a traceback through JAX's import, or, inside JAX's gc
+    callback, nothing at all (the run went on and exited 0)."""
+    code = """
+import os, signal, time
+from lexjax import signals
+signals.defer()
+os.kill(os.getpid(), signal.SIGINT)  # the first: recorded for train() to act on
+print("ready", flush=True)
+time.sleep(30)
+"""
+    status, out, err = _python_child(code, signal_after="ready")
+    assert status == -signal.SIGINT and err == "interrupted (Ctrl-C)\n", err
+
+
+def test_a_ctrl_c_while_the_interpreter_shuts_down_ends_it_as_a_ctrl_c():
+    """A Ctrl-C as eval.py finished (in an atexit callback, whose exception Python only
+    reports) was swallowed and delivered again to a main thread that had ended: exit 0,
+    nothing said, and a shell loop over runs went on."""
+    code = """
+import atexit, signal, os, sys, time
+from lexjax import signals
+signals.redeliver_swallowed_interrupts()
+def at_exit():
+    print("exiting", flush=True)
+    time.sleep(30)
+atexit.register(at_exit)
+"""
+    status, out, err = _python_child(code, signal_after="exiting")
+    assert status == -signal.SIGINT and err == "interrupted (Ctrl-C)\n", err
