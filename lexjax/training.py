@@ -83,7 +83,8 @@ class _StopFlag:
                 continue
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
-        self.signal_name = signals.take_deferred()  # one while the program started
+        # One while the program started; or one that came since the handlers were set.
+        self.signal_name = signals.take_deferred() or self.signal_name
         signals.on_swallowed(_Stopped, _deliver_again)
         _active.append(self)
         return self

@@ -963,3 +963,21 @@ def test_flops_per_token_by_hand():
     (tied) unembedding 2·8,192 + 264·32 = 24,832, times 6 (forward and backward)
     = 148,992. Causal attention: 6·L·T·d = 6·2·16·32 = 6,144."""
     assert metrics.flops_per_token(small_config()) == 148_992 + 6_144
+
+
+def test_a_signal_just_as_train_takes_over_the_handlers_is_kept(monkeypatch):
+    """train()'s handlers were set, then the signals deferred while the program started
+    were taken: a signal in between was recorded by the new handler and then overwritten
+    by "none deferred", and the run trained on."""
+    import signal
+
+    from lexjax import signals, training
+
+    def take_deferred():  # a SIGTERM lands first, handled by train()'s own handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        return None
+
+    monkeypatch.setattr(signals, "take_deferred", take_deferred)
+    with training._StopFlag() as stop:
+        assert stop.signal_name == "SIGTERM"
