@@ -1,6 +1,7 @@
 """The README's Python blocks run as shown, and the API docs build (pdoc) with no warning."""
 
 import ast
+import glob
 import os
 import re
 import warnings
@@ -203,3 +204,18 @@ def test_every_import_follows_the_layers_design_md_draws():
                 wrong.append(f"{name} imports {imported}, a row below it")
     assert wrong == []
     assert upward == {("checkpoint", "model"), ("sharding", "model")}
+
+
+def test_committed_study_results_hold_the_comparisons_their_runs_give(tmp_path):
+    """docs/results.md quotes paired differences from each committed results.json's
+    `variants`; they must be what today's lexjax.reports computes from the per-seed
+    values stored beside them (docs/refresh_results.py writes them so)."""
+    from lexjax import reports
+
+    paths = sorted(glob.glob(os.path.join(ROOT, "docs", "results*", "results.json")))
+    assert len(paths) == 5, paths
+    for path in paths:
+        stored = reports.read_json(path)
+        fresh = tmp_path / "fresh.json"  # written as the study writes JSON (NaN: null)
+        reports.write_json(str(fresh), reports.variant_stats(stored["runs"], stored["lengths"]))
+        assert reports.read_json(str(fresh)) == stored["variants"], path
