@@ -1222,10 +1222,11 @@ def test_glob_matching_nothing(ctx):
 
 
 def _python_child(code: str, *, signal_after: str | None = None, timeout=60):
-    """``code`` in a new Python from the repository; with ``signal_after`` a line the
+    """``code`` in a new Python from the repository, with SIGINT's default action (a
+    test run as a background job hands it ignored); with ``signal_after`` a line the
     child prints, after which this sends it SIGINT. Returns (status, stdout, stderr)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", code],
+        P.interruptible([sys.executable, "-c", code]),
         cwd=P.ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
