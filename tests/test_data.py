@@ -547,6 +547,16 @@ def test_pipeline_is_deterministic_for_a_seed():
     )
 
 
+def test_the_largest_seed_streams_past_many_shuffle_windows():
+    """grain seeds shuffle window w with seed + w, a 32-bit seed: seed 2**32 - 1 (allowed)
+    ended in a TypeError at its second window, and 2**32 - k after about k windows."""
+    for seed in (2**32 - 1, 2**32 - 2):
+        it = data.make_train_iterator(
+            _documents(), seq_len=SEQ_LEN, batch_size=2, seed=seed, shuffle_rows=2
+        )
+        assert len(_take(it, 12)) == 12  # 24 rows: 12 windows of 2
+
+
 def test_packing_convention():
     documents = _documents()
     expected = _chunks(documents)

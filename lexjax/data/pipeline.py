@@ -272,7 +272,13 @@ def make_train_iterator(
     )
     ds = ds.map(_RenamePacked())
     if shuffle_rows > 1:
-        ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_rows, seed=seed)
+        # grain seeds window w with seed + w, which its shuffle takes as 32 bits: a seed
+        # near 2**32 ended in a TypeError after a few windows. Seeds below 2**31 keep
+        # their stream; those above share one with seed - 2**31 (their streams changed).
+        window_seed = seed % 2**31
+        ds = grain.experimental.WindowShuffleIterDataset(
+            ds, window_size=shuffle_rows, seed=window_seed
+        )
     ds = ds.batch(batch_size, drop_remainder=True)
     if shard_count > 1:
         rows = batch_size // shard_count
