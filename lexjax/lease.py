@@ -156,7 +156,7 @@ def _process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``
     field 22); None without /proc or without such a process."""
     field = _stat_field(pid, 19)
-    return None if field is None else int(field)
+    return int(field) if field is not None and field.isdigit() else None
 
 
 def _pid_space() -> dict[str, str]:

@@ -733,8 +733,11 @@ def plot_passkey_grid(c, path) -> None:
 
 
 def variant_stats(runs, lengths) -> list[dict]:
-    """Per variant: its seeds and each cell's mean, std (ddof 1) and seed count; and for
-    RoPE and each XPOS variant, the XPOS − RoPE comparison of :func:`compare`."""
+    """Per variant: its seeds and each cell's mean, std (ddof 1) and seed count; each
+    other mode against BCA in its seeds (``minus_bca``); and for each XPOS variant, the
+    XPOS − RoPE comparisons of :func:`compare` of perplexity (``minus_rope``), attention
+    resolution (``resolution_minus_rope``, ``resolution_window_minus_rope``) and
+    passkey accuracy over depths (``passkey_minus_rope``)."""
     groups = _variants(runs)
     rope = next((g for _, p, _, g in groups if p == "rope"), None)
     stats = []
@@ -767,7 +770,8 @@ def variant_stats(runs, lengths) -> list[dict]:
                     m: {str(n): compare(mine, theirs, m, n) for n in ns} for m in their_modes
                 }
         if "bca" in modes:  # every other mode against BCA, seed by seed
-            bca = _as_runs(group, lambda r, _, n: r["perplexity"]["bca"].get(n), modes, lengths)
+            bca_of = lambda r, _, n: r["perplexity"].get("bca", {}).get(n)
+            bca = _as_runs(group, bca_of, modes, lengths)
             entry["minus_bca"] = {
                 m: {str(n): compare(group, bca, m, n) for n in lengths} for m in modes if m != "bca"
             }
