@@ -81,6 +81,7 @@ __all__ = [
     "parse_depths",
     "check_settings",
     "cell_problem",
+    "skipped_cells",
     "passkey_accuracy",
     "evaluate_passkey",
 ]
@@ -412,6 +413,23 @@ def cell_problem(
     return None
 
 
+def skipped_cells(
+    config: ModelConfig,
+    modes: Sequence[str],
+    lengths: Sequence[int],
+    tokenizer: data_lib.Tokenizer,
+    block: int,
+) -> list[dict]:
+    """The cells :func:`passkey_accuracy` skips (``strict=False``), with why: a
+    ``{"mode", "length", "reason"}`` per cell :func:`cell_problem` refuses."""
+    return [
+        {"mode": mode, "length": n, "reason": problem}
+        for mode in modes
+        for n in lengths
+        if (problem := cell_problem(config, mode, n, tokenizer, block))
+    ]
+
+
 def _logprobs(model: Decoder, params, tokens_BxL, mode: str, block: int):
     """Teacher-forced next-token log-probabilities in ``mode``, as generation attends."""
     if mode == "full":
@@ -580,12 +598,7 @@ def evaluate_passkey(
     source, stream = "the repeated filler sentence", FILLER
     if filler == "text":
         source, stream = _text_filler(config, eval_files, max_docs, tokenizer, corpus, say)
-    skipped = [
-        {"mode": m, "length": n, "reason": problem}
-        for m in modes
-        for n in lengths
-        if (problem := cell_problem(config.model, m, n, tokenizer, config.block))
-    ]
+    skipped = skipped_cells(config.model, modes, lengths, tokenizer, config.block)
     if len(skipped) == len(modes) * len(lengths):
         shortest = min_length(tokenizer)
         advice = f"; use {arg('lengths')} of at least {shortest}" * (max(lengths) < shortest)

@@ -594,16 +594,9 @@ def _passkey_stage(spec, config, workdir, plan, log) -> None:
         say(f"  passkey {mode}: {shown}")
     # The cells passkey_accuracy skipped, with why (as eval.py's passkey.json lists them):
     # the report's "–" cells said nothing of it.
-    skipped = [
-        {"mode": mode, "length": n, "reason": problem}
-        for mode in settings["modes"]
-        for n in settings["lengths"]
-        if (
-            problem := passkey.cell_problem(
-                stored_config.model, mode, n, plan["tokenizer"], config.block
-            )
-        )
-    ]
+    skipped = passkey.skipped_cells(
+        stored_config.model, settings["modes"], settings["lengths"], plan["tokenizer"], config.block
+    )
     record = {"config": to_dict(config), "run": spec.name, "step": step, "protocol": PASSKEY}
     record.update(settings, seconds=time.perf_counter() - start, skipped=skipped)
     reports.write_json(path, {**record, "results": [r.as_dict() for r in results]})
