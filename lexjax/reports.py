@@ -679,13 +679,14 @@ def study_passkey_table(c, key: str = "passkey") -> str:
                 std = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
                 cells.append(f"{np.mean(values):.2f}{std}" if values else "–")
             lines.append(_row(f"{label} {MODE_NAMES[mode]}{_seeds_note(group)}", cells))
-    # Why a cell is empty, once per variant (its seeds skip the same cells), under the
-    # accuracy table (the nats table's cells are the same).
+    if key != "passkey":  # the nats table's empty cells are the accuracy table's
+        return "\n".join(lines)
+    # Why a cell is empty, once per variant (its seeds skip the same cells).
     reasons = {
         (label, s["mode"], s["length"]): s["reason"]
         for label, _, _, group in _variants(c["runs"])
         for r in group
-        for s in r.get("passkey_skipped", []) * (key == "passkey")
+        for s in r.get("passkey_skipped", [])
     }
     lines += [""] * bool(reasons)
     lines += [f"– {label} {MODE_NAMES[m]} {n}: {why}" for (label, m, n), why in reasons.items()]
@@ -780,8 +781,8 @@ def variant_stats(runs, lengths) -> list[dict]:
 
 
 def _passkey_over_depths(r, mode, n):
-    depths = r.get("passkey", {}).get(mode, {}).get(n)
-    return float(np.mean([_nan_if_null(v) for v in depths.values()])) if depths else None
+    """One run's passkey accuracy of a cell, averaged over depths (None: no cell)."""
+    return next(iter(_passkey_mean([r], mode, n)), None)
 
 
 # name: (the runs' field, value(run, mode, str length) or None) of variant_stats.
