@@ -349,12 +349,17 @@ def _exit_now(status: int) -> None:
     Python's finalization (see :func:`stopped_mid_work`)."""
     import logging
 
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:  # (None: started without one, `>&-`)
-            with contextlib.suppress(OSError, ValueError, StdoutClosed):
-                stream.flush()
+    _flush(sys.stdout)
+    _flush(sys.stderr)
     logging.shutdown()
     os._exit(status)
+
+
+def _flush(stream) -> None:
+    """What ``stream`` holds, out before the process ends, as far as it can go."""
+    if stream is not None:  # (None: started without one, `>&-`)
+        with contextlib.suppress(OSError, ValueError, StdoutClosed):
+            stream.flush()
 
 
 def report(program, *args, **kwargs) -> int:
@@ -380,9 +385,7 @@ def report(program, *args, **kwargs) -> int:
         ends = _ends_process()  # (an interactive session's interpreter must go on)
         if ends:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a flush stuck on a pipe: Ctrl-C
-            if sys.stdout is not None:  # (None: started without one, `>&-`)
-                with contextlib.suppress(OSError, ValueError, StdoutClosed):
-                    sys.stdout.flush()  # what it printed, before the process ends
+            _flush(sys.stdout)  # what it printed, before the process ends
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.excepthook = _quiet_interrupt(sys.excepthook)
         if ends:
