@@ -12,7 +12,8 @@ them.
 glibc reads tunables when a process starts, so :func:`reexec_with_hugepages` re-executes
 the program (``os.execve``: same pid, same arguments) with the tunable added to
 ``GLIBC_TUNABLES``. The programs that train — ``train.py``, the experiment, ``bench/run.py``
-and ``bench/profile_step.py`` — call it first; importing lexjax never does. In a notebook,
+and ``bench/profile_step.py`` — call it first; importing lexjax never does, nor does ``%run
+train.py`` in a notebook, which would restart the kernel. In a notebook,
 start Jupyter with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` instead.
 ``LEXJAX_HUGEPAGES=0`` turns the restart off. ``eval.py`` does not restart: the block
 scan's temporaries are a few MiB that glibc reuses, and short ``eval.py`` runs measured
@@ -87,10 +88,23 @@ def environ_with_tunable(environ, on: bool = True) -> dict:
     return env
 
 
+def _not_this_program() -> str | None:
+    """Why ``sys.orig_argv`` would not start the program that runs now, or None."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
+        # %run train.py in Jupyter or IPython: orig_argv starts the kernel (or the shell).
+        return "inside an IPython shell or Jupyter kernel"
+    if sys.argv[:1] in ([""], ["-"]):
+        return "the program came from stdin, which the interpreter has read"
+    return None
+
+
 def reexec_with_hugepages() -> None:
     """Re-executes this program with ``GLIBC_TUNABLES`` += ``glibc.malloc.hugetlb=1``
-    unless :func:`reason_to_skip` finds a reason; returns only when it skips."""
-    if reason_to_skip() is not None:
+    unless :func:`reason_to_skip` finds a reason, or the interpreter's own command line
+    would not start this program again (``%run`` in a Jupyter kernel, a program read
+    from stdin); returns only when it skips."""
+    if _not_this_program() is not None or reason_to_skip() is not None:
         return
     for stream in (sys.stdout, sys.stderr):  # None where the program started without it
         if stream is not None:

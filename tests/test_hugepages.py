@@ -84,3 +84,62 @@ def test_restart_keeps_pid_and_arguments_and_gives_huge_pages():
     env["LEXJAX_HUGEPAGES"] = "0"
     (only,), last = _run_child(env)
     assert last == "done" and only["tunables"] == "glibc.malloc.arena_max=4"
+
+
+# A program as train.py starts: the restart first, then its work.
+PROGRAM = textwrap.dedent(
+    """
+    if __name__ == "__main__":
+        from lexjax import hugepages
+
+        hugepages.reexec_with_hugepages()
+    print("the program ran")
+    """
+)
+
+
+def _env_without_tunable():
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEXJAX_HUGEPAGES")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.skipif(
+    hugepages.reason_to_skip(environ={}) is not None,
+    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
+)
+def test_run_in_a_jupyter_kernel_does_not_restart_the_kernel(tmp_path):
+    """``%run train.py`` in a notebook: the restart re-executed sys.orig_argv, the
+    kernel's, so the kernel restarted in place (its variables lost) and the cell never
+    finished."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    cells = ["import os\npid = os.getpid()", "%run prog.py", "print(os.getpid() == pid)"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(notebook, timeout=60, resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=_env_without_tunable())  # a cell that never ends: CellTimeoutError
+    text = ["".join(o.get("text", "") for o in cell.outputs) for cell in notebook.cells]
+    assert text == ["", "the program ran\n", "True\n"]
+
+
+@pytest.mark.skipif(
+    hugepages.reason_to_skip(environ={}) is not None,
+    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
+)
+def test_a_program_read_from_stdin_runs_without_restarting():
+    """``python - < train.py``: the restart ran ``python -`` again on the stdin the
+    first process had read to its end, an empty program: nothing done, exit status 0."""
+    for argv in (["-", "--flag=1"], []):
+        out = subprocess.run(
+            [sys.executable, *argv],
+            input=PROGRAM,
+            env=_env_without_tunable(),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        assert out.stdout == "the program ran\n", argv
