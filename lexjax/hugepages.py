@@ -96,6 +96,8 @@ def _not_this_program() -> str | None:
         return "inside an IPython shell or Jupyter kernel"
     if sys.argv[:1] in ([""], ["-"]):
         return "the program came from stdin, which the interpreter has read"
+    if not sys.executable:  # started with an argv[0] that names no file (exec -a NAME)
+        return "the interpreter does not know its own executable"
     return None
 
 
@@ -103,12 +105,15 @@ def reexec_with_hugepages() -> None:
     """Re-executes this program with ``GLIBC_TUNABLES`` += ``glibc.malloc.hugetlb=1``
     unless :func:`reason_to_skip` finds a reason, or the interpreter's own command line
     would not start this program again (``%run`` in a Jupyter kernel, a program read
-    from stdin); returns only when it skips."""
+    from stdin); returns only when it skips, or when the exec fails."""
     if _not_this_program() is not None or reason_to_skip() is not None:
         return
     for stream in (sys.stdout, sys.stderr):  # None where the program started without it
         if stream is not None:
             stream.flush()
-    os.execve(
-        sys.executable, [sys.executable, *sys.orig_argv[1:]], environ_with_tunable(os.environ)
-    )
+    try:
+        os.execve(
+            sys.executable, [sys.executable, *sys.orig_argv[1:]], environ_with_tunable(os.environ)
+        )
+    except OSError:  # e.g. a sandbox that forbids execve: the program runs on, 4 KiB pages
+        return

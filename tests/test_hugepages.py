@@ -143,3 +143,28 @@ def test_a_program_read_from_stdin_runs_without_restarting():
             timeout=60,
         )
         assert out.stdout == "the program ran\n", argv
+
+
+@pytest.mark.skipif(
+    hugepages.reason_to_skip(environ={}) is not None,
+    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
+)
+def test_a_restart_that_cannot_exec_lets_the_program_run_on():
+    """The restart is a speed-up: where it cannot exec, the program ran no further (a
+    ValueError traceback, exit status 1, where a launcher's argv[0] names no file so
+    that sys.executable is empty; an OSError where the exec fails)."""
+    env = _env_without_tunable()
+    out = subprocess.run(
+        ["no-such-python", "-c", PROGRAM],  # sys.executable is then ""
+        executable=sys.executable,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
+    gone = "import sys\nsys.executable = '/no/such/python'\n"
+    out = subprocess.run(
+        [sys.executable, "-c", gone + PROGRAM], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
