@@ -30,6 +30,10 @@ __all__ = ["OPT_OUT", "TUNABLE", "environ_with_tunable", "reason_to_skip", "reex
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "LEXJAX_HUGEPAGES"  # "0": never restart
+# Set for the restarted process only (it removes it): a program restarts at most once,
+# also where glibc drops the tunable at the exec (a secure-execution process: an
+# interpreter with file capabilities), which restarted it again and again.
+_RESTARTED = "LEXJAX_HUGEPAGES_RESTARTED"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
 
@@ -106,14 +110,15 @@ def reexec_with_hugepages() -> None:
     unless :func:`reason_to_skip` finds a reason, or the interpreter's own command line
     would not start this program again (``%run`` in a Jupyter kernel, a program read
     from stdin); returns only when it skips, or when the exec fails."""
+    if os.environ.pop(_RESTARTED, None) is not None:
+        return  # this is the restart
     if _not_this_program() is not None or reason_to_skip() is not None:
         return
     for stream in (sys.stdout, sys.stderr):  # None where the program started without it
         if stream is not None:
             stream.flush()
     try:
-        os.execve(
-            sys.executable, [sys.executable, *sys.orig_argv[1:]], environ_with_tunable(os.environ)
-        )
+        env = {**environ_with_tunable(os.environ), _RESTARTED: "1"}
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:  # e.g. a sandbox that forbids execve: the program runs on, 4 KiB pages
         return

@@ -168,3 +168,33 @@ def test_a_restart_that_cannot_exec_lets_the_program_run_on():
         [sys.executable, "-c", gone + PROGRAM], env=env, capture_output=True, text=True, timeout=60
     )
     assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
+
+
+@pytest.mark.skipif(
+    hugepages.reason_to_skip(environ={}) is not None,
+    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
+)
+def test_a_restart_whose_tunable_glibc_drops_happens_once():
+    """In a secure-execution process (AT_SECURE: an interpreter with file capabilities
+    run by another user) glibc empties GLIBC_TUNABLES at the exec, so the restarted
+    process saw no tunable and restarted again, forever (same pid, the program never
+    ran). Simulated here by emptying it as glibc 2.36 does; the marker is not inherited."""
+    program = textwrap.dedent(
+        """
+        import os
+        starts = int(os.environ.get("STARTS", "0")) + 1
+        os.environ["STARTS"] = str(starts)
+        if starts > 3:
+            raise SystemExit("restarted again and again")
+        os.environ["GLIBC_TUNABLES"] = ""  # what glibc leaves of it under AT_SECURE
+        """
+    )
+    after = "print(os.environ['STARTS'], sorted(k for k in os.environ if 'LEXJAX' in k))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", program + PROGRAM + after],
+        env=_env_without_tunable(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (0, "the program ran\n2 []\n"), out.stderr
