@@ -51,7 +51,7 @@ def make_config(overrides: Mapping[str, Any] | None = None) -> Config:
     Raises :class:`lexjax.errors.ConfigError` naming an unknown field (with the
     closest known one) or a value out of range.
     """
-    return from_configdict(overrides or {})
+    return from_configdict({} if overrides is None else overrides)
 
 
 class _DropOrbaxNotices(logging.Filter):

@@ -558,7 +558,8 @@ def _build(cls, values: Mapping, prefix: str):
         if name not in names:
             raise unknown_field(path, [prefix + n for n in names])
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], _plain(value or {}, path), path + ".")
+            section = {} if value is None else value  # None: the defaults
+            kwargs[name] = _build(hints[name], _plain(section, path), path + ".")
         else:
             kwargs[name] = _checked(path, value, hints[name])
     return cls(**kwargs)
@@ -572,7 +573,8 @@ def _nested(values: Mapping) -> dict:
     for key, value in values.items():
         if "." in str(key):
             head, rest = str(key).split(".", 1)
-            out[head] = {**_plain(out.get(head) or {}, head), rest: value}
+            section = out.get(head)
+            out[head] = {**_plain({} if section is None else section, head), rest: value}
     return out
 
 

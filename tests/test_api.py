@@ -65,6 +65,13 @@ def test_make_config_names_an_unknown_field():
         ({"model": 5}, "model=5: expected a mapping of fields"),
         ({"sharding_rules": 5}, "sharding_rules=5: expected a table"),
         ("train_len=32", "config='train_len=32': expected a mapping of fields"),
+        # A falsy non-mapping was taken for "no overrides": the defaults, silently.
+        ("", "config='': expected a mapping of fields"),
+        ([], r"config=\[\]: expected a mapping of fields"),
+        (0, "config=0: expected a mapping of fields"),
+        ({"model": 0}, "model=0: expected a mapping of fields"),
+        ({"data": ""}, "data='': expected a mapping of fields"),
+        ({"model": False, "model.num_layers": 2}, "model=False: expected a mapping of fields"),
     ],
 )
 def test_make_config_rejects_what_is_no_mapping_with_a_config_error(overrides, message):
