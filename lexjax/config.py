@@ -554,7 +554,7 @@ def _build(cls, values: Mapping, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for name, value in _nested(values).items():
-        path = prefix + name
+        path = prefix + str(name)  # a key such as 1 or b'x' is a field name unknown
         if name not in names:
             raise unknown_field(path, [prefix + n for n in names])
         if dataclasses.is_dataclass(hints[name]):

@@ -57,6 +57,11 @@ def test_public_names_resolve_and_nothing_else_does():
 def test_make_config_names_an_unknown_field():
     with pytest.raises(ConfigError, match="train_lne; did you mean train_len"):
         lexjax.make_config({"train_lne": 64})
+    # A key that is no str was a TypeError: "can only concatenate str (not "int") to str".
+    with pytest.raises(ConfigError, match="^unknown config field 1; known: model, "):
+        lexjax.make_config({1: 2})
+    with pytest.raises(ConfigError, match="^unknown config field model.b'd_model'; did you"):
+        lexjax.make_config({"model": {b"d_model": 2}})
 
 
 @pytest.mark.parametrize(
