@@ -55,9 +55,10 @@ if importlib.util.find_spec("lexjax") is None:
 import jax
 
 print(f"JAX {jax.__version__}: {jax.device_count()} × {jax.devices()[0].device_kind}")
-# Training lays a data × fsdp × tensor mesh over every device (by default all on
-# "data"): a Colab TPU shows its 8 cores here.
-print(jax.make_mesh((jax.device_count(),), ("data",)))
+# Training lays a data × fsdp × tensor mesh with Auto axes over every device (by
+# default all on "data"): a Colab TPU shows its 8 cores here.
+auto = (jax.sharding.AxisType.Auto,) * 3
+print(jax.make_mesh((jax.device_count(), 1, 1), ("data", "fsdp", "tensor"), axis_types=auto))
 
 # %% tags=["parameters"]
 # Parameters. LEXJAX_SMOKE=1 shrinks every stage to seconds (CI runs it so).

@@ -41,6 +41,9 @@ def test_notebook_runs_at_smoke_size_from_another_directory(tmp_path):
     images = [i for i, out in outputs.items() if any("image/png" in o.get("data", {}) for o in out)]
     assert len(images) == 3, images  # Figure 1, the loss, perplexity by length
     text = "".join(o.get("text", "") for out in outputs.values() for o in out)
+    # The mesh training lays, as the cell's comment says (it printed a mesh of "data"
+    # alone with Explicit axes, which docs/api.md says the Decoder refuses).
+    assert "Mesh('data': 1, 'fsdp': 1, 'tensor': 1, axis_types=(Auto, Auto, Auto))" in text
     assert "same scores at positions + 100: True" in text
     assert "step 10/10 loss" in text and "xpos with BCA" in text
     assert "characters after the prompt" in text
