@@ -677,6 +677,15 @@ def check_int(name: str, value, low: int = 1, high: int | None = None, bound: st
     return int(value)
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` as a bool (numpy's too) if it is one; else a one-line
+    :class:`ConfigError` naming ``name``: ``"no"`` or ``0`` is not read as a switch."""
+    value = as_python(value)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be True or False")
+    return value
+
+
 def as_python(value):
     """A concrete NumPy or JAX array or scalar as Python values (0-d: its one value,
     e.g. ``np.array(256)``, ``jnp.int32(8)``, ``x.sum()``; more dimensions: lists);

@@ -95,6 +95,7 @@ from lexjax.config import (
     Config,
     ConfigError,
     ModelConfig,
+    check_bool,
     check_int,
     check_rope_scaling,
 )
@@ -1093,6 +1094,7 @@ def evaluate_run(
         lengths, max_length, sinks=sinks, max_docs=max_docs, eval_files=eval_files
     ) or default_lengths(config.train_len)
     sinks, max_docs = int(sinks), int(max_docs)  # numpy's too: they go into the JSON
+    resolution, figure = check_bool("resolution", resolution), check_bool("figure", figure)
     eval_files = None if eval_files is None else os.fspath(eval_files)
     names = (arg("rope_scaling"), arg("rope_factor"))  # eval.py's flags, or the API's
     check_rope_scaling(rope_scaling, rope_factor, config.model.position, names=names)

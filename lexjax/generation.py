@@ -46,7 +46,7 @@ from lexjax.blockwise import (
     scan_prefix,
     window_positions,
 )
-from lexjax.config import Config, ModelConfig, check_int, check_seed, is_real
+from lexjax.config import Config, ModelConfig, check_bool, check_int, check_seed, is_real
 from lexjax.errors import ConfigError, EvaluationError, StdoutClosed, arg
 from lexjax.evaluation import full_length_limit, full_length_problem
 from lexjax.model import Decoder
@@ -411,6 +411,7 @@ def generate(
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
     check_int(arg("block"), block)  # 0 was a ZeroDivisionError
+    progress = check_bool("progress", progress)
     max_new_tokens = int(max_new_tokens)  # numpy's too
     if mode not in MODES:
         raise ConfigError(f"{arg('mode')}={mode!r}: generation decodes in {' or '.join(MODES)}")

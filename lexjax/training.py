@@ -34,6 +34,7 @@ from lexjax import steps as steps_lib
 from lexjax.config import (
     DECAYING_ENCODINGS,
     Config,
+    check_bool,
     check_int,
     check_path,
     field_at,
@@ -286,6 +287,7 @@ def train(
     data_lib.check_data_dir_path(config.data.data_dir)
     if not callable(log):
         raise ConfigError(f"log={log!r} must be a function of one str, such as print")
+    progress = check_bool("progress", progress)
     if stop_after is not None:
         stop_after = check_int("stop_after", stop_after, bound="a positive integer or None")
     if peak_flops is not None and not (is_real(peak_flops) and 0 < peak_flops < float("inf")):

@@ -489,6 +489,8 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         ({"peak_flops": "x"}, "peak_flops='x' must be a positive number"),
         # It ended the lease's heartbeat thread at once (its waits overflowed).
         ({"lease_timeout_s": float("inf")}, "lease_timeout_s=inf must be a number of seconds"),
+        # A string or a number was read as a switch: "no" showed the progress.
+        ({"progress": "no"}, "progress='no' must be True or False"),
     ]:
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             lexjax.train({**TINY, "data": data}, str(tmp_path / "refused"), **bad)
@@ -516,6 +518,10 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         (run.passkey, ([80],), {"trials": 1.5}, "trials=1.5 must be a positive integer"),  # no --
         (run.generate, ("x",), {"temperature": 1e39}, "temperature must be ≥ 0 (0 = greedy)"),
         (run.generate, ("x",), {"on_text": 5}, "on_text must be a function"),
+        # "no" measured the resolution; 0 or "off" were taken as switches too.
+        (run.evaluate, ([16],), {"resolution": "no"}, "resolution='no' must be True or False"),
+        (run.evaluate, ([16],), {"figure": 1}, "figure=1 must be True or False"),
+        (run.generate, ("x",), {"progress": "off"}, "progress='off' must be True or False"),
     ]:
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             verb(*args, **kwargs)
@@ -551,7 +557,7 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     ]
 
     # top_p below float32's range keeps the most likely id (it kept none: id 0 each time).
-    greedy = run.generate("def ", max_new_tokens=20, temperature=0, progress=False)
+    greedy = run.generate("def ", max_new_tokens=20, temperature=0, progress=np.bool_(False))
     assert run.generate("def ", max_new_tokens=20, top_p=1e-46, progress=False) == greedy
 
     # A corpus changed since training is refused from its files, before it is built.
