@@ -21,6 +21,7 @@ cache of attention sinks seen from their own query positions (``sinks``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -318,7 +319,7 @@ class Decoder(nn.Module):
       position is not after the query's, and with ``window`` less than
       ``window`` positions before it. A call with ``window`` is the sink + window
       mode's, whose cache positions stay below the training length: dynamic NTK
-      takes s = 1 there.
+      takes s = 1 there; splash, whose static mask has no window, gives way to fused.
     - ``sinks`` (with ``cache``; another ``KVCache``): attention sinks scored in
       the same softmax, before the cache, with the queries at
       ``sink_positions_BxT`` (int32 ``[B, T]``) instead of ``positions_BxT``; a
@@ -439,6 +440,11 @@ class Decoder(nn.Module):
         x_BxTxD = _pin(x_BxTxD, self.rules, "batch", "length", "act_embed")
 
         splash = c.attention_impl == "splash" and not return_scores and sinks is None
+        layer_config = c
+        if splash and window is not None:
+            # Splash's static mask has no sliding window (it saw keys up to 3w back in
+            # the sink scan without sinks); the fused kernel takes ctx.mask, which has.
+            splash, layer_config = False, dataclasses.replace(c, attention_impl="fused")
         if splash:
             _check_splash_backend()
         if cache is None:
@@ -513,7 +519,7 @@ class Decoder(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x_BxTxD, (new_kv, scores_LxBxHxTxS) = stack(
-                c, return_scores, self.rules, self.kernels_halved, name="layers"
+                layer_config, return_scores, self.rules, self.kernels_halved, name="layers"
             )(x_BxTxD, layer_caches, ctx)
         else:
             per_layer = []
@@ -522,7 +528,11 @@ class Decoder(nn.Module):
                 if layer_caches is not None:
                     layer_cache = tuple(x[layer] for x in layer_caches)
                 layer_module = block_cls(
-                    c, return_scores, self.rules, self.kernels_halved, name=f"layer_{layer}"
+                    layer_config,
+                    return_scores,
+                    self.rules,
+                    self.kernels_halved,
+                    name=f"layer_{layer}",
                 )
                 x_BxTxD, out = layer_module(x_BxTxD, layer_cache, ctx)
                 per_layer.append(out)

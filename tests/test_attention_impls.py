@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from lexjax import attention, evaluation, generation, masks
+from lexjax import attention, blockwise, evaluation, generation, masks
 from lexjax import model as model_lib
 from lexjax.config import ConfigError
 from lexjax.model import Decoder
@@ -102,6 +102,19 @@ def test_generation_greedy_tokens_match(impl):
     want = generation.complete(config, params, prompt, max_new_tokens=4, temperature=0.0)
     got = generation.complete(other, params, prompt, max_new_tokens=4, temperature=0.0)
     assert got == want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_sink_scan_without_sinks_keeps_its_sliding_window(impl):
+    """Sinks 0: the window group alone, a call with a cache and ``window`` but no
+    sinks. Splash's static mask (bottom-right causal) has no window, so from the
+    third block on its queries saw keys up to 3w back, where the window is 2w."""
+    config, reference, model, params = _models(impl)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 258, (1, 384)), jnp.int32)
+    emit = lambda logits, _, __: logits
+    _, want = blockwise.scan_sinks(reference, params, tokens, config.block, 0, emit)
+    _, got = blockwise.scan_sinks(model, params, tokens, config.block, 0, emit)
+    _close(got, want)
 
 
 def test_splash_kernel_against_an_explicit_mask_with_segments_and_cache_validity():
