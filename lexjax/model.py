@@ -317,7 +317,8 @@ class Decoder(nn.Module):
       H, K]``, ``positions`` ``[B, S]`` int32, ``valid`` ``[B, S]`` bool): keys
       are ``[cache, current]``; a query sees a key iff it is valid and its
       position is not after the query's, and with ``window`` less than
-      ``window`` positions before it. A call with ``window`` is the sink + window
+      ``window`` positions before it (segment ids and ``block`` are refused: the
+      cache's positions and validity say it all). A call with ``window`` is the sink + window
       mode's, whose cache positions stay below the training length: dynamic NTK
       takes s = 1 there; splash, whose static mask has no window, gives way to fused.
     - ``sinks`` (with ``cache``; another ``KVCache``): attention sinks scored in
@@ -381,6 +382,11 @@ class Decoder(nn.Module):
         _check_config(c)
         if (window is not None or sinks is not None) and cache is None:
             raise ValueError("window and sinks apply to a call with a cache")
+        if cache is not None and (segment_ids_BxT is not None or block is not None):
+            raise ValueError(
+                "segment ids and block apply to a call without a cache; with one, the "
+                "cache's positions and validity choose the keys each query sees"
+            )
         dtype, pdtype = _DTYPES[c.dtype], _DTYPES[c.param_dtype]
         tokens_BxT = _as_array("tokens", tokens_BxT)
         if jnp.ndim(tokens_BxT) != 2 or not jnp.issubdtype(
@@ -467,7 +473,6 @@ class Decoder(nn.Module):
             # segment id selects the same keys (attention.splash_attention).
             segments = (jnp.ones((B, T), jnp.int32), valid.astype(jnp.int32))
             layer_caches = (cache.k, cache.v)
-            block = None
             if sinks is not None:
                 layer_caches += (sinks.k, sinks.v)
         # Tables, bias and mask depend on positions only: built once for all layers.

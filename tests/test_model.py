@@ -77,6 +77,18 @@ def test_cached_block_step_equals_full_forward(position):
     np.testing.assert_allclose(first, full[:, :8], rtol=1e-5, atol=1e-5)
 
 
+def test_segment_ids_or_a_block_with_a_cache_are_refused_not_ignored():
+    """With a cache the mask comes from the cache's positions and validity: segment ids
+    and block were dropped without a word (two documents attended to each other)."""
+    config = small_config()
+    model, params = _init(config)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    cache = KVCache.empty(config.model, 1, 8)
+    for extra in ({"segment_ids_BxT": jnp.asarray([[1] * 4 + [2] * 4])}, {"block": 2}):
+        with pytest.raises(ValueError, match="segment ids and block apply to a call without"):
+            model.apply({"params": params}, tokens, jnp.arange(8)[None], cache=cache, **extra)
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("position", ["xpos", "rope", "xpos_norotate", "alibi"])
 def test_kernels_halved_once_for_a_loop_give_the_same_outputs(position, scan_layers):
