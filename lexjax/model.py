@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lexjax import attention as attn_lib
 from lexjax import masks
 from lexjax import positions as pos_lib
-from lexjax.config import PAIRED_ENCODINGS, ModelConfig, check_dtypes
+from lexjax.config import PAIRED_ENCODINGS, ModelConfig, check_dtypes, check_int
 from lexjax.errors import ConfigError
 from lexjax.sharding import split_axes
 
@@ -68,6 +68,13 @@ def _check_config(c) -> None:
         given = "the whole Config: give config.model" if hasattr(c, "model") else type(c).__name__
         raise ConfigError(f"Decoder takes a ModelConfig (a Config's .model), got {given}")
     check_dtypes(c)
+    # 0 was a ZeroDivisionError, or a TypeError from jax.tree.map for no layers.
+    for name in ("num_layers", "d_model", "num_heads", "mlp_dim"):
+        check_int(f"model.{name}", getattr(c, name))
+    if not c.theta > 0:  # 0 gave infinite frequencies: NaN logits everywhere
+        raise ConfigError(f"model.theta={c.theta} must be positive")
+    if c.position == "learned":  # None was a TypeError comparing it with the length
+        check_int("model.max_len", c.max_len, bound="a positive integer, the learned table's size")
     if not isinstance(c.vocab_size, int) or c.vocab_size < 1:
         raise ConfigError(
             f"model.vocab_size={c.vocab_size!r}: give a positive int, or build the config "

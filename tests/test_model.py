@@ -236,6 +236,13 @@ def test_remat_policies_keep_the_gradients_and_save_what_they_name(scan_layers, 
         ({"vocab_size": None}, "model.vocab_size=None"),
         # It said "head_dim must be even ... got 7": the heads do not divide d_model.
         ({"d_model": 30}, "model.d_model=30 is not a multiple of model.num_heads=4"),
+        # A ZeroDivisionError, a TypeError from jax.tree.map, one from Flax's reshape
+        # and one comparing None with the length.
+        ({"num_heads": 0}, "model.num_heads=0 must be a positive integer"),
+        ({"num_layers": 0}, "model.num_layers=0 must be a positive integer"),
+        ({"num_heads": 4.0}, "model.num_heads=4.0 must be a positive integer"),
+        ({"position": "learned", "max_len": None}, "model.max_len=None must be a positive"),
+        ({"theta": 0.0}, "model.theta=0.0 must be positive"),  # NaN logits
     ],
 )
 def test_a_model_config_made_by_hand_is_checked(change, message):
