@@ -50,13 +50,18 @@ def _as_array(name: str, value) -> jax.Array:
 
 
 def _rows(name: str, value, B: int, T: int) -> jax.Array:
-    """Per-token ``value`` as ``[B, T]``: ``[T]`` or ``[1, T]`` serve every row."""
+    """Per-token ``value`` as ``[B, T]``: ``[T]`` or ``[1, T]`` serve every row. Only
+    the batch axis broadcasts: a scalar or ``[B, 1]`` put every token at one position
+    (with a cache, each query then saw the tokens after it)."""
     value = _as_array(name, value)
     try:
+        if not 1 <= value.ndim <= 2 or value.shape[-1] != T:
+            raise ValueError
         return jnp.broadcast_to(value, (B, T))
     except (TypeError, ValueError):
         raise ValueError(
-            f"{name} of shape {value.shape} do not broadcast to tokens' [batch, seq] = {(B, T)}"
+            f"{name} of shape {value.shape} do not broadcast to tokens' [batch, seq] = "
+            f"{(B, T)}; give one per token: [seq] or [1, seq] serve every row"
         ) from None
 
 

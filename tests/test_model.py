@@ -269,9 +269,18 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
         # broadcast to tokens' [batch, seq] = (1, 8)".
         ([[1, 2], [3]], None, r"tokens must be an array of integers, got \[\[1, 2\], \[3\]\]"),
         (jnp.zeros((1, 17), jnp.int32), None, "17 tokens need positions beyond the learned"),
+        # One position for a whole row (a scalar, [B, 1]) put every token at it.
+        (jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 1), jnp.int32), r"shape \(2, 1\) do not"),
+        (jnp.zeros((1, 8), jnp.int32), 3, r"positions of shape \(\) do not broadcast"),
     ):
         with pytest.raises(ValueError, match=message):
             model.apply(variables, tokens, positions)
+    # With a cache, positions [B, 1] let each query see the tokens after it.
+    cache = KVCache.empty(config.model, 2, 4)
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 1\) do not broadcast"):
+        model.apply(
+            variables, jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache=cache
+        )
     # Segment ids of another shape were a TypeError from jnp's `and` of the masks.
     with pytest.raises(ValueError, match=r"segment ids of shape \(1, 7\) do not broadcast"):
         model.apply(variables, jnp.zeros((1, 8), jnp.int32), None, jnp.ones((1, 7), jnp.int32))
