@@ -450,7 +450,10 @@ class Decoder(nn.Module):
                     nn.initializers.normal(0.02), ("positions", "embed")
                 ),
             )
-            x_BxTxD = x_BxTxD + table(positions_BxT)
+            # Pinned as the token table is: looked up in its embed shards, XLA
+            # rematerialised the batch's position embeddings in full (a warning per call).
+            table_PxD = _pin(table.embedding, self.rules, "length", "act_embed")
+            x_BxTxD = x_BxTxD + jnp.take(table_PxD, positions_BxT, axis=0).astype(dtype)
         # Not at init, so that init returns parameters only and its variables
         # apply to any input shape.
         if not self.is_initializing():

@@ -223,3 +223,48 @@ def test_only_process_0_writes_report_files(tmp_path, monkeypatch):
         reports.plot_passkey([result], str(tmp_path / f"p{index}.png"), train_len=16, title="t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p0", "p0.png"]
     assert (tmp_path / "p0" / "passkey.json").read_text().strip() == '{\n  "index": 0\n}'
+
+
+@needs_8
+def test_learned_positions_on_a_tensor_mesh_are_not_rematerialised(capfd):
+    """The learned position table is pinned as the token table is: looked up in its
+    embed shards (tensor preset: embed over fsdp), XLA's partitioner rematerialised
+    the batch's position embeddings in full, printing a warning at every compile of
+    the evaluation and of generation."""
+    config = small_config(
+        sharding="tensor",
+        **{"model.position": "learned", "model.max_len": 64, "model.num_heads": 2},
+        **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+    )
+    model = Decoder(config.model)
+    params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, 16), jnp.int32))["params"])
+    documents = [np.random.default_rng(0).integers(0, 258, 33).astype(np.int32)] * 4
+    found = {}
+    for devices in (jax.devices(), jax.devices()[:1]):
+        on = shard_lib.eval_mesh(config, devices)
+        placed = jax.device_put(params, shard_lib.model_param_shardings(config, on))
+        rules = shard_lib.rules(config)
+        with jax.set_mesh(on):
+            results = evaluation.perplexity(
+                Decoder(config.model, rules),
+                placed,
+                documents,
+                [16, 32],
+                block=config.block,
+                batch_sharding=shard_lib.batch_sharding(on, rules),
+            )
+            tokens = generation.generate(
+                Decoder(config.model, rules),
+                placed,
+                np.stack(documents)[:, :20],
+                block=config.block,
+                max_new_tokens=4,
+                rng=jax.random.key(0),
+                temperature=0.0,
+            )
+        found[len(devices)] = {(r.mode, r.length): r.nll for r in results}, tokens
+    assert found[8][0].keys() == found[1][0].keys() and len(found[1][0]) == 4
+    for cell, value in found[1][0].items():
+        assert found[8][0][cell] == pytest.approx(value, rel=1e-4), cell
+    np.testing.assert_array_equal(*(shard_lib.host_array(found[n][1]) for n in (8, 1)))
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
