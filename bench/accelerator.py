@@ -177,6 +177,22 @@ def compiled_memory(compiled) -> dict:
     return out
 
 
+def describe(config) -> dict:
+    """What a measurement's figures depend on, for its JSON line: the vocabulary above all
+    (the output layer's share of the step; docs/accelerator's earlier rows were at 320 ids)."""
+    m = config.model
+    return dict(
+        attention_impl=m.attention_impl,
+        remat_policy=m.remat_policy,
+        position=m.position,
+        vocab_size=m.vocab_size,
+        train_len=config.train_len,
+        layers=m.num_layers,
+        d_model=m.d_model,
+        dtype=m.dtype,
+    )
+
+
 def train(config, steps: int) -> dict:
     """Times ``steps`` of the library's jitted train step over every local device."""
     from lexjax import metrics
@@ -384,17 +400,7 @@ def main(argv=None) -> int:
         AdamW's two moments) alive."""
         nonlocal last_seconds
         config = config_of(**model)
-        m = config.model
-        described = dict(
-            attention_impl=m.attention_impl,
-            remat_policy=m.remat_policy,
-            position=m.position,
-            vocab_size=m.vocab_size,
-            train_len=config.train_len,
-            layers=m.num_layers,
-            d_model=m.d_model,
-            dtype=m.dtype,
-        )
+        described = describe(config)
         if time.perf_counter() + last_seconds > deadline:
             emit(kind, skipped="time budget", **described)
             return None
@@ -418,20 +424,22 @@ def main(argv=None) -> int:
         emit(kind, **described, **trained)
         return config, live, trained
 
-    def xpos_overhead(impl: str, first, none) -> None:
+    def xpos_overhead(first, none) -> None:
         """Both compiled steps timed in alternating rounds (each after an untimed call of
         its own), the overhead a median [min–max] of per-round ratios."""
+        # The configuration compared (its position is xpos against none).
+        model = {k: v for k, v in describe(first[0]).items() if k != "position"}
         rounds = 3 if args.small else XPOS_ROUNDS
         need = 2 * rounds * steps * (first[2]["step_seconds"] + none[2]["step_seconds"])
         if time.perf_counter() + need > deadline:
-            emit("xpos_overhead", skipped="time budget", attention_impl=impl)
+            emit("xpos_overhead", skipped="time budget", **model)
             return
         try:
             seconds = common.alternate(
                 {"xpos": first[1].timer, "none": none[1].timer}, rounds, warm=True
             )
         except Exception as e:
-            emit("xpos_overhead", error=common.error_text(e), attention_impl=impl)
+            emit("xpos_overhead", error=common.error_text(e), **model)
             return
         # Same tokens on both sides: none's tokens/s over xpos's = xpos's seconds over none's.
         percent = common.Summary.of(
@@ -446,7 +454,7 @@ def main(argv=None) -> int:
             percent_per_round=percent.values,
             rounds=rounds,
             steps_per_round=steps,
-            attention_impl=impl,
+            **model,
         )
 
     for impl in impls.split(","):
@@ -466,11 +474,13 @@ def main(argv=None) -> int:
                 position="none",
             )
             if none is not None:
-                xpos_overhead(impl, first, none)
+                xpos_overhead(first, none)
             none = None  # its state is not needed any more
             batch = 1 if args.small else args.eval_batch
+            # The model scanned (evaluation: no remat), with each length's figures.
+            scanned = {k: v for k, v in describe(first[0]).items() if k != "remat_policy"}
             for length, fields in evaluate(first[0], first[1].params, lengths, batch, deadline):
-                emit("block_scan", attention_impl=impl, length=length, **fields)
+                emit("block_scan", length=length, **fields, **scanned)
             first = (first[0], None, first[2])  # nor is the first configuration's
     log(
         f"done in {time.perf_counter() - start:.0f} s" + (f"; wrote {out_path}" if out_path else "")
