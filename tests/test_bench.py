@@ -546,3 +546,22 @@ def test_the_quartiles_of_two_rounds_lie_between_them():
 
     summary = common.Summary.of([1.0, 2.0])
     assert summary.min <= summary.q25 <= summary.median <= summary.q75 <= summary.max
+
+
+def test_the_accelerators_matmul_peak_multiplies_random_operands(monkeypatch):
+    """All-ones operands: a GPU runs constant data at higher clocks (less power), so
+    the measured peak was above what a train step can reach."""
+    import jax
+    import numpy as np
+
+    from bench import accelerator
+
+    seen, jit = [], jax.jit
+
+    def spy(fn, **kwargs):
+        compiled = jit(fn, **kwargs)
+        return lambda x: (seen.append(np.asarray(x, np.float32)), compiled(x))[1]
+
+    monkeypatch.setattr(jax, "jit", spy)
+    assert accelerator.matmul_peak(64) > 0
+    assert seen and all(np.unique(x).size > 64 for x in seen)
