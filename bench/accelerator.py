@@ -148,9 +148,9 @@ def check_args(p, args) -> None:
 def matmul_peak(n: int) -> float:
     """Measured bf16 × bf16 → f32 matmul FLOP/s on one device (best of 5), on random
     operands: a GPU multiplies constant ones or zeros faster than the varied values a
-    train step sees (fewer bits toggle, less power drawn, less clock throttling; some
-    10–15% on A100/H100-class parts), which put the measured peak above what any
-    step can reach and ``mfu_vs_measured_matmul`` below its true value."""
+    train step sees (fewer bits toggle, less power drawn, less clock throttling), which
+    put the measured peak above what any step can reach and ``mfu_vs_measured_matmul``
+    below its true value."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     mm(a).block_until_ready()
