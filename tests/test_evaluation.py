@@ -294,6 +294,37 @@ def _documents(count, length, seed=0):
     return [rng.integers(0, BASE.vocab_size, length).astype(np.int32) for _ in range(count)]
 
 
+def test_perplexity_is_e_to_the_mean_nll_of_the_segments_scored_by_hand(models):
+    """Each row against its definition, from plain forwards: the budget's targets cut
+    into segments doc[s : s + length + 1], each scored by one forward under its mode's
+    mask (full: causal; bca: the explicit blockwise mask), the targets' −log p averaged
+    over every target, and e to that. Beyond 2w the two modes differ, so a mode scored
+    the other's way, or a perplexity not e^nll, fails here."""
+    model, params = models["xpos"]
+    budget = 2 * TRAIN_LEN
+    docs = _documents(2, budget + 3, seed=13)
+    rows = evaluation.perplexity(model, params, docs, [W, budget], block=W, max_length=budget)
+    assert {(r.mode, r.length) for r in rows} == {
+        (m, n) for m in ("bca", "full") for n in (W, budget)
+    }
+    nll = {}
+    for r in rows:
+        segments = np.stack(
+            [d[s : s + r.length + 1] for d in docs for s in range(0, budget, r.length)]
+        )
+        block = W if r.mode == "bca" else None
+        logits, _ = model.apply({"params": params}, jnp.asarray(segments[:, :-1]), block=block)
+        logits = np.asarray(logits, np.float64)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        nats = -np.take_along_axis(logp, segments[:, 1:, None], -1)
+        nll[r.mode, r.length] = np.mean(nats)
+        assert r.tokens == nats.size == 2 * budget
+        assert r.nll == pytest.approx(nll[r.mode, r.length], rel=1e-5), (r.mode, r.length)
+        assert r.perplexity == pytest.approx(np.exp(nll[r.mode, r.length]), rel=1e-5)
+    assert abs(nll["bca", budget] - nll["full", budget]) > 1e-3  # the oracle tells them apart
+
+
 def test_a_length_gives_the_same_number_whatever_other_lengths_are_asked(models):
     model, params = models["xpos"]
     docs = _documents(3, 4 * TRAIN_LEN + 1)
