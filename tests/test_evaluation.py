@@ -263,6 +263,42 @@ def test_resolution_pools_the_scores_each_mode_attends(models):
     assert np.isfinite(full.mean) and np.isfinite(bca.mean)
 
 
+def _resolution_by_eq3(curve):
+    """R of paper eq. 3 in float64: Σ_{i<N} e^{s_i}(e^{s_i} − e^{s_{i+1}}) / (Σ_i e^{s_i})²."""
+    e = np.exp(np.asarray(curve, np.float64) - np.max(curve))
+    return np.sum(e[:-1] * (e[:-1] - e[1:])) / np.sum(e) ** 2
+
+
+def test_resolution_curves_and_r_by_hand_from_one_causal_forward(models):
+    """Each mode's layer-0 curve (eq. 11) by hand from one causal forward's layer-0
+    scores (they depend only on the two tokens and their distance): full pools every
+    pair j ≤ i, bca only the pairs the blockwise rule lets attend (j ≥ (⌊i/w⌋ − 1)·w),
+    distances 0 … 2w − 1, with a last block part padding whose pairs must not count.
+    R of every layer, its mean and the window mean (distances 0 … 2w − 1) by eq. 3
+    in float64 from the curves (the test above checks none of them)."""
+    model, params = models["xpos"]
+    n = 2 * TRAIN_LEN - 3  # not whole blocks: the scan pads the last one
+    tokens = _tokens(3, n, seed=14)
+    _, _, scores = model.apply({"params": params}, tokens, return_scores=True)
+    layer0 = np.asarray(scores[0], np.float64).mean((0, 1))  # over texts and heads
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    causal = j <= i
+    blockwise = causal & (j >= (i // W - 1) * W)
+    for mode, mask, distances in (("full", causal, n), ("bca", blockwise, 2 * W)):
+        got = evaluation.measure_resolution(model, params, tokens, block=W, mode=mode)
+        by_hand = [np.mean(layer0[mask & (i - j == d)]) for d in range(distances)]
+        np.testing.assert_allclose(
+            got.expected_scores[0], by_hand, rtol=1e-4, atol=1e-5, err_msg=mode
+        )
+        curves = np.asarray(got.expected_scores, np.float64)
+        r = [_resolution_by_eq3(curve) for curve in curves]
+        np.testing.assert_allclose(got.per_layer, r, rtol=1e-4, atol=1e-6, err_msg=mode)
+        assert got.mean == pytest.approx(np.mean(r), rel=1e-4, abs=1e-6), mode
+        window = np.mean([_resolution_by_eq3(curve[: 2 * W]) for curve in curves])
+        assert got.window_mean == pytest.approx(window, rel=1e-4, abs=1e-6), mode
+    assert got.window_mean == pytest.approx(got.mean, rel=1e-6)  # bca: the window is all
+
+
 def test_resolution_names_the_measurements_a_mode_could_not_make(models):
     """A learned table of train_len positions cannot be read at 2 × train_len without
     BCA: skipped with a note, and now also listed (resolution.json had no trace of it)."""
