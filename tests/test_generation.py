@@ -252,6 +252,31 @@ def test_dense_generation_is_greedy_decoding_by_causal_forwards(position, prompt
     np.testing.assert_array_equal(out, tokens[:, prompt_len:])
 
 
+@pytest.mark.parametrize("position", ["xpos", "learned"])
+@pytest.mark.parametrize("prompt_len", [1, 2 * W + 3])
+def test_dense_decoding_gives_the_logits_of_one_causal_forward(position, prompt_len):
+    """Mode full token by token, teacher-forced: after the prompt and after each token
+    fed, every logit equals one plain causal forward's over all the tokens so far
+    (positions 0 … n−1). The greedy test above compares argmaxes only, which this
+    small random model keeps even when each decoded token stands a position too far."""
+    config = dataclasses.replace(CONFIG, position=position, max_len=8 * W)
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    new = 2 * W + 1
+    tokens = np.random.default_rng(prompt_len).integers(0, CONFIG.vocab_size, (2, prompt_len + new))
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits, state = generation._dense_prefill(model, params, tokens[:, :prompt_len], W, new)
+    decoded = [logits]
+    decode = jax.jit(functools.partial(generation._dense_decode, model))
+    for t in range(prompt_len, tokens.shape[1] - 1):
+        logits, state = decode(params, state, tokens[:, t])
+        decoded.append(logits)
+    dense, _ = model.apply({"params": params}, tokens[:, :-1])
+    np.testing.assert_allclose(
+        jnp.stack(decoded, axis=1), dense[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5
+    )
+
+
 def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
     model = Decoder(dataclasses.replace(CONFIG, position="learned"))
     prompt = jnp.ones((1, TRAIN_LEN - 2), jnp.int32)
