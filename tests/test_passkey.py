@@ -27,7 +27,9 @@ SENTENCE = (
 FORMAT_BYTES = 1 + len(KEY_LINE.format("12345")) + len(QUESTION) + 5  # BOS, key line, question, key
 
 
-@pytest.mark.parametrize("length", [FORMAT_BYTES, 100, 257, 1000])
+# 98 and 100: 29 and 31 filler bytes, so depth 0.5 cuts at 14.5 and 15.5; at 14.5 halves
+# rounded up (15) and to even (14, Python's round) differ, at 15.5 (and 465.5) they agree.
+@pytest.mark.parametrize("length", [FORMAT_BYTES, 98, 100, 257, 1000])
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
 def test_a_byte_sample_is_exact_deterministic_and_hides_the_key_at_its_depth(length, depth):
     sample = passkey.make_sample([7, 3], length, depth)
