@@ -64,6 +64,33 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len,
     assert state["cache"].k.shape[2] == 2 * W  # bounded, whatever the length
 
 
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("prompt_len", [1, W + 3, 2 * W + 3])
+def test_bca_decoding_of_an_absolute_encoding_gives_the_explicit_masks_logits(position, prompt_len):
+    """An absolute encoding is the one kind whose first block stands elsewhere (0 … w−1,
+    later blocks at w … 2w−1), so the prefill's and each step's "first block" flag
+    matter only here (a relative encoding overrides them). Every logit against one
+    forward under the explicit blockwise mask, token t embedded at t in block 0 and
+    at w + t mod w after it (the position the block scan gives it)."""
+    config = dataclasses.replace(CONFIG, position=position)
+    model = Decoder(config)
+    params = nn.unbox(model.init(jax.random.key(4), jnp.zeros((1, TRAIN_LEN), jnp.int32))["params"])
+    tokens = np.random.default_rng(prompt_len).integers(0, CONFIG.vocab_size, (2, 4 * W + 3))
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits, state = generation.prefill(model, params, tokens[:, :prompt_len], block=W)
+    decoded = [logits]
+    decode = jax.jit(functools.partial(generation._decode, model, block=W))
+    for t in range(prompt_len, tokens.shape[1] - 1):
+        logits, state = decode(params, state, tokens[:, t])
+        decoded.append(logits)
+    t = np.arange(tokens.shape[1] - 1)
+    positions = jnp.asarray(np.where(t < W, t, W + t % W)[None], jnp.int32)
+    explicit, _ = model.apply({"params": params}, tokens[:, :-1], positions, block=W)
+    np.testing.assert_allclose(
+        jnp.stack(decoded, axis=1), explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5
+    )
+
+
 def test_full_mode_prefill_with_dynamic_ntk_counts_the_prompt_not_its_padding():
     """One layer, where the chunked prefill is a dense forward over the prompt: a prompt
     padded to whole chunks took dynamic NTK's s from the padding's last position."""
