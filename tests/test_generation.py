@@ -29,6 +29,17 @@ def model_params():
     return model, params
 
 
+def _teacher_forced(decode, params, logits, state, tokens, prompt_len):
+    """The logits after the prefill's (``logits``, ``state``) and after each later token
+    but the last fed through ``decode(params, state, token_B)``: ``[B, T − prompt_len, V]``,
+    the logits after tokens prompt_len−1 … T−2."""
+    decoded = [logits]
+    for t in range(prompt_len, tokens.shape[1] - 1):
+        logits, state = decode(params, state, tokens[:, t])
+        decoded.append(logits)
+    return jnp.stack(decoded, axis=1)
+
+
 @pytest.mark.parametrize(
     "prompt_len,scaling",
     [(1, "none"), (W + 3, "none"), (2 * W, "none"), (W + 3, "yarn"), (W + 3, "dynamic_ntk")],
@@ -46,12 +57,8 @@ def test_token_by_token_decoding_gives_the_scan_logits(model_params, prompt_len,
         np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 4 * W + 3)), jnp.int32
     )
     logits, state = generation.prefill(model, params, tokens[:, :prompt_len], block=W)
-    decoded = [logits]
     decode = jax.jit(functools.partial(generation._decode, model, block=W))
-    for t in range(prompt_len, tokens.shape[1] - 1):
-        logits, state = decode(params, state, tokens[:, t])
-        decoded.append(logits)
-    decoded = jnp.stack(decoded, axis=1)  # logits after tokens prompt_len−1 … end−2
+    decoded = _teacher_forced(decode, params, logits, state, tokens, prompt_len)
     targets = tokens[:, prompt_len:]
     by_decoding = jnp.take_along_axis(jax.nn.log_softmax(decoded), targets[..., None], -1)[..., 0]
     by_scan = evaluation.block_scan_logprobs(model, params, tokens, W)[:, prompt_len - 1 :]
@@ -78,17 +85,12 @@ def test_bca_decoding_of_an_absolute_encoding_gives_the_explicit_masks_logits(po
     tokens = np.random.default_rng(prompt_len).integers(0, CONFIG.vocab_size, (2, 4 * W + 3))
     tokens = jnp.asarray(tokens, jnp.int32)
     logits, state = generation.prefill(model, params, tokens[:, :prompt_len], block=W)
-    decoded = [logits]
     decode = jax.jit(functools.partial(generation._decode, model, block=W))
-    for t in range(prompt_len, tokens.shape[1] - 1):
-        logits, state = decode(params, state, tokens[:, t])
-        decoded.append(logits)
+    decoded = _teacher_forced(decode, params, logits, state, tokens, prompt_len)
     t = np.arange(tokens.shape[1] - 1)
     positions = jnp.asarray(np.where(t < W, t, W + t % W)[None], jnp.int32)
     explicit, _ = model.apply({"params": params}, tokens[:, :-1], positions, block=W)
-    np.testing.assert_allclose(
-        jnp.stack(decoded, axis=1), explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5
-    )
+    np.testing.assert_allclose(decoded, explicit[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5)
 
 
 def test_full_mode_prefill_with_dynamic_ntk_counts_the_prompt_not_its_padding():
@@ -293,15 +295,10 @@ def test_dense_decoding_gives_the_logits_of_one_causal_forward(position, prompt_
     tokens = np.random.default_rng(prompt_len).integers(0, CONFIG.vocab_size, (2, prompt_len + new))
     tokens = jnp.asarray(tokens, jnp.int32)
     logits, state = generation._dense_prefill(model, params, tokens[:, :prompt_len], W, new)
-    decoded = [logits]
     decode = jax.jit(functools.partial(generation._dense_decode, model))
-    for t in range(prompt_len, tokens.shape[1] - 1):
-        logits, state = decode(params, state, tokens[:, t])
-        decoded.append(logits)
+    decoded = _teacher_forced(decode, params, logits, state, tokens, prompt_len)
     dense, _ = model.apply({"params": params}, tokens[:, :-1])
-    np.testing.assert_allclose(
-        jnp.stack(decoded, axis=1), dense[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5
-    )
+    np.testing.assert_allclose(decoded, dense[:, prompt_len - 1 :], atol=5e-5, rtol=1e-5)
 
 
 def test_dense_generation_refuses_positions_a_learned_table_lacks(model_params):
