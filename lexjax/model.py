@@ -121,6 +121,15 @@ def _pin(x, rules, *names):
     return nn.with_logical_constraint(x, names, rules=rules)
 
 
+def _lookup(embed: nn.Embed, ids_BxT, rules, rows: str, dtype) -> jax.Array:
+    """``embed``'s rows at ``ids_BxT`` in ``dtype``, read from its table pinned like the
+    activations (rows on logical ``rows``; under FSDP gathered, as every other weight),
+    so the batch stays sharded: looked up in the table's embed shards, XLA gathered the
+    whole batch's embeddings (a rematerialisation warning at every compile)."""
+    table = _pin(embed.embedding, rules, rows, "act_embed")
+    return jnp.take(table, ids_BxT, axis=0).astype(dtype)
+
+
 def _check_auto_axes(tokens, rules) -> None:
     """A ValueError, saying what to change, where the tokens are sharded over Explicit
     mesh axes, or ``rules`` would pin activations under a mesh with Explicit axes
@@ -432,11 +441,7 @@ class Decoder(nn.Module):
                 nn.initializers.normal(1.0), ("vocab", "embed")
             ),
         )
-        # The lookup reads the table pinned like the activations (under FSDP: gathered,
-        # as every other weight), so the batch stays sharded; XLA would otherwise look
-        # up in the table's embed shards and gather the whole batch's embeddings.
-        table_VxD = _pin(embed.embedding, self.rules, "act_vocab", "act_embed")
-        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(dtype)
+        x_BxTxD = _lookup(embed, tokens_BxT, self.rules, "act_vocab", dtype)
         if c.position == "sinusoidal":
             x_BxTxD = x_BxTxD + pos_lib.sinusoidal(positions_BxT, c.d_model).astype(dtype)
         elif c.position == "learned":
@@ -450,10 +455,7 @@ class Decoder(nn.Module):
                     nn.initializers.normal(0.02), ("positions", "embed")
                 ),
             )
-            # Pinned as the token table is: looked up in its embed shards, XLA
-            # rematerialised the batch's position embeddings in full (a warning per call).
-            table_PxD = _pin(table.embedding, self.rules, "length", "act_embed")
-            x_BxTxD = x_BxTxD + jnp.take(table_PxD, positions_BxT, axis=0).astype(dtype)
+            x_BxTxD = x_BxTxD + _lookup(table, positions_BxT, self.rules, "length", dtype)
         # Not at init, so that init returns parameters only and its variables
         # apply to any input shape.
         if not self.is_initializing():
