@@ -64,12 +64,23 @@ def _run_child(env):
     return [json.loads(line) for line in out[:-1]], out[-1]
 
 
-@pytest.mark.skipif(
+def _env_without_tunable():
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEXJAX_HUGEPAGES")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+# The tests that start a process which restarts: only where this machine would.
+restarts_here = pytest.mark.skipif(
     hugepages.reason_to_skip(environ={}) is not None,
     reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
 )
+
+
+@restarts_here
 def test_restart_keeps_pid_and_arguments_and_gives_huge_pages():
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEXJAX_HUGEPAGES")}
+    env = _env_without_tunable()
     env["GLIBC_TUNABLES"] = "glibc.malloc.arena_max=4"
     (first, second), last = _run_child(env)
     assert last == "done"
@@ -98,17 +109,7 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _env_without_tunable():
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEXJAX_HUGEPAGES")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
-@pytest.mark.skipif(
-    hugepages.reason_to_skip(environ={}) is not None,
-    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
-)
+@restarts_here
 def test_run_in_a_jupyter_kernel_does_not_restart_the_kernel(tmp_path):
     """``%run train.py`` in a notebook: the restart re-executed sys.orig_argv, the
     kernel's, so the kernel restarted in place (its variables lost) and the cell never
@@ -125,10 +126,7 @@ def test_run_in_a_jupyter_kernel_does_not_restart_the_kernel(tmp_path):
     assert text == ["", "the program ran\n", "True\n"]
 
 
-@pytest.mark.skipif(
-    hugepages.reason_to_skip(environ={}) is not None,
-    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
-)
+@restarts_here
 def test_a_program_read_from_stdin_runs_without_restarting():
     """``python - < train.py``: the restart ran ``python -`` again on the stdin the
     first process had read to its end, an empty program: nothing done, exit status 0."""
@@ -145,10 +143,7 @@ def test_a_program_read_from_stdin_runs_without_restarting():
         assert out.stdout == "the program ran\n", argv
 
 
-@pytest.mark.skipif(
-    hugepages.reason_to_skip(environ={}) is not None,
-    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
-)
+@restarts_here
 def test_a_restart_that_cannot_exec_lets_the_program_run_on():
     """The restart is a speed-up: where it cannot exec, the program ran no further (a
     ValueError traceback, exit status 1, where a launcher's argv[0] names no file so
@@ -170,10 +165,7 @@ def test_a_restart_that_cannot_exec_lets_the_program_run_on():
     assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
 
 
-@pytest.mark.skipif(
-    hugepages.reason_to_skip(environ={}) is not None,
-    reason=f"this machine cannot: {hugepages.reason_to_skip(environ={})}",
-)
+@restarts_here
 def test_a_restart_whose_tunable_glibc_drops_happens_once():
     """In a secure-execution process (AT_SECURE: an interpreter with file capabilities
     run by another user) glibc empties GLIBC_TUNABLES at the exec, so the restarted
