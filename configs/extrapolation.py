@@ -39,7 +39,7 @@ Presets (the part after ``:``):
 S … S+N−1). Every run shares ``train`` apart from those fields. ``modes`` are the
 evaluation modes (``bca``, ``full``, ``sinks`` with ``sinks`` sink tokens); ``scalings``
 the RoPE extensions (``pi``, ``ntk``, ``dynamic_ntk``, ``yarn``) evaluated without BCA on
-the first ``scaling_seeds`` seeds of each RoPE and XPOS variant. Any field can be
+the lowest ``scaling_seeds`` seeds of each RoPE and XPOS variant. Any field can be
 overridden, e.g. ``--config.train.num_train_steps=2000 --config.runs=rope,xpos``.
 """
 
@@ -141,8 +141,8 @@ def _common() -> config_dict.ConfigDict:
     c.tokens_per_batch = 8192  # evaluation batch size in tokens
     c.modes = "bca,full,sinks"  # evaluation modes (lexjax.evaluation.MODES)
     c.sinks = 4  # attention sinks of the "sinks" mode (StreamingLLM's 4)
-    # Inference-time RoPE extensions, evaluated without BCA on the first `scaling_seeds`
-    # seeds of each rotary run (each factor: evaluated length / train_len).
+    # Inference-time RoPE extensions, evaluated without BCA on the lowest `scaling_seeds`
+    # seeds of each rotary variant (each factor: evaluated length / train_len).
     c.scalings = "pi,ntk,dynamic_ntk,yarn"
     c.scaling_seeds = 1
     # Passkey retrieval (lexjax.passkey) at these multiples of train_len and depths, with

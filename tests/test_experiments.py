@@ -305,6 +305,37 @@ def test_runs_expand_seeds_and_refuse_repeats():
         parse_runs("rope/seeds=0", scale_base=64.0, seed=0)
 
 
+def test_the_rope_extensions_go_to_the_lowest_seeds_of_each_rotary_variant():
+    """scaling_seeds counted seeds from train.seed, not from the variant's own: runs
+    rope/seed=4/seeds=2 had no extension measured at all, and runs below train.seed
+    each had them, whatever scaling_seeds said."""
+    from configs import extrapolation as presets
+    from lexjax.experiments.extrapolation import evaluations, parse_runs
+
+    exp = presets.get_config("smoke").to_dict()  # scalings pi,yarn on scaling_seeds=1
+    assert (exp["scalings"], exp["scaling_seeds"], exp["train"]["seed"]) == ("pi,yarn", 1, 0)
+    plain = ["bca", "full", "sinks"]
+
+    def keys(runs, seed=0, **given):
+        specs = parse_runs(runs, scale_base=8.0, seed=seed)
+        return {s.name: [k for k, _, _ in evaluations({**exp, **given}, s, specs)] for s in specs}
+
+    assert keys("xpos/seed=5/seeds=2,rope/seed=4/seeds=2,xpos/b=16/seed=9,alibi") == {
+        "xpos_b8_s5": [*plain, "full+pi", "full+yarn"],
+        "xpos_b8_s6": plain,
+        "rope_s4": [*plain, "full+pi", "full+yarn"],
+        "rope_s5": plain,
+        "xpos_b16_s9": [*plain, "full+pi", "full+yarn"],  # another b: another variant
+        "alibi_s0": plain,
+    }
+    assert keys("rope/seed=1,rope/seed=0", seed=3) == {
+        "rope_s1": plain,
+        "rope_s0": [*plain, "full+pi", "full+yarn"],
+    }
+    both = keys("rope/seeds=3", scaling_seeds=2)
+    assert [len(both[f"rope_s{s}"]) for s in range(3)] == [5, 5, 3]
+
+
 def test_lengths_are_exact_products_and_passkey_settings_in_another_order_the_same():
     """1.1 × train_len 100 was refused (110.00000000000001 is no whole number), and a
     finished study measured passkey again for depths 1,0 after 0,1 (the same cells)."""

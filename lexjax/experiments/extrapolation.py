@@ -396,15 +396,18 @@ def _run_error(spec: RunSpec, error: Exception) -> Exception:
     return type(error)(f"run {spec.name}: {text}")
 
 
-def evaluations(exp, spec: RunSpec) -> list[tuple[str, str, str]]:
-    """The perplexity evaluations of one run: ``[(key, mode, rope_scaling)]``. Every run
-    is evaluated in each of ``modes``; the first ``scaling_seeds`` seeds of a rotary
-    position (RoPE, XPOS) also with each RoPE extension of ``scalings``, without BCA
-    (with BCA no position reaches train_len, so an extension has nothing to extend)."""
+def evaluations(exp, spec: RunSpec, specs: list[RunSpec]) -> list[tuple[str, str, str]]:
+    """The perplexity evaluations of one run of the study's ``specs``: ``[(key, mode,
+    rope_scaling)]``. Every run is evaluated in each of ``modes``; the lowest
+    ``scaling_seeds`` seeds of each rotary variant (RoPE, XPOS with its b) also with each
+    RoPE extension of ``scalings``, without BCA (with BCA no position reaches train_len,
+    so an extension has nothing to extend). The seeds are the variant's own: counted
+    from ``train.seed``, ``rope/seed=4/seeds=2`` had no extension measured at all."""
     modes = _names(exp.get("modes", "bca,full"), "modes", MODES, required=True)
     keys = [(mode, mode, "none") for mode in modes]
     scalings = _names(exp.get("scalings", ""), "scalings", ROPE_SCALINGS)
-    first = spec.seed - int(exp["train"]["seed"]) < int(exp.get("scaling_seeds", 1))
+    seeds = sorted(s.seed for s in specs if s.variant == spec.variant)
+    first = spec.seed in seeds[: max(0, int(exp.get("scaling_seeds", 1)))]
     if spec.position in ROTARY_ENCODINGS and first:
         keys += [(f"full+{s}", "full", s) for s in scalings if s != "none"]
     return keys
@@ -427,7 +430,7 @@ def _check_scalings(exp, specs: list[RunSpec], lengths: list[int], train_len: in
     factor is 1): refuses scalings that apply to some run when no length reaches it."""
     runs = {}
     for spec in specs:
-        for _, _, scaling in evaluations(exp, spec):
+        for _, _, scaling in evaluations(exp, spec, specs):
             if scaling != "none":
                 runs.setdefault(scaling, []).append(spec.name)
     if runs and lengths[-1] < train_len:
@@ -646,7 +649,7 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
     checked first, before the documents are read (and long before any training)."""
     lengths = eval_lengths(exp["multipliers"], shared_config.train_len)
     for spec in specs:  # a misspelt mode or scaling fails before any training
-        evaluations(exp, spec)
+        evaluations(exp, spec, specs)
     _check_scalings(exp, specs, lengths, shared_config.train_len)
     passkey_plan = _passkey_plan(exp, shared_config.train_len)
     # Both modes score the same documents and budget: every cell of a table the same tokens.
@@ -693,7 +696,7 @@ def _plan(exp, shared_config: Config, specs: list[RunSpec]) -> dict:
         "tokens_per_batch": int(exp["tokens_per_batch"]),
         "sinks": sinks,
         "corpus": data_lib.planned_build(d),
-        "evaluations": lambda spec: evaluations(exp, spec),
+        "evaluations": lambda spec: evaluations(exp, spec, specs),
         "passkey": passkey_plan,
         "longest": longest,
         "max_length": max_length,
