@@ -392,6 +392,15 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     # Different seeds on the two sides: unpaired.
     other = [{**r, "seed": r["seed"] + 5} for r in seeded(*b)]
     assert not reports.compare(seeded(*a), other, "bca", 8)["paired"]
+    # Paired by seed, not by the order the runs are listed in: seed 2, 0, 1 of one
+    # side against 0, 1, 2 of the other gives 8.8 − 8.1, 8.0 − 8.5, 8.4 − 8.9 by seed.
+    shuffled = [seeded(*a)[i] for i in (2, 0, 1)]
+    d = reports.compare(shuffled, seeded(*b[::-1]), "bca", 8)
+    assert d["paired"] and d["per_seed"] == pytest.approx([8.0 - 8.9, 8.4 - 8.5, 8.8 - 8.1])
+    # A seed diverged on both sides (null) is no pair to leave out: the verdict says so,
+    # not a paired verdict of the other seeds.
+    diverged = reports.compare(seeded(7.0, 7.2, None), seeded(8.0, 8.1, None), "bca", 8)
+    assert diverged["verdict"] == "not finite"
 
 
 def test_resolution_passkey_and_modes_are_compared_seed_by_seed_in_the_results():
@@ -458,6 +467,11 @@ def test_the_seeds_report_says_paired_only_for_the_same_seeds():
     assert "| −3.750 ± " in unpaired.replace("-", "−")
     assert "so the seeds are paired" in paired.split("|")[0]
     assert "| −5.000 ± " in paired.replace("-", "−")  # differences −2, −3, −10
+    # As many seeds on each side, but other ones: not paired either.
+    shifted = [run("xpos", 8.0, s + 3, p) for s, p in enumerate((9.0, 11.5, 12.0))]
+    text = reports.seeds_table({"runs": rope + shifted, "lengths": [8]})
+    how = text.split("XPOS b=8 − RoPE ±")[1].split("|")[0]
+    assert "different seeds (3 and 3), so they are not paired" in how
 
 
 def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
@@ -661,6 +675,76 @@ def test_resolution_is_measured_again_on_other_documents(tmp_path, monkeypatch):
     ):
         _eval_stage(spec, config, workdir, {**plan, "documents": first[2:], "corpus": "x/y/1"}, log)
     assert measured[4:] == []
+
+
+def test_an_evaluation_is_measured_again_under_other_lengths_or_another_protocol(
+    tmp_path, monkeypatch
+):
+    """A perplexity stage is done only for the lengths and the protocol it was measured
+    with: a length added below the largest (the same budget and documents) or a file of
+    an older protocol must be measured again, else its table shows numbers of other
+    settings, or "–". The evaluation itself is stubbed: what is checked is which stages
+    run."""
+    from lexjax import evaluation
+    from lexjax.experiments import extrapolation as ex
+
+    spec, config = ex.RunSpec("rope", 8.0, 0), _smoke_config()
+    measured = []
+
+    def perplexity(model, params, docs, lengths, **kwargs):
+        measured.append(list(lengths))
+        return [
+            evaluation.PerplexityResult("bca", n, 2.0, 0.7, 32, 1, 0.0, kwargs["max_length"])
+            for n in lengths
+        ]
+
+    monkeypatch.setattr(ex, "_load_run", lambda spec, workdir, plan: (config, None, 2))
+    monkeypatch.setattr(evaluation, "perplexity", perplexity)
+    monkeypatch.setattr(evaluation, "resolution_protocol", lambda *a, **k: [])
+    plan = {
+        "documents": [list(range(40))],
+        "docs": {"perplexity": 1, "resolution": 1},
+        "eval_split": "test",
+        "corpus": None,
+        "lengths": [16, 32],
+        "max_length": 32,
+        "sinks": 4,
+        "tokens_per_batch": 64,
+        "tokenizer": None,
+        "evaluations": lambda spec: [("bca", "bca", "none")],
+    }
+    workdir, log = str(tmp_path), lambda _: None
+    ex._eval_stage(spec, config, workdir, plan, log)
+    ex._eval_stage(spec, config, workdir, plan, log)  # done: not measured again
+    assert measured == [[16, 32]]
+    ex._eval_stage(spec, config, workdir, {**plan, "lengths": [8, 16, 32]}, log)
+    assert measured == [[16, 32], [8, 16, 32]]
+    path = tmp_path / "perplexity_bca.json"
+    stage = json.loads(path.read_text())
+    assert [r["length"] for r in stage["results"]] == [8, 16, 32]
+    assert stage["protocol"] == ex.PROTOCOL
+    path.write_text(json.dumps({**stage, "protocol": ex.PROTOCOL - 1}))
+    ex._eval_stage(spec, config, workdir, {**plan, "lengths": [8, 16, 32]}, log)
+    assert measured == [[16, 32], [8, 16, 32], [8, 16, 32]]
+
+
+def test_each_run_trains_with_its_own_seed_position_and_scale_base():
+    """A run's config is the shared one with the run's position, b and seed: the seeds
+    of a variant must differ (the same seed trains the same model), and an XPOS run's b
+    is its own, not the shared one."""
+    from lexjax.config import to_dict
+    from lexjax.experiments.extrapolation import _plain, _run_config, parse_runs
+
+    shared = {k: v for k, v in _plain(to_dict(_smoke_config())).items() if k != "sharding_rules"}
+    specs = parse_runs("rope/seeds=2,xpos/b=16/seed=3,alibi", scale_base=8.0, seed=0)
+    configs = [_run_config(shared, spec) for spec in specs]
+    assert [(c.model.position, c.model.scale_base, c.seed) for c in configs] == [
+        ("rope", 8.0, 0),
+        ("rope", 8.0, 1),
+        ("xpos", 16.0, 3),
+        ("alibi", 8.0, 0),
+    ]
+    assert shared["model"]["position"] == _smoke_config().model.position  # not changed
 
 
 def test_a_second_study_on_the_same_out_is_a_workdir_error(tmp_path):
