@@ -401,6 +401,9 @@ def test_seed_statistics_and_the_noise_verdict_by_hand():
     # not a paired verdict of the other seeds.
     diverged = reports.compare(seeded(7.0, 7.2, None), seeded(8.0, 8.1, None), "bca", 8)
     assert diverged["verdict"] == "not finite"
+    # The same numbers in every seed: a difference of 0 within a noise of 0.
+    same = reports.compare(seeded(*a), seeded(*a), "bca", 8)
+    assert (same["diff"], same["two_se"], same["verdict"]) == (0, 0, "within seed noise")
 
 
 def test_resolution_passkey_and_modes_are_compared_seed_by_seed_in_the_results():
@@ -472,6 +475,44 @@ def test_the_seeds_report_says_paired_only_for_the_same_seeds():
     text = reports.seeds_table({"runs": rope + shifted, "lengths": [8]})
     how = text.split("XPOS b=8 − RoPE ±")[1].split("|")[0]
     assert "different seeds (3 and 3), so they are not paired" in how
+
+
+def test_the_resolution_scalings_and_passkey_tables_by_hand():
+    """Cells worked out by hand from two seeds: Table 3's R at 1× and 2× and at 2× over
+    N = train_len (seed means), the RoPE-extension table's columns from train_len on,
+    passkey accuracy as the seed mean of each seed's mean over depths ± the sample std,
+    and the seeds report's per-seed XPOS − RoPE rows."""
+    from lexjax import reports
+
+    def run(position, seed, r, window, spread, accuracy, ppl):
+        cell = lambda mean, window: {"mean": mean, "window_mean": window, "score_range": spread}
+        return {
+            "position": position,
+            "scale_base": 8.0 if position == "xpos" else None,
+            "seed": seed,
+            "perplexity": {"full": {"8": ppl, "16": ppl + 1}, "full+yarn": {"16": ppl - 1}},
+            "resolution": {"full": {"8": cell(r, 0.9), "16": cell(r / 2, window)}},
+            "passkey": {"full": {"16": {"0.0": accuracy, "1.0": 1.0}}},
+        }
+
+    runs = [run("rope", 0, 0.4, 0.3, 2.0, 0.0, 9.0), run("rope", 1, 0.2, 0.1, 4.0, 1.0, 11.0)]
+    runs += [run("xpos", 0, 0.6, 0.5, 2.0, 0.5, 8.0), run("xpos", 1, 0.8, 0.5, 2.0, 0.5, 8.5)]
+    c = {"runs": runs, "lengths": [4, 8, 16], "train_len": 8}
+    rows = [line.split(" | ")[1:] for line in reports.table3(c).splitlines()[2:]]
+    # RoPE: R 0.3 at 8, 0.15 at 16, window 0.2; s range 3 (mean of 2 and 4) at both.
+    assert [cell.strip(" |") for cell in rows[0]] == ["0.3", "0.15", "0.2", "3.000", "3.000"]
+    assert [cell.strip(" |") for cell in rows[1]] == ["0.7", "0.35", "0.5", "2.000", "2.000"]
+    scalings = reports.scalings_table(c).splitlines()
+    assert scalings[0] == "| model | 8 | 16 |"  # from train_len on: 4 is left out
+    assert scalings[3] == "| RoPE + YaRN (seeds 0, 1) | – | 9.000 ± 1.414 |"
+    # Passkey, over depths (x + 1)/2 per seed: RoPE 0.5 and 1.0, XPOS 0.75 twice.
+    passkey = reports.study_passkey_table(c).splitlines()
+    assert passkey[2] == "| RoPE without BCA (2 seeds) | 0.75 ± 0.35 |"
+    assert passkey[3] == "| XPOS b=8 without BCA (2 seeds) | 0.75 ± 0.00 |"
+    # XPOS − RoPE by seed: 8 − 9 and 8.5 − 11 at 8 and at 16 (both one more).
+    seeds = reports.seeds_table(c)
+    assert "| without BCA, seed 0 | – | -1.000 | -1.000 |" in seeds
+    assert "| without BCA, seed 1 | – | -2.500 | -2.500 |" in seeds
 
 
 def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path):
