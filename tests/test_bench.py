@@ -565,3 +565,89 @@ def test_the_accelerators_matmul_peak_multiplies_random_operands(monkeypatch):
     monkeypatch.setattr(jax, "jit", spy)
     assert accelerator.matmul_peak(64) > 0
     assert seen and all(np.unique(x).size > 64 for x in seen)
+
+
+def test_the_headline_ratios_are_medians_of_per_round_ratios(monkeypatch):
+    """train_vs_reference, xpos_overhead and eval_scaling give under ``value`` (with its
+    ``unit``) the median over rounds of each round's ratio, its sides timed in the same
+    round: worked out by hand on timings where a ratio of the medians, or a mean,
+    differs. The timings are stubbed: what is checked is what is made of them."""
+    sys.path.insert(0, str(ROOT))
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench import common, eval_scaling, run, train_vs_reference, xpos_overhead
+
+    # The JSON keys of bench/run.py, which docs/benchmarks.md and older JSONs name.
+    assert {"train_vs_reference", "xpos_overhead", "eval_scaling"} <= set(run.BENCHMARKS)
+    timings = []  # per call of alternate(): every side's seconds per round
+    monkeypatch.setattr(common, "alternate", lambda sides, rounds, **_: timings.pop(0))
+    no_options = types.SimpleNamespace(compiler_options={})
+    monkeypatch.setattr(common, "train_timer", lambda *a, **k: (no_options, lambda: 0.0))
+    args = types.SimpleNamespace(quick=True, reference_python=None, threads=2)
+
+    # XPOS over none per round in the train step: +10%, −10%, +20% (median +10%; the
+    # medians, 1.8 / 2: −10%); in the block scan +5% each.
+    others = dict(rope=[1.0] * 3, alibi=[1.0] * 3)
+    timings.append(dict(none=[1.0, 2.0, 3.0], xpos=[1.1, 1.8, 3.6], **others))
+    timings.append(dict(none=[1.0] * 3, xpos=[1.05] * 3, **others))
+    monkeypatch.setattr(xpos_overhead, "_eval_timer", lambda *a: lambda: 0.0)
+    entry = xpos_overhead.run(args)
+    assert entry["value"] == pytest.approx(10.0)
+    assert entry["eval_overhead_percent"] == pytest.approx(5.0)
+    assert entry["unit"] == "% slower than position=none (train step)"
+    assert entry["met"] is False
+
+    # lexjax's tokens/s over torchscale's per round: f32 6.0, 0.8, 0.75 (median 0.8;
+    # the medians, 3.0 / 2.5: 1.2; the rounds sorted first: 1.5); bf16 0.5, 1/6, 0.25
+    # (median 0.25). The faster dtype is the headline.
+    class Reference:
+        info = {}
+
+        def __init__(self, python, settings):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_vs_reference, "resolve_python", lambda requested: "python")
+    monkeypatch.setattr(train_vs_reference, "Reference", Reference)
+    monkeypatch.setattr(train_vs_reference, "loss_curves", lambda steps, model: {})
+    timings.append(
+        dict(
+            reference=[6.0, 2.0, 3.0],
+            lexjax_float32=[1.0, 2.5, 4.0],
+            lexjax_bfloat16=[12.0, 12.0, 12.0],
+        )
+    )
+    entry = train_vs_reference.run(args)
+    assert (entry["value"], entry["best"]) == (pytest.approx(0.8), "lexjax_float32")
+    assert entry["ratio"]["lexjax_bfloat16"]["median"] == pytest.approx(0.25)
+    assert entry["unit"] == "× reference tokens/s" and entry["met"] is False
+
+    # The block scan's tokens/s at 8× over 2× per round: 2048/4 over 512/1, then 2048/4
+    # over 512/2: 1.0 and 2.0, median 1.5 (a ratio of the medians, 512 / 384: 1.33).
+    config = common.tiny_config()
+    monkeypatch.setattr(eval_scaling, "_model_and_params", lambda: (config, None, {}))
+    scores = jax.jit(lambda params, tokens: tokens[:, 1:].astype(jnp.float32))
+    monkeypatch.setattr(eval_scaling, "_function", lambda mode, model, block: scores)
+    timings.append({512: [1.0, 2.0], 2048: [4.0, 4.0]})
+    entry = eval_scaling.run(args)
+    assert entry["value"] == pytest.approx(1.5)
+    assert entry["unit"] == "× tokens/s at 8× vs 2× train_len (bca_scan)"
+    assert timings == []
+
+
+def test_other_processes_load_is_the_busy_time_less_this_process_tree(monkeypatch):
+    """By hand: 600 busy jiffies of 1000, 400 of them this process's (and its
+    children's), on 4 cores: other processes kept 0.8 cores busy."""
+    sys.path.insert(0, str(ROOT))
+    from bench import common
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = {"total": 1000, "busy": 300, "own": 100, "time": 0.0}
+    after = {"total": 2000, "busy": 900, "own": 500, "time": 1.0}
+    assert common.other_cores_busy(before, after) == pytest.approx(0.8)
+    assert common.other_cores_busy(before, before) is None  # no time passed
