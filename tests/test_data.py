@@ -128,6 +128,11 @@ def test_split_is_stable_disjoint_and_roughly_90_5_5():
     assert set(counts) == set(data.SPLITS)
     assert 0.87 < counts["train"] / len(paths) < 0.93
     assert 0.03 < counts["validation"] / len(paths) < 0.07
+    # 5% each, closely: over 40,000 paths a 5% share lies within ±0.5% (4.5 standard
+    # deviations); a bucket of 6% (or 4%) for one held-out split does not.
+    many = collections.Counter(builders.split_of(f"d{i // 100}/f{i}.txt") for i in range(40_000))
+    for split in ("validation", "test"):
+        assert 0.045 < many[split] / 40_000 < 0.055, many
     # Pinned: SHA-256 buckets do not depend on the run, machine or PYTHONHASHSEED.
     assert [builders.split_of(p) for p in ("os.py", "m30.py", "asyncio/tasks.py")] == [
         "validation",
@@ -1153,6 +1158,9 @@ def test_long_files_become_bounded_documents_read_in_pieces(tmp_path, monkeypatc
     assert max(map(len, chunks)) <= 1000
     for chunk in chunks:
         chunk.decode("utf-8")  # each document is whole characters
+        # Cut at line starts: a document holding a line break ends with one (none
+        # begins with the newline of the line before it).
+        assert b"\n" not in chunk or chunk.endswith(b"\n")
 
 
 @pytest.mark.parametrize("content", [b"\xc3" + b"\x80" * 2500, b"\x80" * 2500])
