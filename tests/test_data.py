@@ -1254,6 +1254,9 @@ def test_sentencepiece_round_trips_any_text_and_counts_its_bytes(sentencepiece_c
     assert (document[0], document[-1]) == (tok.bos, tok.eos)
     assert tok.decode(document) == text
     assert tok.num_bytes(document) == len(text.encode("utf-8"))
+    # Bytes are read as UTF-8, an invalid byte as U+FFFD (as a build reads a file).
+    raw = text.encode("utf-8") + b"\xff" + text.encode("utf-8")
+    assert tok.decode(tok.encode(raw)) == f"{text}\ufffd{text}"
 
 
 def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
@@ -1267,6 +1270,9 @@ def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
     assert "".join(pieces[:3]) == long
     # A budget of 5,000 a document: the piece that reaches it is the last one taken.
     assert [len(p) for p in tokenizer_lib.sample_lines([long, short], 10_000)] == [4096, 4096, 10]
+    # A budget reached exactly stops there: lines of 4 bytes and a newline, 10 bytes
+    # a document, are two lines (5 + 5 = 10), not three.
+    assert list(tokenizer_lib.sample_lines(["abcd\n" * 4], 10)) == ["abcd", "abcd"]
     # The budget counts bytes (it counted characters: 3× the bytes of CJK text).
     cjk = "\n".join(["東京" * 100] * 10)  # lines of 200 characters, 600 bytes
     assert [len(p) for p in tokenizer_lib.sample_lines([cjk], 1_000)] == [200, 200]
