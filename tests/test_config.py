@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from configs import extrapolation, paper, tiny
@@ -375,6 +376,32 @@ def test_rules_are_the_preset_with_overrides():
     assert table["embed"] == "fsdp" and table["mlp"] == "tensor" and table["heads"] is None
     with pytest.raises(cfg.ConfigError, match="sharding='fdsp': choose one of data, fsdp, tensor"):
         sharding.rules(cfg.from_configdict({"sharding": "fdsp"}))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize(
+    "preset, mesh, d_model, mlp, heads, batch",
+    [  # the block of each weight a device holds, and the parts a batch of 8 rows is cut in
+        ("data", dict(data=8), 32, 64, 4, 8),  # whole weights, rows over every device
+        ("fsdp", dict(data=2, fsdp=4), 8, 64, 4, 8),  # d_model over fsdp, rows over all 8
+        ("tensor", dict(data=2, fsdp=2, tensor=2), 16, 32, 2, 4),  # heads, mlp over tensor
+    ],
+)
+def test_each_preset_shards_the_weights_and_the_batch_as_its_kind_of_parallelism(
+    preset, mesh, d_model, mlp, heads, batch
+):
+    """Data parallel keeps every weight whole; FSDP splits d_model over fsdp; tensor
+    parallel also splits the MLP's hidden units and the heads over tensor (Megatron);
+    the batch is split over every axis but tensor (one copy of a step per data shard).
+    A model of d_model 32, 4 heads of 8, MLP 64 (small_config)."""
+    config = small_config(sharding=preset, **{f"mesh.{k}": v for k, v in mesh.items()})
+    mesh = sharding.make_mesh(config)
+    params = sharding.model_param_shardings(config, mesh)["layer_0"]
+    assert params["mlp_in"]["kernel"].shard_shape((32, 64)) == (d_model, mlp)
+    assert params["mlp_out"]["kernel"].shard_shape((64, 32)) == (mlp, d_model)
+    assert params["attention"]["query"]["kernel"].shard_shape((32, 4, 8)) == (d_model, heads, 8)
+    batch_sharding = sharding.batch_sharding(mesh, sharding.rules(config))
+    assert batch_sharding.shard_shape((8, 16)) == (8 // batch, 16)
 
 
 @pytest.mark.parametrize(
