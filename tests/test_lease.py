@@ -511,6 +511,19 @@ def test_a_takeover_that_comes_during_a_heartbeat_waits_for_it_and_then_holds(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
 
 
+def test_a_takeover_of_a_lease_replaced_since_it_was_judged_leaves_the_new_one(tmp_path):
+    """Two newcomers (or any on a filesystem without flock) may both judge a lease
+    stale: one replaces it first, and the other's takeover, which renames the file
+    aside, finds there not the lease it judged. It puts the new lease back and does
+    not take it."""
+    write_lease(tmp_path, pid=dead_pid(), token="stale")
+    stale = lease_record(tmp_path)
+    write_lease(tmp_path, host="elsewhere", token="newer")  # the first newcomer's, since
+    assert not lease_lib.WorkdirLease(tmp_path)._take_over(stale)
+    assert lease_record(tmp_path)["token"] == "newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lease_lib.LEASE_FILE]
+
+
 def test_a_lease_being_renewed_is_always_there_whole_and_refuses_newcomers(tmp_path):
     # Counted, not timed: on loaded cores one second held as few as 4 reads.
     with lease_lib.WorkdirLease(tmp_path, timeout_s=60) as lease:
