@@ -48,6 +48,27 @@ def dead_pid() -> int:
     return proc.pid
 
 
+def refused(workdir) -> CheckpointError:
+    """The error a newcomer's acquire on ``workdir`` ends in. One that never ends (it
+    missed each renewal and watched the renewed lease again) fails the test instead
+    of hanging it."""
+    outcome = []
+
+    def acquire():
+        try:
+            lease_lib.WorkdirLease(workdir, log=lambda _: None).acquire()
+            outcome.append("taken")
+        except CheckpointError as e:
+            outcome.append(e)
+
+    newcomer = threading.Thread(target=acquire, daemon=True)
+    newcomer.start()
+    newcomer.join(120)  # a hang guard only
+    assert outcome, "the newcomer still watches a lease whose holder renews it"
+    assert isinstance(outcome[0], CheckpointError), "the newcomer took a live job's lease"
+    return outcome[0]
+
+
 def test_a_held_lease_refuses_a_second_job_naming_the_holder(tmp_path):
     with lease_lib.WorkdirLease(tmp_path) as first:
         record = lease_record(tmp_path)
@@ -246,10 +267,7 @@ def test_a_live_job_in_another_pid_namespace_keeps_its_lease(tmp_path):
         if holder.stdout.readline() != "held\n":
             pytest.skip(f"cannot make a PID namespace here: {holder.communicate()[1][-300:]}")
         assert lease_record(tmp_path)["pid"] == 1
-        with pytest.raises(
-            CheckpointError, match=f"in use by a training job on host {HOST} pid 1 "
-        ):
-            lease_lib.WorkdirLease(tmp_path, log=lambda _: None).acquire()
+        assert f"in use by a training job on host {HOST} pid 1 " in str(refused(tmp_path))
     finally:
         holder.kill()  # unshare, and with it its namespace's pid 1
         holder.wait()
@@ -291,8 +309,7 @@ def test_a_clock_behind_ours_makes_no_renewed_lease_of_another_host_stale(tmp_pa
     holder = threading.Thread(target=renew)
     holder.start()
     try:
-        with pytest.raises(CheckpointError, match="in use by a training job on host elsewhere"):
-            lease_lib.WorkdirLease(tmp_path, log=lambda _: None).acquire()
+        assert "in use by a training job on host elsewhere" in str(refused(tmp_path))
     finally:
         done.set()
         holder.join()
