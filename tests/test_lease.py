@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from lexjax import checkpoint as ckpt_lib
@@ -130,6 +131,29 @@ def test_a_collective_that_fails_after_the_lease_is_taken_releases_it(tmp_path, 
     with pytest.raises(DistributedError, match="process 1 is gone"), held:
         pass
     assert not (tmp_path / lease_lib.LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_lease_process_0_cannot_take_stops_every_process(tmp_path, monkeypatch, process):
+    """Two processes (their agreement simulated: process 0 refused, process 1 ready):
+    both raise before the block, process 0 its own refusal, so no process trains a
+    workdir another job holds."""
+    import jax
+
+    from lexjax import distributed
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(distributed, "_gather_flags", lambda _: np.array([0, 1], np.int32))
+    entered = []
+    with lease_lib.WorkdirLease(tmp_path):  # another job's, alive
+        said = "in use by a training job" if process == 0 else "process 0 could not take"
+        held = lease_lib.hold(str(tmp_path), timeout_s=60.0, log=lambda _: None)
+        with pytest.raises(CheckpointError, match=said), held:
+            entered.append(process)
+    assert not entered
+    # The agreement itself, by hand: any and all of (False, True).
+    assert distributed.any_process(True) and not distributed.all_processes(True)
 
 
 def test_a_reader_is_told_of_a_live_holder_only(tmp_path):
