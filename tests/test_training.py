@@ -983,3 +983,18 @@ def test_a_signal_just_as_train_takes_over_the_handlers_is_kept(monkeypatch):
     monkeypatch.setattr(signals, "take_deferred", take_deferred)
     with training._StopFlag() as stop:
         assert stop.signal_name == "SIGTERM"
+
+
+def test_a_one_step_warmup_is_zero_at_step_0_and_the_peak_at_step_1():
+    """warmup_steps=1 is a warmup too: the first update changes nothing, the second
+    takes the peak (it was the schedule without warmup only for warmup_steps=0)."""
+    for schedule in ("cosine", "polynomial", "constant"):
+        config = small_config(
+            learning_rate=0.01,
+            warmup_steps=1,
+            num_train_steps=11,
+            **{"optim.schedule": schedule, "optim.end_lr_fraction": 0.1},
+        )
+        rate = learning_rate_schedule(config)
+        assert float(rate(0)) == 0.0, schedule
+        assert float(rate(1)) == pytest.approx(0.01, rel=1e-6), schedule
