@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from lexjax import checkpoint as ckpt_lib
@@ -998,3 +999,42 @@ def test_a_one_step_warmup_is_zero_at_step_0_and_the_peak_at_step_1():
         rate = learning_rate_schedule(config)
         assert float(rate(0)) == 0.0, schedule
         assert float(rate(1)) == pytest.approx(0.01, rel=1e-6), schedule
+
+
+def test_one_train_step_logs_the_unclipped_norm_and_clips_what_enters_adam():
+    """One step with optim.grad_clip far below the gradient's norm. By hand from the
+    gradient of loss_fn (itself checked against numpy): the logged grad_norm is
+    sqrt(Σ g²) over every parameter (float64), and Adam's first moment after one
+    step is (1 − b1)·g·clip/‖g‖ (optax.clip_by_global_norm, then scale_by_adam's
+    μ = b1·μ + (1 − b1)·g from μ = 0)."""
+    from lexjax.model import Decoder
+    from lexjax.steps import loss_fn
+
+    clip = 0.01
+    config = small_config(**{"mesh.data": 1, "optim.grad_clip": clip, "optim.b1": 0.8})
+    setup = TrainSetup(config, jax.devices()[:1])
+    batch = packed_batch(np.random.default_rng(4), 8, 16, vocab=config.model.vocab_size)
+    state = setup.init_state()
+    params = jax.device_get(state.params)
+    grads = jax.grad(lambda p: loss_fn(p, Decoder(config.model), batch)[0])(params)
+    grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    norm = math.sqrt(sum(float(np.sum(g * g)) for g in jax.tree.leaves(grads)))
+    assert norm > 10 * clip  # the clip acts
+    with jax.set_mesh(setup.mesh):
+        state, step_metrics = setup.train_step(state, setup.global_batch(batch))
+    assert float(step_metrics["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+    mu = jax.device_get(optax.tree.get(state.opt_state, "mu"))
+    expected = jax.tree.map(lambda g: (1 - 0.8) * g * clip / norm, grads)
+    jax.tree.map(lambda m, e: np.testing.assert_allclose(m, e, rtol=2e-4, atol=1e-9), mu, expected)
+
+
+def test_optim_grad_clip_0_clips_nothing():
+    """grad_clip 0 turns clipping off: a gradient of norm 10 enters Adam whole."""
+    config = small_config(**{"optim.grad_clip": 0.0, "optim.b1": 0.5})
+    tx = make_optimizer(config)
+    params = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
+    grads = {"a": np.array([6.0, 0.0, 0.0], np.float32), "b": np.array([0.0, 8.0], np.float32)}
+    _, opt_state = tx.update(grads, tx.init(params), params)
+    mu = optax.tree.get(opt_state, "mu")
+    np.testing.assert_allclose(mu["a"], [3.0, 0.0, 0.0])
+    np.testing.assert_allclose(mu["b"], [0.0, 4.0])
