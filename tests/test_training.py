@@ -1038,3 +1038,38 @@ def test_optim_grad_clip_0_clips_nothing():
     mu = optax.tree.get(opt_state, "mu")
     np.testing.assert_allclose(mu["a"], [3.0, 0.0, 0.0])
     np.testing.assert_allclose(mu["b"], [0.0, 4.0])
+
+
+def test_val_loss_is_the_mean_nll_over_every_real_validation_token(tmp_path, monkeypatch):
+    """val_loss against numpy float64: the cross-entropy of every target whose
+    segment id is > 0, averaged over all the validation batches' such tokens
+    together (the packed rows here are full: a mean of per-batch means would agree)."""
+    from lexjax import training
+    from lexjax.model import Decoder
+
+    seen = []
+    validate = training._Loop._validate
+
+    def spy(self, params, step, val_batches):
+        seen.append((jax.device_get(params), [dict(b) for b in val_batches]))
+        return validate(self, params, step, val_batches)
+
+    monkeypatch.setattr(training._Loop, "_validate", spy)
+    config = _train_config(tmp_path, num_train_steps=2, eval_every=2, eval_batches=3)
+    summary = train(config, str(tmp_path / "run"), log=lambda _: None, progress=False)
+    [(params, batches)] = seen
+    model = Decoder(config.model)
+    nll, count = [], []
+    for b in batches:
+        logits, _ = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
+        logits = np.asarray(logits, np.float64)
+        top = logits.max(-1)
+        log_z = np.log(np.sum(np.exp(logits - top[..., None]), -1)) + top
+        picked = np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
+        real = b["segment_ids"] > 0
+        nll.append((log_z - picked)[real].sum())
+        count.append(real.sum())
+    assert summary["val_loss"] == pytest.approx(sum(nll) / sum(count), rel=1e-5)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        [logged] = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+    assert logged == summary["val_loss"]
