@@ -1073,3 +1073,31 @@ def test_val_loss_is_the_mean_nll_over_every_real_validation_token(tmp_path, mon
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         [logged] = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
     assert logged == summary["val_loss"]
+
+
+def test_a_step_whose_gradient_alone_is_not_finite_changes_nothing():
+    """A finite loss whose gradient is not (d√w/dw at w = 0 is infinite) is a
+    non-finite step: reported so, and the state is kept as it was, step count and
+    Adam's moments included; with w = 1 the same step is finite and counted."""
+    from lexjax.steps import TrainState, train_step
+
+    class SqrtLogits:
+        """logits = √w for every token: a Decoder's apply signature, one parameter."""
+
+        def apply(self, variables, inputs, positions, segment_ids):
+            w = variables["params"]["w"]
+            return jnp.broadcast_to(jnp.sqrt(w), (*inputs.shape, w.shape[0])), None
+
+    config = small_config()
+    tx = make_optimizer(config)
+    batch = packed_batch(np.random.default_rng(0), 2, 8, vocab=4)
+    for w, finite in ((np.zeros(4, np.float32), False), (np.ones(4, np.float32), True)):
+        params = {"w": jnp.asarray(w)}
+        state = TrainState(step=jnp.int32(3), params=params, opt_state=tx.init(params))
+        new, step_metrics = train_step(state, batch, model=SqrtLogits(), tx=tx, config=config)
+        assert np.isfinite(float(step_metrics["loss"]))
+        assert bool(step_metrics["finite"]) is finite
+        assert int(new.step) == 3 + finite
+        if not finite:
+            jax.tree.map(np.testing.assert_array_equal, new.params, params)
+            jax.tree.map(np.testing.assert_array_equal, new.opt_state, state.opt_state)
