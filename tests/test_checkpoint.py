@@ -134,6 +134,22 @@ def test_round_trip_is_exact(tmp_path):
     ckpt.close()
 
 
+def test_a_given_step_restores_that_step_or_names_the_complete_ones(two_steps, tmp_path):
+    """restore(1) with step 2 newer reads step 1 (values, config and step); a step
+    that was never saved is an error listing the complete steps, not the newest one."""
+    path, mesh = fresh_copy(two_steps, tmp_path), mesh_of(8)
+    ckpt = Checkpointer(path, read_only=True)
+    assert ckpt.latest_step() == 2
+    state1 = make_state(mesh, seed=1)
+    restored, config, step = ckpt.restore(1, abstract_state=abstract(state1, mesh))
+    assert (step, config) == (1, {"seed": 1})
+    assert_same(restored, state1)
+    complete = re.escape("no complete checkpoint for step 3 in ") + r".*; complete steps: \[1, 2\]$"
+    with pytest.raises(CheckpointError, match=complete):
+        ckpt.restore(3, abstract_state=abstract(state1, mesh))
+    ckpt.close()
+
+
 def test_a_state_on_several_device_sets_saves_and_restores(tmp_path):
     """Leaves on an 8-device mesh, on one device and on a 4-device mesh: the checksum
     took every leaf into one computation, which refuses arguments on different
