@@ -150,6 +150,22 @@ def test_a_given_step_restores_that_step_or_names_the_complete_ones(two_steps, t
     ckpt.close()
 
 
+def test_a_step_saved_again_after_going_back_is_written(tmp_path):
+    """Save 1 and 2, go back and save 1 again (step 2 moved aside): a later save of
+    step 2 is of another history and is written, not skipped as saved already."""
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=None, async_save=False)
+    state1, state3 = make_state(mesh, seed=1), make_state(mesh, seed=3)
+    assert ckpt.save(1, state1) and ckpt.save(2, state1)
+    assert ckpt.save(1, state1, force=True)  # step 2 moved to superseded/
+    assert ckpt.all_steps() == [1]
+    assert ckpt.save(2, state3)
+    restored, _, step = ckpt.restore(abstract_state=abstract(state3, mesh))
+    assert step == 2
+    assert_same(restored, state3)
+    ckpt.close()
+
+
 def test_a_state_on_several_device_sets_saves_and_restores(tmp_path):
     """Leaves on an 8-device mesh, on one device and on a 4-device mesh: the checksum
     took every leaf into one computation, which refuses arguments on different
