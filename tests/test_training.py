@@ -664,6 +664,11 @@ def test_resume_with_another_num_train_steps_continues_on_the_new_schedule(tmp_p
     third = train(dataclasses.replace(config, num_train_steps=4), workdir, log=lines.append)
     assert third["start_step"] == third["step"] == 5
     assert not [line for line in lines if "changed" in line], lines
+    # As many steps as done, with the weight decay changed back: no update follows either.
+    optim = dataclasses.replace(config.optim, weight_decay=0.01)
+    fourth = train(dataclasses.replace(config, optim=optim), workdir, log=lines.append)
+    assert fourth["start_step"] == fourth["step"] == 5
+    assert not [line for line in lines if "changed" in line], lines
 
 
 def test_tokens_per_sec_times_the_training_steps_only(tmp_path, monkeypatch):
