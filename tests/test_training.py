@@ -1106,3 +1106,37 @@ def test_a_step_whose_gradient_alone_is_not_finite_changes_nothing():
         if not finite:
             jax.tree.map(np.testing.assert_array_equal, new.params, params)
             jax.tree.map(np.testing.assert_array_equal, new.opt_state, state.opt_state)
+
+
+def test_each_record_holds_its_own_steps_loss_and_the_last_step_is_validated(tmp_path, monkeypatch):
+    """Logged every 2 steps of 5: the records at steps 2 and 4 (two steps read back at
+    once) and at the last step hold the loss that step's train_step returned, and the
+    last step is validated although 5 is not a multiple of eval_every."""
+    from lexjax import training
+
+    returned = []
+
+    class RecordingSetup(TrainSetup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            inner = self.train_step
+
+            def step(state, batch):
+                state, step_metrics = inner(state, batch)
+                returned.append(step_metrics["loss"])
+                return state, step_metrics
+
+            self.train_step = step
+
+    monkeypatch.setattr(training, "TrainSetup", RecordingSetup)
+    config = _train_config(
+        tmp_path, num_train_steps=5, log_every=2, eval_every=2, checkpoint_every=5
+    )
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    records = metrics.read_metrics(workdir)
+    logged = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(logged) == [2, 4, 5]
+    assert logged == {s: float(returned[s - 1]) for s in logged}
+    assert len(set(logged.values())) == 3  # each step's own
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 5]
