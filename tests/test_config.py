@@ -239,6 +239,11 @@ def test_unknown_field_in_a_dict_names_the_closest():
         ),
         ({"peak_flops": 0}, "peak_flops=0.0 must be positive"),
         ({"batch_size": 1.5}, "batch_size=1.5: expected an integer"),
+        # A switch written as text (a notebook, a YAML file) is not read as bool("False").
+        (
+            {"model": {"tie_embeddings": "False"}},
+            "model.tie_embeddings='False': expected True or False",
+        ),
         ({"model": {"rope_scaling": "linear"}}, "model.rope_scaling='linear': choose one of"),
         (
             {"model": {"rope_scaling": "pi", "position": "alibi"}},
@@ -520,6 +525,10 @@ def test_dotted_field_names_as_the_flags_and_messages_write_them():
         {"model.num_layers": 1, "model": {"d_model": 64}, "optim.learning_rate": 0.01}
     )
     assert (config.model.num_layers, config.model.d_model, config.learning_rate) == (1, 64, 0.01)
+    # A field named on its own overrides the same field in its section, as a
+    # --config.model.num_layers flag overrides a config file's model section.
+    both = {"model": {"num_layers": 2, "d_model": 64}, "model.num_layers": 1}
+    assert cfg.from_configdict(both).model.num_layers == 1
     with pytest.raises(cfg.ConfigError, match="^unknown config field model.num_layer; did you"):
         cfg.from_configdict({"model.num_layer": 1})
     # A name below a field that is not a section: as the flags say it, not "expected an integer".
@@ -792,3 +801,44 @@ def test_a_message_too_long_for_its_line_is_cut_in_the_middle():
     assert len(said) == 200 and said.startswith("cannot write /runs/yyy")
     assert "yyy...yyy" in said and said.endswith(" (File name too long); use a shorter path")
     assert one_line(ValueError("short"), limit=200) == "short"
+
+
+@pytest.mark.parametrize(
+    "kind,status",
+    [  # README, "Errors and exit statuses": written out here, not read from the classes
+        ("ConfigError", 2),
+        ("DataError", 3),
+        ("CheckpointError", 4),
+        ("TrainingError", 5),
+        ("EvaluationError", 6),
+        ("DistributedError", 7),
+    ],
+)
+def test_each_kind_of_error_ends_a_program_with_its_documented_status(kind, status, capsys):
+    """A shell script tells a stopped training (5) from an evaluation that cannot be done
+    (6) or a run that cannot join (7) by the status alone; of these files' tests only 2
+    and 3 were checked, 5 to 7 only by slow subprocess tests elsewhere."""
+    from lexjax import errors
+
+    def program():
+        raise getattr(errors, kind)("what to change")
+
+    assert errors.report(program) == status
+    assert capsys.readouterr().err == "error: what to change\n"
+
+
+def test_a_progress_display_off_a_terminal_always_prints_its_last_line():
+    """Off a terminal (a log, nohup) at most one line per min_interval_s, and always the
+    last one (lexjax/progress.py): a run whose end came before the interval had passed
+    left its log at an earlier count."""
+    import io
+
+    from lexjax.progress import Progress
+
+    log = io.StringIO()
+    bar = Progress(4, label="step", stream=log, min_interval_s=1e9)
+    for done in range(1, 5):
+        bar.update(done, "loss 1.5")
+    bar.close()
+    lines = [line.split(" eta ")[0] for line in log.getvalue().split("\n")]
+    assert lines == ["step 1/4 loss 1.5", "step 4/4 loss 1.5", ""], log.getvalue()
