@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shlex
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 from absl import flags
@@ -300,6 +302,100 @@ def test_every_eval_flag(program, capsys):
         code, err = program("eval", ["--workdir=/tmp/lexjax-fuzz", *argv], capsys)
         _check(failures, argv, code, err, valid=valid, name=name, accepted="reached")
     assert not failures, "\n".join(failures)
+
+
+class _FakeRun:
+    """What eval.py loads, recording what each run asks of it."""
+
+    mesh = types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1})
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def evaluate(self, lengths, **settings):
+        self.calls.append(("evaluate", lengths, settings))
+
+    def passkey(self, lengths, **settings):
+        self.calls.append(("passkey", lengths, settings))
+
+    def generate(self, prompt, **settings):
+        settings.pop("on_text")
+        self.calls.append(("generate", prompt, settings))
+        return ""
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [  # what eval.py's docstring and --help say each flag does, written out by hand
+        (
+            ["--lengths=64,256", "--max_length=512", "--bca=on", "--max_docs=5"],
+            ("evaluate", [64, 256], {"max_length": 512, "modes": ("bca",), "max_docs": 5}),
+        ),
+        (["--modes=bca,sinks", "--sinks=2"], ("evaluate", None, {"modes": ("bca", "sinks")})),
+        (
+            ["--rope_scaling=pi", "--rope_factor=4", "--resolution", "--figure"],
+            ("evaluate", None, {"rope_scaling": "pi", "rope_factor": 4.0, "resolution": True}),
+        ),
+        (["--eval_files=/tmp/*.txt"], ("evaluate", None, {"eval_files": "/tmp/*.txt"})),
+        # --generate decodes with BCA unless told otherwise.
+        (["--generate", "--prompt=def "], ("generate", "def ", {"mode": "bca"})),
+        (["--generate", "--bca=off"], ("generate", "", {"mode": "full"})),
+        (
+            ["--generate", "--max_new_tokens=7", "--top_k=3", "--top_p=0.5", "--seed=9"],
+            ("generate", "", {"max_new_tokens": 7, "top_k": 3, "top_p": 0.5, "seed": 9}),
+        ),
+        (["--generate", "--temperature=0"], ("generate", "", {"temperature": 0.0})),
+        (
+            ["--passkey", "--lengths=80", "--passkey_trials=3", "--seed=4", "--bca=off"],
+            ("passkey", [80], {"trials": 3, "seed": 4, "modes": ("full",)}),
+        ),
+        (
+            ["--passkey", "--passkey_filler=text", "--max_docs=2", "--passkey_depths=0,0.5"],
+            ("passkey", None, {"filler": "text", "max_docs": 2, "depths": [0.0, 0.5]}),
+        ),
+    ],
+)
+def test_each_eval_flag_reaches_the_run_it_asks_for(program, capsys, monkeypatch, argv, expected):
+    """A flag that passed validation but never reached the run (eval.py handing a
+    default on) gave numbers for settings other than those asked, with no error."""
+    from lexjax import cli
+
+    calls = []
+    monkeypatch.setattr(cli.api, "load", lambda workdir, check=None: _FakeRun(calls))
+    code, err = program("eval", ["--workdir=/tmp/lexjax-fuzz", *argv], capsys)
+    assert code == 0, err
+    ((verb, what, settings),) = calls
+    assert (verb, what) == expected[:2]
+    assert {k: settings[k] for k in expected[2]} == expected[2], settings
+
+
+def test_train_py_hands_its_settings_on_and_counts_the_steps_this_run_trained(
+    program, capsys, monkeypatch
+):
+    """--lease_timeout_s reached the training only by name; and after a resume the
+    summary is of the steps this run trained (7 to 10: four), with a next command a
+    shell reads back as the workdir given (one with a space in it)."""
+    from lexjax import cli
+
+    seen = {}
+
+    def train(config, workdir, **kwargs):
+        seen.update(kwargs, workdir=workdir, num_layers=config.model.num_layers)
+        done = {"start_step": 6, "step": 10, "stopped_by": None, "loss": 2.5, "val_loss": 2.75}
+        return {**done, "checkpoint_dir": "/runs/a b/checkpoints"}
+
+    monkeypatch.setattr(cli.api, "train", train)
+    argv = ["--workdir=/runs/a b", "--lease_timeout_s=30", "--config.model.num_layers=2"]
+    code, err = program("train", argv, capsys)
+    assert code == 0, err
+    assert seen == {"lease_timeout_s": 30.0, "workdir": "/runs/a b", "num_layers": 2}
+    monkeypatch.setattr(cli.distributed, "initialize", lambda cluster: None)
+    config = cfg.default_configdict({"model": {"num_layers": 2}})
+    assert cli.run_training(config, "runs/a b", None, lease_timeout_s=30.0) == 0
+    trained, checkpoint, then = capsys.readouterr().out.splitlines()
+    assert trained == "trained 4 steps (6 → 10): loss 2.5000, validation loss 2.7500"
+    assert checkpoint == "checkpoint: /runs/a b/checkpoints (step 10)"
+    assert shlex.split(then) == ["next:", "python", "eval.py", "--workdir=runs/a b"]
 
 
 def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
