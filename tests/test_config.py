@@ -205,6 +205,9 @@ def test_a_workdir_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert cfg.check_path("workdir", "~/runs/a") == str(tmp_path / "runs" / "a")
     assert cfg.check_path("workdir", pathlib.Path("~")) == str(tmp_path)
+    # Blank is empty too: "--workdir= " made a run directory named " ", unseen in `ls`.
+    with pytest.raises(cfg.ConfigError, match="^workdir is empty; give a path$"):
+        cfg.check_path("workdir", " \t")
 
 
 def test_unknown_field_in_a_dict_names_the_closest():
@@ -842,3 +845,8 @@ def test_a_progress_display_off_a_terminal_always_prints_its_last_line():
     bar.close()
     lines = [line.split(" eta ")[0] for line in log.getvalue().split("\n")]
     assert lines == ["step 1/4 loss 1.5", "step 4/4 loss 1.5", ""], log.getvalue()
+    # A process other than 0 (enabled=False) prints nothing: one line per step, not one per host.
+    quiet = Progress(4, label="step", stream=log, enabled=False)
+    quiet.update(4, "loss 1.5")
+    quiet.close()
+    assert log.getvalue().count("\n") == 2
