@@ -334,7 +334,11 @@ class _FakeRun:
         (["--modes=bca,sinks", "--sinks=2"], ("evaluate", None, {"modes": ("bca", "sinks")})),
         (
             ["--rope_scaling=pi", "--rope_factor=4", "--resolution", "--figure"],
-            ("evaluate", None, {"rope_scaling": "pi", "rope_factor": 4.0, "resolution": True}),
+            (
+                "evaluate",
+                None,
+                {"rope_scaling": "pi", "rope_factor": 4.0, "resolution": True, "figure": True},
+            ),
         ),
         (["--eval_files=/tmp/*.txt"], ("evaluate", None, {"eval_files": "/tmp/*.txt"})),
         # --generate decodes with BCA unless told otherwise.
@@ -347,7 +351,8 @@ class _FakeRun:
         (["--generate", "--temperature=0"], ("generate", "", {"temperature": 0.0})),
         (
             ["--passkey", "--lengths=80", "--passkey_trials=3", "--seed=4", "--bca=off"],
-            ("passkey", [80], {"trials": 3, "seed": 4, "modes": ("full",)}),
+            # The sentence filler reads no documents: max_docs is the API's None, not 20.
+            ("passkey", [80], {"trials": 3, "seed": 4, "modes": ("full",), "max_docs": None}),
         ),
         (
             ["--passkey", "--passkey_filler=text", "--max_docs=2", "--passkey_depths=0,0.5"],
@@ -370,32 +375,48 @@ def test_each_eval_flag_reaches_the_run_it_asks_for(program, capsys, monkeypatch
 
 
 def test_train_py_hands_its_settings_on_and_counts_the_steps_this_run_trained(
-    program, capsys, monkeypatch
+    program, capsys, monkeypatch, tmp_path
 ):
-    """--lease_timeout_s reached the training only by name; and after a resume the
-    summary is of the steps this run trained (7 to 10: four), with a next command a
-    shell reads back as the workdir given (one with a space in it)."""
+    """--lease_timeout_s reached the training only by name, and ``--config FILE`` (the
+    file as the next argument, as absl reads any flag) was an unexpected argument.
+    The summary is of the steps this run trained (after a resume from step 6 to 10:
+    four), with a next command a shell reads back as the workdir given (a space in it)."""
     from lexjax import cli
 
-    seen = {}
+    seen, summary = {}, {"start_step": 6, "step": 10, "stopped_by": None}
+    summary.update(loss=2.5, val_loss=2.75, checkpoint_dir="/runs/a b/checkpoints")
 
     def train(config, workdir, **kwargs):
         seen.update(kwargs, workdir=workdir, num_layers=config.model.num_layers)
-        done = {"start_step": 6, "step": 10, "stopped_by": None, "loss": 2.5, "val_loss": 2.75}
-        return {**done, "checkpoint_dir": "/runs/a b/checkpoints"}
+        return dict(summary)
 
     monkeypatch.setattr(cli.api, "train", train)
-    argv = ["--workdir=/runs/a b", "--lease_timeout_s=30", "--config.model.num_layers=2"]
+    file = tmp_path / "three.py"
+    file.write_text(
+        "from lexjax.config import default_configdict\n\n\ndef get_config():\n"
+        "    return default_configdict({'model': {'num_layers': 3}})\n"
+    )
+    argv = ["--workdir=/runs/a b", "--lease_timeout_s=30", "--config", str(file)]
     code, err = program("train", argv, capsys)
     assert code == 0, err
-    assert seen == {"lease_timeout_s": 30.0, "workdir": "/runs/a b", "num_layers": 2}
+    assert seen == {"lease_timeout_s": 30.0, "workdir": "/runs/a b", "num_layers": 3}
     monkeypatch.setattr(cli.distributed, "initialize", lambda cluster: None)
     config = cfg.default_configdict({"model": {"num_layers": 2}})
-    assert cli.run_training(config, "runs/a b", None, lease_timeout_s=30.0) == 0
-    trained, checkpoint, then = capsys.readouterr().out.splitlines()
-    assert trained == "trained 4 steps (6 → 10): loss 2.5000, validation loss 2.7500"
-    assert checkpoint == "checkpoint: /runs/a b/checkpoints (step 10)"
-    assert shlex.split(then) == ["next:", "python", "eval.py", "--workdir=runs/a b"]
+    lines = []
+    for start in (6, 9, 0, 10):
+        summary["start_step"] = start
+        assert cli.run_training(config, "runs/a b", None, lease_timeout_s=30.0) == 0
+        lines.append(capsys.readouterr().out.splitlines())
+    loss, where = "loss 2.5000, validation loss 2.7500", "checkpoint: /runs/a b/checkpoints"
+    assert [said[0] for said in lines] == [
+        f"trained 4 steps (6 → 10): {loss}",
+        f"trained 1 step (9 → 10): {loss}",  # one step is not "already trained"
+        f"trained 10 steps: {loss}",
+        "already trained 10 steps; checkpoint: /runs/a b/checkpoints",
+    ]
+    assert [said[1:-1] for said in lines] == [[f"{where} (step 10)"]] * 3 + [[]]
+    for said in lines:
+        assert shlex.split(said[-1]) == ["next:", "python", "eval.py", "--workdir=runs/a b"]
 
 
 def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
