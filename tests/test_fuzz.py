@@ -374,6 +374,23 @@ def test_each_eval_flag_reaches_the_run_it_asks_for(program, capsys, monkeypatch
     assert {k: settings[k] for k in expected[2]} == expected[2], settings
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_generate_shows_progress_only_where_its_text_is_not_on_a_terminal(
+    program, capsys, monkeypatch, terminal
+):
+    """--generate's text streams to stdout: on a terminal it is the progress, and a
+    bar redrawn on stderr (the same screen) would write over it; sent to a file or a
+    pipe, stdout shows nothing, so stderr shows the progress."""
+    from lexjax import cli
+
+    calls = []
+    monkeypatch.setattr(cli.api, "load", lambda workdir, check=None: _FakeRun(calls))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    code, err = program("eval", ["--workdir=/tmp/lexjax-fuzz", "--generate"], capsys)
+    assert code == 0, err
+    assert calls[0][2]["progress"] is (not terminal)
+
+
 def test_train_py_hands_its_settings_on_and_counts_the_steps_this_run_trained(
     program, capsys, monkeypatch, tmp_path
 ):
