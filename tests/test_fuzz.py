@@ -464,6 +464,10 @@ def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
         (["train.py", "--help"], True),
         (["train.py", "-h"], True),
         (["eval.py", "--helpfull"], False),
+        # absl's other spellings of its help flags: each still exited 1.
+        (["train.py", "--help=true"], True),
+        (["eval.py", "--helpshort=1"], True),
+        (["eval.py", "-helpfull"], False),
     ],
 )
 def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
