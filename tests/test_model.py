@@ -1,6 +1,7 @@
 """The decoder: causality (also across packed documents), caches, layer options, over-fitting."""
 
 import dataclasses
+import math
 
 import chex
 import flax.linen as nn
@@ -346,3 +347,111 @@ def test_the_decoder_runs_as_an_nnx_module_as_documented():
     assert jax.tree.structure(held) == jax.tree.structure(params)
     np.testing.assert_allclose(logits, model.apply({"params": held}, tokens)[0], rtol=1e-6)
     assert logits.shape == (2, 8, config.model.vocab_size) and np.isfinite(logits).all()
+
+
+# --------------------------------------------------------------------------- numpy oracle
+
+
+def _layer_norm(x, p):
+    """LayerNorm with Flax's ε = 1e-6 (docs/design.md, "The decoder's blocks")."""
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _numpy_forward(m, params, tokens, positions, segments, block=None):
+    """The decoder of docs/design.md in float64, token by token where it matters:
+    pre-LayerNorm blocks ``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (tanh GELU), a
+    final LayerNorm, logits ``LN(x)·Eᵀ·d_model^(−½)`` when tied. Attention is
+    tests/paper.py's: XPOS/RoPE on the interleaved pairs of the projections,
+    ALiBi's bias, softmax over the keys j ≤ i of the query's own packed document
+    (with ``block`` w, only those with j ≥ (⌊i/w⌋ − 1)·w: paper §3.3)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    layers = (
+        [p[f"layer_{i}"] for i in range(m.num_layers)]
+        if "layers" not in p
+        else [jax.tree.map(lambda a, i=i: a[i], p["layers"]) for i in range(m.num_layers)]
+    )
+    x = p["embed"]["embedding"][tokens]
+    if m.position == "sinusoidal":  # Vaswani et al., interleaved (positions.sinusoidal)
+        i = np.arange(m.d_model // 2)
+        angle = positions[..., None] * 10000.0 ** (-2.0 * i / m.d_model)
+        x = x + np.stack([np.sin(angle), np.cos(angle)], -1).reshape(x.shape)
+    elif m.position == "learned":
+        x = x + p["position_embed"]["embedding"][positions]
+    T = tokens.shape[1]
+    j, i = np.meshgrid(np.arange(T), np.arange(T))
+    mask = (j <= i)[None] & (segments[:, :, None] == segments[:, None, :])
+    if block is not None:
+        mask = mask & (j >= (i // block - 1) * block)[None]
+    mask = (mask & (segments[:, :, None] > 0))[:, None]
+    bias = None
+    if m.position == "alibi":
+        slopes = np.asarray(paper.alibi_slopes(m.num_heads))
+        distance = positions[:, :, None] - positions[:, None, :]
+        bias = -slopes[None, :, None, None] * distance[:, None]
+    for layer in layers:
+        a = layer["attention"]
+        h = _layer_norm(x, layer["ln_attention"])
+        q, k, v = (np.einsum("btd,dhk->bthk", h, a[n]["kernel"]) for n in ("query", "key", "value"))
+        if m.position in ("xpos", "rope"):
+            base = m.scale_base if m.position == "xpos" else math.inf
+            q = np.stack([paper.xpos(q[r], positions[r], scale_base=base) for r in range(len(q))])
+            k = np.stack(
+                [
+                    paper.xpos(k[r], positions[r], scale_base=base, downscale=True)
+                    for r in range(len(k))
+                ]
+            )
+        out, _ = paper.attention(q, k, v, logit_bias=bias, mask=mask)
+        x = x + np.einsum("bthk,hkd->btd", out, a["out"]["kernel"])
+        h = _layer_norm(x, layer["ln_mlp"])
+        h = _gelu_tanh(h @ layer["mlp_in"]["kernel"] + layer["mlp_in"]["bias"])
+        x = x + h @ layer["mlp_out"]["kernel"] + layer["mlp_out"]["bias"]
+    x = _layer_norm(x, p["ln_final"])
+    if m.tie_embeddings:
+        return x @ p["embed"]["embedding"].T / math.sqrt(m.d_model)
+    return x @ p["unembed"]["kernel"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"model.position": "xpos"},
+        {"model.position": "xpos", "model.scan_layers": True, "model.tie_embeddings": False},
+        {"model.position": "rope"},
+        {"model.position": "alibi", "model.attention_impl": "fused"},
+        {"model.position": "sinusoidal"},
+        {"model.position": "learned", "model.tie_embeddings": False},
+        {"model.position": "none", "model.scan_layers": True, "model.remat_policy": "full"},
+        # Embeddings of variance 1e-6, where LayerNorm's ε (1e-6, not PyTorch's 1e-5) counts.
+        {"model.position": "xpos", "model.tie_embeddings": False, "embed_scale": 1e-3},
+        {"model.position": "alibi", "block": 4},  # the explicit-mask form of BCA
+    ],
+)
+def test_logits_are_the_design_equations_computed_in_numpy(overrides):
+    """The whole forward against docs/design.md's equations in float64 (a pre-LN
+    block swapped for post-LN, a residual or the final LayerNorm dropped, the tied
+    logits' d_model^(−½), exact GELU, XPOS's key decay or a mask changed each moved
+    the logits by more than the tolerance), on packed documents whose positions
+    restart (padding, segment 0, included: its logits are not compared)."""
+    overrides = dict(overrides)
+    embed_scale = overrides.pop("embed_scale", 1.0)
+    block = overrides.pop("block", None)
+    config = small_config(**overrides)
+    model, params = _init(config)
+    scale = jax.tree.map(lambda a: a * 3.0, params)  # larger weights: sharper attention
+    params = {**params, **{k: v for k, v in scale.items() if k.startswith("layer")}}
+    params["embed"] = {"embedding": params["embed"]["embedding"] * embed_scale}
+    batch = packed_batch(np.random.default_rng(7), 2, 16)
+    batch["segment_ids"][1, -3:] = 0
+    batch["segment_ids"][0], batch["positions"][0] = 1, np.arange(16)  # 16 > 2 blocks of 4
+    args = [np.asarray(batch[k]) for k in ("inputs", "positions", "segment_ids")]
+    got, _ = model.apply({"params": params}, *args, block=block)
+    want = _numpy_forward(config.model, params, *args, block=block)
+    real = args[2] > 0
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=2e-4, atol=2e-4)
+    assert np.max(np.abs(want[real])) > 1.0  # logits of a size the tolerance resolves
