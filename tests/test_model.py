@@ -455,3 +455,20 @@ def test_logits_are_the_design_equations_computed_in_numpy(overrides):
     real = args[2] > 0
     np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=2e-4, atol=2e-4)
     assert np.max(np.abs(want[real])) > 1.0  # logits of a size the tolerance resolves
+
+
+def test_logits_are_float32_from_the_final_layer_norm_whatever_the_compute_dtype():
+    """With bfloat16 compute, the logits are the bfloat16 final LayerNorm's output
+    times the float32 embedding, accumulated in float32 (docs: logits float32): a
+    bfloat16 product rounded them to 8 bits (errors of about 1e-2)."""
+    config = small_config(**{"model.dtype": "bfloat16"})
+    model, params = _init(config)
+    tokens = np.random.default_rng(8).integers(0, 258, (2, 16))
+    (logits, _), state = model.apply(
+        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+    )
+    (final,) = state["intermediates"]["ln_final"]["__call__"]
+    assert final.dtype == jnp.bfloat16
+    embedding = np.asarray(params["embed"]["embedding"], np.float64)
+    want = np.asarray(final, np.float64) @ embedding.T / math.sqrt(config.model.d_model)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
