@@ -472,3 +472,18 @@ def test_logits_are_float32_from_the_final_layer_norm_whatever_the_compute_dtype
     embedding = np.asarray(params["embed"]["embedding"], np.float64)
     want = np.asarray(final, np.float64) @ embedding.T / math.sqrt(config.model.d_model)
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_each_layer_is_initialised_with_its_own_weights(scan_layers):
+    """A scan that shared the init's random key between layers began training from
+    identical layers (and a broadcast parameter tree, one layer for all)."""
+    config = small_config(**{"model.scan_layers": scan_layers})
+    _, params = _init(config)
+    if scan_layers:
+        layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(2)]
+    else:
+        layers = [params["layer_0"], params["layer_1"]]
+    kernel = lambda layer: np.asarray(layer["attention"]["query"]["kernel"])
+    assert kernel(layers[0]).shape == (32, 4, 8)
+    assert not np.allclose(kernel(layers[0]), kernel(layers[1]))
