@@ -487,3 +487,35 @@ def test_each_layer_is_initialised_with_its_own_weights(scan_layers):
     kernel = lambda layer: np.asarray(layer["attention"]["query"]["kernel"])
     assert kernel(layers[0]).shape == (32, 4, 8)
     assert not np.allclose(kernel(layers[0]), kernel(layers[1]))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_every_parameter_axis_is_named_for_its_size(scan_layers):
+    """The sharding rules split weights by their logical axis names, so each name
+    must sit on a dimension of its own size (sizes all differ here: d_model 32,
+    4 heads, head_dim 8, mlp_dim 64, vocab 264, 2 layers, max_len 16): a query
+    kernel named (heads, embed, kv) was sharded along d_model as if it were heads."""
+    config = small_config(
+        **{
+            "model.scan_layers": scan_layers,
+            "model.position": "learned",
+            "model.num_layers": 3,
+            "model.tie_embeddings": False,
+        }
+    )
+    m = config.model
+    sizes = {
+        "embed": m.d_model,
+        "heads": m.num_heads,
+        "kv": m.head_dim,
+        "mlp": m.mlp_dim,
+        "vocab": m.vocab_size,
+        "layers": m.num_layers,
+        "positions": m.max_len,
+    }
+    assert len(set(sizes.values())) == len(sizes)
+    boxed = Decoder(m).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert leaves and all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+    for leaf in leaves:
+        assert [sizes[name] for name in leaf.names] == list(leaf.value.shape), leaf.names
