@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lexjax import blockwise
+from lexjax import blockwise, sharding
 from lexjax import config as cfg_lib
 from lexjax.blockwise import KVCache
 from lexjax.model import Decoder
@@ -519,3 +519,38 @@ def test_every_parameter_axis_is_named_for_its_size(scan_layers):
     assert leaves and all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
     for leaf in leaves:
         assert [sizes[name] for name in leaf.names] == list(leaf.value.shape), leaf.names
+
+
+def test_every_pinned_activation_axis_is_named_for_its_size(monkeypatch):
+    """Under a mesh the rules shard activations by these names (act_heads over the
+    tensor axis): q/k/v pinned as (…, act_kv, act_heads) were split along head_dim
+    instead, still correct but moved between devices at every layer. Checked where
+    each name is given (no mesh needed): every name on a dimension of its size."""
+    config = small_config(**{"sharding": "tensor", "model.tie_embeddings": False})
+    m = config.model
+    sizes = {
+        "batch": 2,
+        "act_embed": m.d_model,
+        "act_heads": m.num_heads,
+        "act_kv": m.head_dim,
+        "act_mlp": m.mlp_dim,
+        "act_vocab": m.vocab_size,
+    }
+    assert len(set(sizes.values())) == len(sizes)
+    seen = []
+    constrain = nn.with_logical_constraint
+
+    def spy(x, names, **kwargs):
+        seen.append((names, x.shape))
+        return constrain(x, names, **kwargs)
+
+    monkeypatch.setattr(nn, "with_logical_constraint", spy)
+    model = Decoder(m, rules=sharding.rules(config))
+    params = model.init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32))["params"]
+    seen.clear()
+    model.apply({"params": params}, jnp.zeros((2, 16), jnp.int32))
+    named = {name for names, _ in seen for name in names}
+    assert {"batch", "act_heads", "act_kv", "act_mlp", "act_vocab"} <= named
+    for names, shape in seen:
+        for name, size in zip(names, shape):
+            assert sizes.get(name, size) == size, (names, shape)
