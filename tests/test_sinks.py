@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lexjax import evaluation
-from lexjax.blockwise import sink_window
+from lexjax.blockwise import KVCache, sink_window
 from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 from tests import paper
@@ -235,3 +235,31 @@ def test_scan_memory_does_not_grow_with_the_length():
         compiled = evaluation._compiled_sinks(model, W, 4).lower(*args).compile()
         temp[multiple] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[64] - temp[2] <= 16 * 62 * TRAIN_LEN  # per-token inputs and outputs only
+
+
+def test_a_query_sees_only_the_sinks_not_after_its_sink_position():
+    """Decoder's contract: a query sees every valid sink whose position is not after
+    its *sink* position. A mask built from the window positions instead (all past
+    every sink in the scan, so the scan could not tell) let a query at sink position
+    1 see the sinks at 2 and 3."""
+    model, params = _model("xpos")
+    tokens = _tokens(1, 12)
+    _, (k, v) = model.apply({"params": params}, tokens)
+    window = KVCache(k[:, :, 4:8], v[:, :, 4:8], jnp.arange(10, 14)[None], jnp.ones((1, 4), bool))
+
+    def logits(sink_position, valid):
+        sinks = KVCache(k[:, :, :4], v[:, :, :4], jnp.arange(4)[None], jnp.asarray([valid]))
+        out, _ = model.apply(
+            {"params": params},
+            tokens[:, 8:],
+            jnp.arange(14, 18)[None],
+            cache=window,
+            window=8,
+            sinks=sinks,
+            sink_positions_BxT=jnp.full((1, 4), sink_position),
+        )
+        return np.asarray(out)
+
+    first_two = logits(1, [True, True, False, False])
+    np.testing.assert_allclose(logits(1, [True] * 4), first_two, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(logits(3, [True] * 4), first_two, rtol=1e-3, atol=1e-3)
