@@ -401,8 +401,8 @@ def evaluations(exp, spec: RunSpec, specs: list[RunSpec]) -> list[tuple[str, str
     rope_scaling)]``. Every run is evaluated in each of ``modes``; the lowest
     ``scaling_seeds`` seeds of each rotary variant (RoPE, XPOS with its b) also with each
     RoPE extension of ``scalings``, without BCA (with BCA no position reaches train_len,
-    so an extension has nothing to extend). The seeds are the variant's own: counted
-    from ``train.seed``, ``rope/seed=4/seeds=2`` had no extension measured at all."""
+    so an extension has nothing to extend). The seeds are the variant's own: with
+    ``rope/seed=4/seeds=2`` and ``scaling_seeds`` 1, seed 4."""
     modes = _names(exp.get("modes", "bca,full"), "modes", MODES, required=True)
     keys = [(mode, mode, "none") for mode in modes]
     scalings = _names(exp.get("scalings", ""), "scalings", ROPE_SCALINGS)
