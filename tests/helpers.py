@@ -62,6 +62,25 @@ SMALL_MODEL = cfg.ModelConfig(
 )
 
 
+def np_layer_norm(x, p):
+    """LayerNorm in numpy with Flax's ε = 1e-6 (docs/design.md, "The decoder's blocks")."""
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def np_gelu(x):
+    """GELU's tanh approximation (Flax's default) in numpy."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def np_nll(logits, targets):
+    """−log softmax(logits)[target] at every position, in float64."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1)
+    log_z = np.log(np.sum(np.exp(logits - top[..., None]), -1)) + top
+    return log_z - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
+
+
 def leaves(tree: dict, prefix=""):
     """``(dotted name, value)`` of every leaf of a nested dict (a config as a dict)."""
     for key, value in tree.items():

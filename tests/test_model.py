@@ -15,7 +15,7 @@ from lexjax import config as cfg_lib
 from lexjax.blockwise import KVCache
 from lexjax.model import Decoder
 from tests import paper
-from tests.helpers import packed_batch, small_config
+from tests.helpers import np_gelu, np_layer_norm, packed_batch, small_config
 
 POSITIONS = cfg_lib.POSITION_KINDS  # every kind, a new one included
 
@@ -352,16 +352,6 @@ def test_the_decoder_runs_as_an_nnx_module_as_documented():
 # --------------------------------------------------------------------------- numpy oracle
 
 
-def _layer_norm(x, p):
-    """LayerNorm with Flax's ε = 1e-6 (docs/design.md, "The decoder's blocks")."""
-    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
-
-
 def _numpy_forward(m, params, tokens, positions, segments, block=None):
     """The decoder of docs/design.md in float64, token by token where it matters:
     pre-LayerNorm blocks ``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (tanh GELU), a
@@ -395,7 +385,7 @@ def _numpy_forward(m, params, tokens, positions, segments, block=None):
         bias = -slopes[None, :, None, None] * distance[:, None]
     for layer in layers:
         a = layer["attention"]
-        h = _layer_norm(x, layer["ln_attention"])
+        h = np_layer_norm(x, layer["ln_attention"])
         q, k, v = (np.einsum("btd,dhk->bthk", h, a[n]["kernel"]) for n in ("query", "key", "value"))
         if m.position in ("xpos", "rope"):
             base = m.scale_base if m.position == "xpos" else math.inf
@@ -408,10 +398,10 @@ def _numpy_forward(m, params, tokens, positions, segments, block=None):
             )
         out, _ = paper.attention(q, k, v, logit_bias=bias, mask=mask)
         x = x + np.einsum("bthk,hkd->btd", out, a["out"]["kernel"])
-        h = _layer_norm(x, layer["ln_mlp"])
-        h = _gelu_tanh(h @ layer["mlp_in"]["kernel"] + layer["mlp_in"]["bias"])
+        h = np_layer_norm(x, layer["ln_mlp"])
+        h = np_gelu(h @ layer["mlp_in"]["kernel"] + layer["mlp_in"]["bias"])
         x = x + h @ layer["mlp_out"]["kernel"] + layer["mlp_out"]["bias"]
-    x = _layer_norm(x, p["ln_final"])
+    x = np_layer_norm(x, p["ln_final"])
     if m.tie_embeddings:
         return x @ p["embed"]["embedding"].T / math.sqrt(m.d_model)
     return x @ p["unembed"]["kernel"]

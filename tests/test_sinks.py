@@ -2,7 +2,6 @@
 streaming computation in float64, written from the rule, not from lexjax's code."""
 
 import dataclasses
-import math
 import re
 
 import flax.linen as nn
@@ -16,7 +15,7 @@ from lexjax.blockwise import KVCache, sink_window
 from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 from tests import paper
-from tests.helpers import SMALL_MODEL, TRAIN_LEN
+from tests.helpers import SMALL_MODEL, TRAIN_LEN, np_gelu, np_layer_norm
 
 W = TRAIN_LEN // 2
 
@@ -31,16 +30,6 @@ def _model(position, seed=1):
 def _tokens(batch, length, seed=0):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.integers(0, SMALL_MODEL.vocab_size, (batch, length)), jnp.int32)
-
-
-def _layer_norm(x, p):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
-
-
-def _gelu(x):  # flax's default: the tanh approximation
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _streaming(config, params, tokens, sinks, pi_factor=1.0):
@@ -66,7 +55,7 @@ def _streaming(config, params, tokens, sinks, pi_factor=1.0):
         for layer in range(config.num_layers):
             lp = p[f"layer_{layer}"]
             a = lp["attention"]
-            h = _layer_norm(x, lp["ln_attention"])
+            h = np_layer_norm(x, lp["ln_attention"])
             q, k, v = (np.einsum("d,dhk->hk", h, a[n]["kernel"]) for n in ("query", "key", "value"))
             kept[layer].append((k, v))
             keys = np.stack([kept[layer][j][0] for j in ids])[None]  # [1, n, H, K]
@@ -86,10 +75,10 @@ def _streaming(config, params, tokens, sinks, pi_factor=1.0):
                 bias = (-slopes[:, None] * distance[None, :])[None, :, None, :]
             attended, _ = paper.attention(q, keys, values, logit_bias=bias)
             x = x + np.einsum("hk,hkd->d", attended[0, 0], a["out"]["kernel"])
-            h = _layer_norm(x, lp["ln_mlp"])
-            h = _gelu(h @ lp["mlp_in"]["kernel"] + lp["mlp_in"]["bias"])
+            h = np_layer_norm(x, lp["ln_mlp"])
+            h = np_gelu(h @ lp["mlp_in"]["kernel"] + lp["mlp_in"]["bias"])
             x = x + h @ lp["mlp_out"]["kernel"] + lp["mlp_out"]["bias"]
-        x = _layer_norm(x, p["ln_final"])
+        x = np_layer_norm(x, p["ln_final"])
         logits = p["embed"]["embedding"] @ x * config.d_model**-0.5
         logits = logits - logits.max()
         out.append(logits[tokens[t + 1]] - np.log(np.exp(logits).sum()))

@@ -28,7 +28,7 @@ from lexjax.errors import CheckpointError, ConfigError, DataError
 from lexjax.optim import learning_rate_schedule, make_optimizer
 from lexjax.steps import TrainSetup
 from lexjax.training import train
-from tests.helpers import packed_batch, small_config
+from tests.helpers import np_nll, packed_batch, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,9 +68,7 @@ def test_the_loss_is_the_mean_over_real_tokens_and_padding_changes_nothing():
     logits, _ = model.apply(
         {"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"]
     )
-    logits = np.asarray(logits, np.float64)
-    log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
-    nll = log_z - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    nll = np_nll(logits, batch["targets"])
     real = batch["segment_ids"] > 0
     loss, weight = loss_fn(params, model, batch)
     assert float(weight) == real.sum()
@@ -1067,12 +1065,8 @@ def test_val_loss_is_the_mean_nll_over_every_real_validation_token(tmp_path, mon
     nll, count = [], []
     for b in batches:
         logits, _ = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
-        logits = np.asarray(logits, np.float64)
-        top = logits.max(-1)
-        log_z = np.log(np.sum(np.exp(logits - top[..., None]), -1)) + top
-        picked = np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
         real = b["segment_ids"] > 0
-        nll.append((log_z - picked)[real].sum())
+        nll.append(np_nll(logits, b["targets"])[real].sum())
         count.append(real.sum())
     assert summary["val_loss"] == pytest.approx(sum(nll) / sum(count), rel=1e-5)
     with open(tmp_path / "run" / "metrics.jsonl") as f:
