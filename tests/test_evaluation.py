@@ -14,7 +14,7 @@ import pytest
 from lexjax import blockwise, evaluation, reports
 from lexjax import config as config_lib
 from lexjax.model import Decoder
-from tests.helpers import SMALL_MODEL, TRAIN_LEN
+from tests.helpers import SMALL_MODEL, TRAIN_LEN, np_nll
 
 W = TRAIN_LEN // 2
 BASE = SMALL_MODEL
@@ -350,10 +350,7 @@ def test_perplexity_is_e_to_the_mean_nll_of_the_segments_scored_by_hand(models):
         )
         block = W if r.mode == "bca" else None
         logits, _ = model.apply({"params": params}, jnp.asarray(segments[:, :-1]), block=block)
-        logits = np.asarray(logits, np.float64)
-        top = logits.max(-1, keepdims=True)
-        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-        nats = -np.take_along_axis(logp, segments[:, 1:, None], -1)
+        nats = np_nll(logits, segments[:, 1:])
         nll[r.mode, r.length] = np.mean(nats)
         assert r.tokens == nats.size == 2 * budget
         assert r.nll == pytest.approx(nll[r.mode, r.length], rel=1e-5), (r.mode, r.length)
