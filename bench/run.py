@@ -190,7 +190,7 @@ def _run(args, results: dict, partial: str | None) -> int:
     print(table(results))
     if results["shared_cores"] and measured:
         print("SHARED CORES: other processes ran during this run; its ratios are not speeds")
-    if errors:  # a missing reference interpreter: a flag to change, status 2
+    if errors:  # a missing reference interpreter (a flag to change), too few lengths: status 2
         print(f"error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         return 2
     return 0

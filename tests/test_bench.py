@@ -640,6 +640,44 @@ def test_the_headline_ratios_are_medians_of_per_round_ratios(monkeypatch):
     assert timings == []
 
 
+def test_eval_scalings_ratio_takes_the_longest_length_the_caps_let_run(monkeypatch):
+    """A machine slow enough that the time cap skips the longest block scan gets the
+    ratio at the longest length measured, named in the unit (it was a KeyError after
+    every measurement); with only the shortest left, one line says there is no ratio."""
+    sys.path.insert(0, str(ROOT))
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench import common, eval_scaling
+
+    config = common.tiny_config()
+    monkeypatch.setattr(eval_scaling, "_model_and_params", lambda: (config, None, {}))
+    scores = jax.jit(lambda params, tokens: tokens[:, 1:].astype(jnp.float32))
+    monkeypatch.setattr(eval_scaling, "_function", lambda mode, model, block: scores)
+    monkeypatch.setattr(eval_scaling, "_rss", lambda mode, length: 0)
+    monkeypatch.setattr(eval_scaling, "MULTIPLES", (2, 8, 32))
+    # First calls: the scan at 512 tokens takes 1 s, at 2048 20 s, so 8192 would take
+    # ~80 s > the 60 s cap and is skipped; every later call 1 s.
+    first_calls = [1.0, 20.0]
+    monkeypatch.setattr(common, "timed", lambda fn: first_calls.pop(0) if first_calls else 1.0)
+    measured = {512: [1.0, 1.0], 2048: [2.0, 8.0]}  # per round: 2.0 and 0.5, median 1.25
+    monkeypatch.setattr(common, "alternate", lambda timers, rounds, **_: measured)
+    args = types.SimpleNamespace(quick=False)
+    entry = eval_scaling.run(args)
+    assert "skipped" in entry["points"]["bca_scan"]["8192"]
+    assert entry["value"] == pytest.approx(1.25)
+    assert entry["unit"] == "× tokens/s at 8× vs 2× train_len (bca_scan)"
+
+    # The time cap of --quick (10 s) skips 2048 after a 20 s first call at 512.
+    monkeypatch.setattr(common, "timed", lambda fn: 20.0)
+    monkeypatch.setattr(common, "alternate", lambda timers, rounds, **_: {512: [1.0, 1.0]})
+    with pytest.raises(eval_scaling.TooFewLengths, match="at 512 tokens only"):
+        eval_scaling.run(types.SimpleNamespace(quick=True))
+    assert eval_scaling.TooFewLengths in eval_scaling.EXPECTED_ERRORS  # run.py: one line
+
+
 def test_other_processes_load_is_the_busy_time_less_this_process_tree(monkeypatch):
     """By hand: 600 busy jiffies of 1000, 400 of them this process's (and its
     children's), on 4 cores: other processes kept 0.8 cores busy."""
