@@ -584,9 +584,16 @@ def _nested(values: Mapping) -> dict:
     return out
 
 
+# Fields naming files or a directory: os.PathLike is taken there as its string, as the
+# API's workdir and out_dir take it.
+_PATH_FIELDS = ("data.files", "data.validation_files", "data.test_files", "data.data_dir")
+
+
 def _checked(path: str, value, hint):
     """``value`` as the type of ``hint``, or a ConfigError naming ``path``."""
     value = as_python(value)
+    if path in _PATH_FIELDS and isinstance(value, os.PathLike):  # a pathlib.Path
+        value = os.fspath(value)
     if value is None and type(None) in typing.get_args(hint):
         return None
     kind = _base_type(hint)

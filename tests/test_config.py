@@ -210,6 +210,31 @@ def test_a_workdir_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
         cfg.check_path("workdir", " \t")
 
 
+def test_the_data_paths_take_a_pathlib_path_and_other_strings_do_not(tmp_path, monkeypatch):
+    """A notebook's ``pathlib.Path`` for the corpus was "expected a string" (the API's
+    workdir and out_dir take one): the data's path fields take it as its absolute
+    string, ``~`` expanded; a field that is not a path still wants a string."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config = cfg.from_configdict(
+        {
+            "data": {"name": "textfiles", "files": pathlib.Path("corpus/*.txt")},
+            "data.validation_files": pathlib.Path("held/v.txt"),
+            "data.test_files": pathlib.Path("~/t.txt"),
+            "data.data_dir": pathlib.Path("built"),
+        }
+    )
+    d = config.data
+    assert d.files == str(tmp_path / "corpus" / "*.txt")
+    assert (d.validation_files, d.test_files, d.data_dir) == (
+        str(tmp_path / "held" / "v.txt"),
+        str(tmp_path / "t.txt"),
+        str(tmp_path / "built"),
+    )
+    with pytest.raises(cfg.ConfigError, match="^model.position=PosixPath.*expected a string$"):
+        cfg.from_configdict({"model.position": pathlib.Path("xpos")})
+
+
 def test_unknown_field_in_a_dict_names_the_closest():
     with pytest.raises(
         cfg.ConfigError,
