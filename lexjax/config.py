@@ -328,15 +328,16 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
     return parse
 
 
-_HELP = {"h": True, "help": True, "helpshort": True, "helpfull": False}
+_HELP = {"h": True, "help": True, "helpshort": True, "helpfull": False, "helpxml": "xml"}
 
 
 def exit_if_help(argv: list[str]) -> None:
     """Prints the program's help and exits 0 if ``argv`` asks for it: ``-h``,
     ``--help`` or ``--helpshort`` (this program's flags), ``--helpfull`` (every
-    module's), as absl reads them too (one dash, ``=true`` or ``=1``). absl exits 1
-    after help, which the exit statuses reserve for a bug, and knows no ``-h``."""
-    from absl import app
+    module's), ``--helpxml`` (every module's, as XML), as absl reads them too (one
+    dash, ``=true`` or ``=1``). absl exits 1 after help, which the exit statuses
+    reserve for a bug, and knows no ``-h``."""
+    from absl import app, flags
 
     asked = []
     for arg in argv[1:]:
@@ -345,6 +346,9 @@ def exit_if_help(argv: list[str]) -> None:
         wanted = _HELP.get(name.lstrip("-")) if dashes in (1, 2) else None
         if wanted is not None and (not given or value.lower() in ("true", "t", "1")):
             asked.append(wanted)
+    if "xml" in asked:
+        flags.FLAGS.write_help_in_xml_format(sys.stdout)
+        sys.exit(0)
     if asked:
         app.usage(shorthelp=all(asked), writeto_stdout=True, exitcode=0)
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import types
+import xml.etree.ElementTree
 
 import pytest
 from absl import flags
@@ -468,6 +469,7 @@ def test_an_in_process_run_leaves_the_process_as_it_found_it(capsys):
         (["train.py", "--help=true"], True),
         (["eval.py", "--helpshort=1"], True),
         (["eval.py", "-helpfull"], False),
+        (["train.py", "--helpxml"], "xml"),  # every module's flags, as XML
     ],
 )
 def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
@@ -476,6 +478,11 @@ def test_help_is_printed_on_stdout_with_exit_0(argv, own_only):
         [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
+    if own_only == "xml":
+        root = xml.etree.ElementTree.fromstring(done.stdout)
+        names = {flag.findtext("name") for flag in root.iter("flag")}
+        assert {"workdir", "config", "logtostderr"} <= names, sorted(names)
+        return
     assert "--workdir" in done.stdout
     assert ("absl.flags:" not in done.stdout) == own_only  # other modules' flags
     if argv[0] == "train.py":
