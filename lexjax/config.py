@@ -296,6 +296,11 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
                 path = next(args, "") if match[1] is None else match[1]
             else:
                 rest.append(arg)
+        if not path.strip():  # "--config" last, or "--config=": it said "there is no file "
+            raise ConfigError(
+                f"--config needs a file: give --config=FILE[:PRESET], such as "
+                f"--config={os.path.relpath(default_file)}, or leave --config out"
+            )
         config = _load_file(path)
         if not isinstance(config, config_dict.ConfigDict):  # its fields could not be overridden
             raise ConfigError(

@@ -196,6 +196,15 @@ def test_a_config_for_another_program_or_no_regular_file_is_named_so(tmp_path, p
         assert code == 2, err
         assert err.startswith(f"error: --config={path}: {expected}") and err.count("\n") == 1
         assert (like in err) == (path != os.devnull), err
+    # A bare --config (last, or "=" with nothing) was "--config=: there is no file ".
+    tiny = os.path.relpath(os.path.join(ROOT, "configs", "tiny.py"))
+    for given in (["--config"], ["--config="], ["--config= "]):
+        code, err = program("train", [f"--workdir={tmp_path}/w", *given], capsys)
+        assert (code, err) == (
+            2,
+            f"error: --config needs a file: give --config=FILE[:PRESET], such as "
+            f"--config={tiny}, or leave --config out\n",
+        )
     assert not os.path.exists(tmp_path / "w")
 
 
