@@ -237,7 +237,7 @@ def _check_workdir(workdir: str) -> None:
 
 def train(
     config: Config | Mapping[str, Any],
-    workdir: str,
+    workdir: str | os.PathLike[str],
     *,
     log: Callable[[str], None] = print,
     progress: bool = True,
