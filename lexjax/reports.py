@@ -1194,9 +1194,17 @@ def plot_scores(c, path) -> None:
     _save(fig, path)
 
 
+def _machine(m: dict) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, {m['backend']} ({m['devices']}), jax {m['jax']}"
+
+
 def _settings(c) -> str:
     first = c["runs"][0]
     m, t, mach = c["model"], c["train"], c["machine"]
+    # Invocations on another machine (a study resumed elsewhere) are named; timing.json
+    # files written before invocations recorded theirs name the last machine only.
+    others = {_machine(i["machine"]) for i in c["invocations"] if "machine" in i} - {_machine(mach)}
+    earlier = f"; earlier invocations also on {' and '.join(sorted(others))}" if others else ""
     loads = [i["load_average_start"][0] for i in c["invocations"]] + [
         i["load_average_end"][0] for i in c["invocations"]
     ]
@@ -1212,8 +1220,7 @@ def _settings(c) -> str:
         f"documents of the {c['eval_split'] or 'test'} split, the same tokens for every length "
         f"and mode; lengths {', '.join(map(str, c['lengths']))}; "
         f"{c['documents']['resolution']} documents for resolution",
-        f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['backend']} "
-        f"({mach['devices']}), jax {mach['jax']}",
+        f"- machine: {_machine(mach)}{earlier}",
         f"- wall time: {c['wall_seconds'] / 60:.1f} min over {len(c['invocations'])} "
         f"invocation(s); 1-minute load average {min(loads):.2f} … {max(loads):.2f} at their "
         "starts and ends",

@@ -98,6 +98,35 @@ def test_the_study_markdown_is_what_the_report_code_writes_from_its_json(tmp_pat
                 assert f.read() == (out / name).read_text(encoding="utf-8"), f"{folder}/{name}"
 
 
+def test_a_study_resumed_on_another_machine_names_both(tmp_path, monkeypatch):
+    """timing.json kept only the last invocation's machine, so a study resumed on
+    another host reported every wall time as that host's. Invocations now record their
+    own; the settings name the others (here the committed study, its first invocation
+    said to have run elsewhere), and say nothing more where every one ran on the last."""
+    from lexjax import reports
+
+    for plot in ("_plot_variants", "_plot_scalings", "plot_passkey_grid", "plot_figure1"):
+        monkeypatch.setattr(reports, plot, lambda *args: None)
+    monkeypatch.setattr(reports, "plot_scores", lambda *args: None)
+    c = reports.read_json(os.path.join(ROOT, "docs", "results", "results.json"))
+    last = c["machine"]
+    line = f"- machine: {last['cpu']}, {last['cores']} cores, {last['backend']} ("
+    for i in c["invocations"]:
+        i["machine"] = dict(last)
+    c["invocations"][0]["machine"].update(cpu="Other CPU", cores=64)
+    reports.write_all(str(tmp_path / "a"), c)
+    summary = (tmp_path / "a" / "summary.md").read_text(encoding="utf-8")
+    other = f"Other CPU, 64 cores, {last['backend']} ({last['devices']}), jax {last['jax']}"
+    assert (
+        f"{line}{last['devices']}), jax {last['jax']}; earlier invocations also on {other}\n"
+        in summary
+    )
+    c["invocations"][0]["machine"] = dict(last)
+    reports.write_all(str(tmp_path / "b"), c)
+    summary = (tmp_path / "b" / "summary.md").read_text(encoding="utf-8")
+    assert f"{line}{last['devices']}), jax {last['jax']}\n" in summary
+
+
 def test_the_readme_python_api_section_stays_short():
     """Issue 14's limit: the README's Python API section is at most 20 lines, not
     counting blank ones, as when the issue was closed (it had grown to 29); the

@@ -180,7 +180,9 @@ def test_smoke_experiment_writes_well_formed_tables_and_resumes(tmp_path):
     assert again.stdout.count("trained already") == 2
     assert again.stdout.count("evaluated already") == 2
     with open(out / "timing.json") as f:
-        assert len(json.load(f)["invocations"]) == 2
+        timing = json.load(f)
+    assert len(timing["invocations"]) == 2
+    assert all(i["machine"] == timing["machine"] for i in timing["invocations"])
 
     # Other evaluation settings are measured again (they were reported over the old
     # numbers): one document, sinks 2, one passkey key. Training is kept. (The RoPE run

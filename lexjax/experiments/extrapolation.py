@@ -715,9 +715,10 @@ def _record_invocation(out, started, wall_start, load_start, outcome) -> dict:
             "load_average_end": os.getloadavg(),
             "outcome": outcome,
             "argv": sys.argv,
+            "machine": machine(),  # a study resumed elsewhere: each part's own machine
         }
     )
-    timing["machine"] = machine()
+    timing["machine"] = timing["invocations"][-1]["machine"]
     reports.write_json(path, timing)
     return timing
 
