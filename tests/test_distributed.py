@@ -1,0 +1,324 @@
+"""lexjax/distributed.py in this one process: the cluster flags' checks, the detection
+of a launcher, the waits before joining, joining with ``jax.distributed.initialize``
+replaced, and the collectives with several processes simulated (each peer's part
+recorded from the same function run as that peer). The real joined runs are
+tests/test_multihost.py's."""
+
+from __future__ import annotations
+
+import socket
+
+import jax
+import pytest
+
+from lexjax import distributed
+from lexjax.errors import ConfigError, DistributedError
+
+CLUSTER_VARIABLES = (
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_SKIP_MDS_QUERY",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "KUBERNETES_SERVICE_HOST",
+    "JOB_COMPLETION_INDEX",
+)
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """No launcher's variables and no TPU device files, whatever this machine has."""
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed.glob, "glob", lambda pattern: [])
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    "environ,devices,expected",
+    [
+        ({}, False, None),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, False, "Cloud TPU"),
+        ({}, True, "Cloud TPU"),
+        ({"TPU_SKIP_MDS_QUERY": "1"}, True, None),
+        ({"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"}, False, "SLURM"),
+        ({"SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1"}, False, None),  # one task
+        ({"SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "x"}, False, None),
+        ({"SLURM_JOB_NODELIST": "n[1-4]", "SLURM_NTASKS": "4"}, False, None),  # no srun step
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, False, "Open MPI"),
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, False, None),
+        ({"OMPI_COMM_WORLD_RANK": "3"}, False, None),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0"}, False, "Kubernetes"),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, False, None),  # any pod: not an Indexed Job
+        ({"JOB_COMPLETION_INDEX": "0"}, False, None),
+    ],
+)
+def test_detect_cluster_finds_the_launchers_its_docstring_names_and_no_other(
+    no_cluster, environ, devices, expected
+):
+    """A launcher wrongly detected makes a single process wait for peers that never come."""
+    for name, value in environ.items():
+        no_cluster.setenv(name, value)
+    accel = lambda pattern: ["/dev/accel0"] if pattern.startswith("/dev/accel") else []
+    no_cluster.setattr(distributed.glob, "glob", accel if devices else lambda pattern: [])
+    assert distributed.detect_cluster() == expected
+
+
+@pytest.mark.parametrize(
+    "options,explicit",
+    [
+        (dict(), False),
+        (dict(mode="on"), False),
+        (dict(mode="on", num_processes=2, process_id=1), False),  # JAX finds the address
+        (dict(mode="on", process_id=1), False),
+        (dict(coordinator_address="h:1", num_processes=2, process_id=1), True),
+        (dict(mode="on", coordinator_address="[::1]:1234", num_processes=1, process_id=0), True),
+    ],
+)
+def test_cluster_options_accepted(options, explicit):
+    assert distributed._check(distributed.ClusterOptions(**options)) is explicit
+
+
+@pytest.mark.parametrize(
+    "options,said",
+    [
+        (dict(mode="maybe"), "--distributed='maybe': use auto, on or off"),
+        (dict(mode="off", process_id=0), "--process_id was given with --distributed=off"),
+        (dict(process_id=0, num_processes=2), "--num_processes, --process_id given without"),
+        (dict(mode="on", num_processes=0), "--num_processes=0 must be positive"),
+        (
+            dict(coordinator_address="h:1", num_processes=0, process_id=0),
+            "--num_processes=0 must be positive",
+        ),
+        (dict(mode="on", process_id=-1), "--process_id=-1 must be in [0, --num_processes)"),
+    ],
+)
+def test_cluster_options_refused_in_one_line_naming_the_flag(options, said):
+    with pytest.raises(ConfigError) as raised:
+        distributed._check(distributed.ClusterOptions(**options))
+    assert str(raised.value).startswith(said) and "\n" not in str(raised.value)
+
+
+def _listening(host: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server = socket.socket(family)
+    server.bind((host, 0))
+    server.listen()
+    return server
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("host,address", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_process_0_refuses_a_port_taken_on_any_interface(host, address):
+    """JAX's coordinator listens on every interface, IPv6 too: a port another program
+    holds on one of them fails it (a segfault, seen)."""
+    with _listening(host) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(DistributedError, match=f"port {port} "):
+            distributed._check_port_free(f"{address}:{port}")
+    distributed._check_port_free(f"{address}:{_unused_port()}")
+
+
+@pytest.mark.parametrize("host,address", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_a_worker_goes_on_once_the_coordinator_listens(host, address):
+    with _listening(host) as server:
+        distributed._await_coordinator(f"{address}:{server.getsockname()[1]}", 0)
+
+
+def test_a_worker_waits_for_a_coordinator_that_starts_late(monkeypatch):
+    """Process 0 not listening yet at the first try: the worker retries until it is
+    (here it starts during the first pause), and goes on connected to it."""
+    port, started = _unused_port(), []
+
+    def pause(_):
+        if not started:
+            started.append(socket.create_server(("127.0.0.1", port)))
+
+    monkeypatch.setattr(distributed.time, "sleep", pause)
+    distributed._await_coordinator(f"127.0.0.1:{port}", 60)
+    assert started, "went on before the coordinator listened"
+    with started[0] as coordinator:
+        coordinator.settimeout(60)
+        coordinator.accept()[0].close()  # the worker's connection
+
+
+def test_a_worker_stops_once_the_coordinator_misses_its_deadline(monkeypatch):
+    """Timeout 0: the first refused connection ends the wait, with no retry."""
+
+    def retry(_):
+        raise AssertionError("retried past the deadline")
+
+    monkeypatch.setattr(distributed.time, "sleep", retry)
+    address = f"127.0.0.1:{_unused_port()}"
+    with pytest.raises(DistributedError, match=f"^the coordinator {address} did not accept"):
+        distributed._await_coordinator(address, 0)
+
+
+def test_the_joining_timer_ends_the_process_with_status_7_in_one_line(monkeypatch, capsys):
+    class Exited(Exception):
+        pass
+
+    def exit_(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_)
+    with pytest.raises(Exited) as exited:
+        distributed._exit_joining("no peer came")
+    assert exited.value.args == (DistributedError.exit_code,) == (7,)
+    assert capsys.readouterr().err == "error: no peer came\n"
+
+
+class _Joining:
+    """jax.distributed.initialize replaced: its calls, the joining timers and what
+    they would have ended the process with."""
+
+    def __init__(self, monkeypatch, fail=None, hang=False):
+        self.calls, self.timers, self.exits, self.fail, self.hang = [], [], [], fail, hang
+        joining = self
+
+        class Timer(distributed.threading.Timer):
+            def start(self):
+                joining.timers.append(self)
+                super().start()
+
+        def exit_joining(message):
+            self.exits.append(message)
+
+        monkeypatch.setattr(jax.distributed, "initialize", self.initialize)
+        monkeypatch.setattr(distributed.threading, "Timer", Timer)
+        monkeypatch.setattr(distributed, "_exit_joining", exit_joining)
+        before = jax.config.jax_cpu_collectives_implementation
+        monkeypatch.setattr(distributed.jax.config, "update", self.config_update(before))
+
+    def config_update(self, collectives):
+        original = jax.config.update
+        self.collectives = collectives
+
+        def update(name, value):  # this process's own collectives stay as they are
+            if name == "jax_cpu_collectives_implementation":
+                self.collectives = value
+                return
+            original(name, value)
+
+        return update
+
+    def initialize(self, **kwargs):
+        self.calls.append(kwargs)
+        if self.hang:  # until the timer would have ended the process
+            self.timers[0].join(timeout=60)
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+
+def test_joining_with_the_flags_passes_them_on_and_leaves_no_timer(no_cluster):
+    """The timer ends a process that could not join; one that joined must live on
+    past the timeout."""
+    joining = _Joining(no_cluster)
+    address = f"127.0.0.1:{_unused_port()}"
+    options = distributed.ClusterOptions(
+        coordinator_address=address,
+        num_processes=1,
+        process_id=0,
+        heartbeat_timeout_s=7,
+        initialization_timeout_s=1,
+        shutdown_timeout_s=9,
+    )
+    assert distributed.join(options) == "flags"
+    assert joining.calls == [
+        dict(
+            coordinator_address=address,
+            num_processes=1,
+            process_id=0,
+            initialization_timeout=1,
+            heartbeat_timeout_seconds=7,
+            shutdown_timeout_seconds=9,
+        )
+    ]
+    assert joining.collectives == "gloo" and len(joining.timers) == 1
+    joining.timers[0].join(timeout=60)  # cancelled: at once; else it fires after 2 s
+    assert joining.exits == []
+
+
+def test_a_worker_waits_for_process_0_and_does_not_serve_its_port(no_cluster):
+    joining = _Joining(no_cluster)
+    with _listening("127.0.0.1") as coordinator:  # process 0, joining
+        address = f"127.0.0.1:{coordinator.getsockname()[1]}"
+        options = distributed.ClusterOptions(
+            coordinator_address=address, num_processes=2, process_id=1
+        )
+        assert distributed.join(options) == "flags"
+    assert [call["process_id"] for call in joining.calls] == [1]
+
+
+def test_a_peer_that_never_registers_ends_the_process_just_after_the_timeout(no_cluster):
+    joining = _Joining(no_cluster, hang=True)
+    address = f"127.0.0.1:{_unused_port()}"
+    options = distributed.ClusterOptions(
+        coordinator_address=address, num_processes=2, process_id=0, initialization_timeout_s=1
+    )
+    distributed.join(options)
+    assert joining.exits == [
+        f"could not join the multi-process run via {address} within 1s: not every process "
+        "registered (--num_processes=2 here); start every process with the same "
+        "--coordinator_address and --num_processes, and distinct --process_id"
+    ]
+
+
+@pytest.mark.parametrize(
+    "mode,environ,joined",
+    [
+        ("auto", {}, None),
+        ("off", {"OMPI_COMM_WORLD_SIZE": "2"}, None),
+        ("auto", {"OMPI_COMM_WORLD_SIZE": "2"}, "Open MPI"),
+        ("on", {}, "jax auto-detection"),
+    ],
+)
+def test_joining_without_the_flags_follows_the_mode_and_the_launcher(
+    no_cluster, mode, environ, joined
+):
+    """Without the flags JAX finds the coordinator, and no timer runs: a launcher's
+    detection spends part of the same timeout first."""
+    for name, value in environ.items():
+        no_cluster.setenv(name, value)
+    joining = _Joining(no_cluster)
+    assert distributed.join(distributed.ClusterOptions(mode=mode)) == joined
+    assert len(joining.calls) == (joined is not None) and joining.timers == []
+    for call in joining.calls:
+        assert (call["coordinator_address"], call["num_processes"], call["process_id"]) == (
+            None,
+            None,
+            None,
+        )
+
+
+def test_distributed_on_with_nothing_to_join_says_what_is_missing(no_cluster):
+    _Joining(no_cluster, fail="coordinator_address should be defined.")
+    with pytest.raises(DistributedError) as raised:
+        distributed.join(distributed.ClusterOptions(mode="on"))
+    said = str(raised.value)
+    assert "no --coordinator_address was given and no cluster launcher was detected" in said
+    assert "within" not in said
+
+
+@pytest.mark.parametrize(
+    "reason,within",
+    [("DEADLINE_EXCEEDED: Barrier timed out", True), ("UNAVAILABLE: connection reset", False)],
+)
+def test_a_failed_join_says_whether_it_timed_out(no_cluster, reason, within):
+    _Joining(no_cluster, fail=reason)
+    address = f"127.0.0.1:{_unused_port()}"
+    options = distributed.ClusterOptions(
+        coordinator_address=address, num_processes=2, process_id=0, initialization_timeout_s=5
+    )
+    with pytest.raises(DistributedError) as raised:
+        distributed.join(options)
+    head = f"could not join the multi-process run via {address}"
+    assert str(raised.value).startswith(f"{head} within 5s ({reason})" if within else head)
+    assert ("within" in str(raised.value)) == within
