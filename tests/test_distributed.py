@@ -6,10 +6,14 @@ tests/test_multihost.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
 
 import jax
+import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 
 from lexjax import distributed
 from lexjax.errors import ConfigError, DistributedError
@@ -322,3 +326,134 @@ def test_a_failed_join_says_whether_it_timed_out(no_cluster, reason, within):
     head = f"could not join the multi-process run via {address}"
     assert str(raised.value).startswith(f"{head} within 5s ({reason})" if within else head)
     assert ("within" in str(raised.value)) == within
+
+
+def _simulated(monkeypatch, function, names, own, peers, index=0):
+    """``function(own)`` run as process ``index`` of ``1 + len(peers)``: each peer's
+    contributions to the gathers ``names`` (of multihost_utils) recorded first from
+    ``function(peer)`` run as that peer. The gathers check that every process gives
+    arrays of one shape, as gloo's need."""
+    count = 1 + len(peers)
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    order = list(range(count))
+    others = order[:index] + order[index + 1 :]
+    given = {}
+    for peer, settings in zip(others, peers):
+        given[peer] = []
+        monkeypatch.setattr(jax, "process_index", lambda peer=peer: peer)
+        for name in names:
+            monkeypatch.setattr(multihost_utils, name, _recording(name, given[peer]))
+        with contextlib.suppress(DistributedError):
+            function(settings)
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    calls = []
+
+    def collective(name):
+        def run(x, *args, **kwargs):
+            k = len(calls)
+            calls.append(name)
+            parts = {p: np.asarray(given[p][k][1]) for p in others}
+            parts[index] = np.asarray(x)
+            for part in parts.values():
+                assert part.shape == parts[index].shape, (name, part.shape, parts[index].shape)
+            tiled = kwargs.get("tiled", args[0] if args else False)
+            rows = [parts[p] for p in order]
+            return np.concatenate(rows) if tiled else np.stack(rows)
+
+        return run
+
+    for name in names:
+        monkeypatch.setattr(multihost_utils, name, collective(name))
+    return function(own)
+
+
+def _recording(name, into):
+    def record(x, *args, **kwargs):
+        into.append((name, np.array(x)))
+        tiled = kwargs.get("tiled", args[0] if args else False)
+        return np.concatenate([x, x]) if tiled else np.stack([x, x])
+
+    return record
+
+
+def _check_same(settings):
+    distributed.check_same_settings(settings, "train.py")
+
+
+@pytest.mark.parametrize(
+    "own,peers,said",
+    [
+        ({"seed": 0, "steps": 3}, [{"seed": 0, "steps": 3}], None),
+        (
+            {"seed": 0, "steps": 3, "len": 64},
+            [{"seed": 7, "steps": 3, "len": 32}],
+            "len, seed differ between processes (process 1 from process 0); "
+            "start every process of train.py with the same flags",
+        ),
+        (
+            {"seed": 0, "steps": 3},
+            [{"seed": 0, "steps": 3}, {"seed": 0, "steps": 5}],
+            "steps differ between processes (process 2 from process 0); "
+            "start every process of train.py with the same flags",
+        ),
+        (
+            {"seed": 0},
+            [{"seed": 0, "steps": 3}],
+            "the processes were started with different lexjax versions or settings; start "
+            "every process of train.py with the same code and flags",
+        ),
+    ],
+)
+def test_settings_are_compared_across_processes(monkeypatch, own, peers, said):
+    names = ["process_allgather"]
+    if said is None:
+        _simulated(monkeypatch, _check_same, names, own, peers)
+        return
+    with pytest.raises(DistributedError) as raised:
+        _simulated(monkeypatch, _check_same, names, own, peers)
+    assert str(raised.value) == said
+
+
+def test_process_0s_list_reaches_every_process(monkeypatch):
+    """Process 1 listed late (step 3 already gone): it gets process 0's list, through
+    broadcasts of one shape on every process."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    sent = []
+
+    def from_process_0(x):
+        sent.append(np.array(x))
+        return np.asarray(x)
+
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", from_process_0)
+    assert distributed.process_0s([3, 6]) == [3, 6]
+    received = iter(sent)
+
+    def to_process_1(x):
+        x, sent = np.asarray(x), next(received)
+        assert x.shape == sent.shape, (x.shape, sent.shape)
+        return sent
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", to_process_1)
+    assert distributed.process_0s([6]) == [3, 6]
+
+
+@pytest.mark.parametrize("flags,anyone,everyone", [((0, 0), 0, 0), ((1, 0), 1, 0), ((1, 1), 1, 1)])
+def test_any_and_all_processes(monkeypatch, flags, anyone, everyone):
+    names = ["process_allgather"]
+    got = _simulated(monkeypatch, distributed.any_process, names, flags[0], [flags[1]])
+    assert got is bool(anyone)
+    got = _simulated(monkeypatch, distributed.all_processes, names, flags[0], [flags[1]])
+    assert got is bool(everyone)
+
+
+def test_only_process_0_speaks_and_an_error_still_leaves_the_block(monkeypatch, capsys):
+    for index in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        with pytest.raises(ValueError, match="bad"), distributed.first_process_speaks():
+            print("out")
+            print("err", file=sys.stderr)
+            raise ValueError("bad")
+        said = capsys.readouterr()
+        assert (said.out, said.err) == (("out\n", "err\n") if index == 0 else ("", ""))
