@@ -250,6 +250,27 @@ def test_joining_with_the_flags_passes_them_on_and_leaves_no_timer(no_cluster):
     assert joining.exits == []
 
 
+def test_joining_on_cpus_turns_the_compilation_cache_off_where_it_hangs(no_cluster, tmp_path):
+    """Before the first compilation (the collective that ends joining compiles)."""
+    _Joining(no_cluster)
+    no_cluster.setattr(jax, "__version_info__", (0, 13, 0))
+    no_cluster.setattr(jax, "process_count", lambda: 2)
+    no_cluster.setattr(distributed, "_gather_flags", lambda flag: np.array([0, 0], np.int32))
+    settings = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {name: getattr(jax.config, name) for name in settings}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_enable_compilation_cache", True)
+        options = distributed.ClusterOptions(
+            coordinator_address=f"127.0.0.1:{_unused_port()}", num_processes=2, process_id=0
+        )
+        distributed.join(options)
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
 def test_a_worker_waits_for_process_0_and_does_not_serve_its_port(no_cluster):
     joining = _Joining(no_cluster)
     with _listening("127.0.0.1") as coordinator:  # process 0, joining
@@ -457,3 +478,26 @@ def test_only_process_0_speaks_and_an_error_still_leaves_the_block(monkeypatch, 
             raise ValueError("bad")
         said = capsys.readouterr()
         assert (said.out, said.err) == (("out\n", "err\n") if index == 0 else ("", ""))
+
+
+@pytest.mark.parametrize(
+    "backend,enabled,off", [("cpu", True, True), ("gpu", True, False), ("cpu", False, False)]
+)
+def test_the_compilation_cache_is_turned_off_on_cpus_only_and_said_only_when_it_was_on(
+    monkeypatch, capsys, tmp_path, backend, enabled, off
+):
+    settings = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {name: getattr(jax.config, name) for name in settings}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(jax, "__version_info__", (0, 13, 0))
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        distributed._no_cache_on_cpu_processes()
+        assert jax.config.jax_enable_compilation_cache is (enabled and not off)
+        assert capsys.readouterr().err.startswith("note: ") is off
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
