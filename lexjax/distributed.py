@@ -314,10 +314,16 @@ def join(options: ClusterOptions = ClusterOptions()) -> str | None:
         )
     except Exception as e:  # jaxlib raises its own runtime errors; report any in one line
         reason = one_line(e)
-        if how is None:  # --distributed=on with no flags, and no launcher detected here
+        if how is None:  # --distributed=on without all the flags, and no launcher here
+            missing = [
+                f"--{name}"
+                for name in ("coordinator_address", "num_processes", "process_id")
+                if getattr(options, name) is None
+            ]
+            unnamed = ", ".join(missing[:-1]) + " or " + missing[-1] if missing[1:] else missing[0]
             raise DistributedError(
-                f"could not join a multi-process run ({reason}): no --coordinator_address "
-                "was given and no cluster launcher was detected; give --coordinator_address, "
+                f"could not join a multi-process run ({reason}): no {unnamed} was given and "
+                "no cluster launcher was detected; give --coordinator_address, "
                 "--num_processes and --process_id, or leave --distributed at auto"
             ) from e
         timed_out = any(w in reason.lower() for w in ("deadline", "timed out", "timeout"))

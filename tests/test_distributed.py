@@ -323,13 +323,38 @@ def test_joining_without_the_flags_follows_the_mode_and_the_launcher(
         )
 
 
-def test_distributed_on_with_nothing_to_join_says_what_is_missing(no_cluster):
-    _Joining(no_cluster, fail="coordinator_address should be defined.")
+@pytest.mark.parametrize(
+    "given,reason,unnamed",
+    [
+        (
+            dict(),
+            "coordinator_address should be defined.",
+            "--coordinator_address, --num_processes or --process_id",
+        ),
+        (
+            dict(num_processes=2, process_id=1),
+            "coordinator_address should be defined.",
+            "--coordinator_address",
+        ),
+        (
+            dict(coordinator_address="h:1", process_id=0),
+            "Number of processes must be defined.",
+            "--num_processes",
+        ),
+    ],
+)
+def test_distributed_on_with_nothing_to_join_says_what_is_missing(
+    no_cluster, given, reason, unnamed
+):
+    """It said "no --coordinator_address was given" also where that flag was given."""
+    _Joining(no_cluster, fail=reason)
     with pytest.raises(DistributedError) as raised:
-        distributed.join(distributed.ClusterOptions(mode="on"))
-    said = str(raised.value)
-    assert "no --coordinator_address was given and no cluster launcher was detected" in said
-    assert "within" not in said
+        distributed.join(distributed.ClusterOptions(mode="on", **given))
+    assert str(raised.value) == (
+        f"could not join a multi-process run ({reason}): no {unnamed} was given and no "
+        "cluster launcher was detected; give --coordinator_address, --num_processes and "
+        "--process_id, or leave --distributed at auto"
+    )
 
 
 @pytest.mark.parametrize(
