@@ -166,9 +166,10 @@ def _check(options: ClusterOptions) -> bool:
             "pass all three, or none to let JAX detect the cluster"
         )
     address = options.coordinator_address
-    if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
+    port = address.rsplit(":", 1)[1] if address is not None and ":" in address else ""
+    if address is not None and not (port.isascii() and port.isdigit()):  # int("²") raises
         raise ConfigError(f"--coordinator_address={address!r}: use HOST:PORT of process 0")
-    if address is not None and not 1 <= int(address.rsplit(":", 1)[1]) <= 65535:
+    if address is not None and not 1 <= int(port) <= 65535:
         # 99999 was a bind() traceback on process 0, and port 34463 (mod 2^16) elsewhere
         raise ConfigError(f"--coordinator_address={address!r}: its port must be in [1, 65535]")
     n, i = options.num_processes, options.process_id

@@ -122,7 +122,14 @@ CLUSTER_FLAGS = {
     "distributed": ([["--distributed=off"]], ["maybe", ""]),
     "coordinator_address": (
         [["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"]],
-        ["127.0.0.1", "", "host:port", "h:99999 --num_processes=2 --process_id=1"],
+        [
+            "127.0.0.1",
+            "",
+            "host:port",
+            "h:99999 --num_processes=2 --process_id=1",
+            "h:\u00b2 --num_processes=2 --process_id=1",  # a digit to str.isdigit, not to int
+            "h:\u0661\u0662 --num_processes=2 --process_id=1",  # Arabic-Indic 12: no port
+        ],
     ),
     "num_processes": (
         [["--coordinator_address=h:1", "--num_processes=4", "--process_id=3"]],
