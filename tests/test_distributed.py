@@ -105,6 +105,23 @@ def test_cluster_options_refused_in_one_line_naming_the_flag(options, said):
     assert str(raised.value).startswith(said) and "\n" not in str(raised.value)
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:  # a container without IPv6
+        return False
+    return socket.has_dualstack_ipv6()
+
+
+LOOPBACKS = [
+    ("127.0.0.1", "127.0.0.1"),
+    pytest.param(
+        "::1", "[::1]", marks=pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6")
+    ),
+]
+
+
 def _listening(host: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     server = socket.socket(family)
@@ -119,7 +136,7 @@ def _unused_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("host,address", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+@pytest.mark.parametrize("host,address", LOOPBACKS)
 def test_process_0_refuses_a_port_taken_on_any_interface(host, address):
     """JAX's coordinator listens on every interface, IPv6 too: a port another program
     holds on one of them fails it (a segfault, seen)."""
@@ -130,7 +147,7 @@ def test_process_0_refuses_a_port_taken_on_any_interface(host, address):
     distributed._check_port_free(f"{address}:{_unused_port()}")
 
 
-@pytest.mark.parametrize("host,address", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+@pytest.mark.parametrize("host,address", LOOPBACKS)
 def test_a_worker_goes_on_once_the_coordinator_listens(host, address):
     with _listening(host) as server:
         distributed._await_coordinator(f"{address}:{server.getsockname()[1]}", 0)
