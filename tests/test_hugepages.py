@@ -190,3 +190,59 @@ def test_a_restart_whose_tunable_glibc_drops_happens_once():
         timeout=60,
     )
     assert (out.returncode, out.stdout) == (0, "the program ran\n2 []\n"), out.stderr
+
+
+def test_glibc_version_is_the_running_c_librarys(monkeypatch):
+    """A misread version skipped the restart on every machine (and these tests with it,
+    as "this machine cannot"). Oracle: glibc's own gnu_get_libc_version(), and
+    hand-written confstr answers."""
+    import ctypes
+
+    try:
+        get = ctypes.CDLL(None).gnu_get_libc_version
+    except AttributeError:
+        pytest.skip("not glibc")
+    get.restype = ctypes.c_char_p
+    major, minor = get().decode().split(".")[:2]
+    assert hugepages._glibc_version() == (int(major), int(minor))
+    for answer, version in [
+        ("glibc 2.35", (2, 35)),
+        ("glibc 2.39.9000", (2, 39)),
+        ("musl 1.2.4", None),
+    ]:
+        monkeypatch.setattr(hugepages.os, "confstr", lambda name, answer=answer: answer)
+        assert hugepages._glibc_version() == version, answer
+
+
+def test_thp_mode_is_the_bracketed_word(tmp_path):
+    """The kernel marks its mode in brackets (Documentation/admin-guide/mm/transhuge.rst)."""
+    path = tmp_path / "enabled"
+    for text, mode in [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+        ("always madvise never\n", None),
+    ]:
+        path.write_text(text)
+        assert hugepages._thp_mode(str(path)) == mode, text
+    assert hugepages._thp_mode(str(tmp_path / "absent")) is None
+
+
+def test_glibc_2_35_restarts_and_a_c_library_not_glibc_does_not(monkeypatch):
+    """README: glibc ≥ 2.35 (the first with glibc.malloc.hugetlb), so 2.35 itself
+    restarts; a C library that is not glibc (musl: no version) skips, not a traceback."""
+    assert hugepages.reason_to_skip({}, glibc=(2, 35), thp="madvise") is None
+    assert "2.35" in hugepages.reason_to_skip({}, glibc=(2, 34), thp="madvise")
+    monkeypatch.setattr(hugepages, "_glibc_version", lambda: None)
+    assert "2.35" in hugepages.reason_to_skip({}, thp="madvise")
+
+
+def test_the_tunable_off_removes_it_and_keeps_the_others():
+    """bench/train_processes.py's 4 KiB-page side (on=False) must not get huge pages."""
+    tunables = "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    off = hugepages.environ_with_tunable({"GLIBC_TUNABLES": tunables, "A": "b"}, on=False)
+    assert off == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "b"}
+    assert (
+        hugepages.environ_with_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, on=False) == {}
+    )
+    assert hugepages.environ_with_tunable({}, on=True) == {"GLIBC_TUNABLES": hugepages.TUNABLE}
