@@ -163,6 +163,16 @@ def test_a_restart_that_cannot_exec_lets_the_program_run_on():
         [sys.executable, "-c", gone + PROGRAM], env=env, capture_output=True, text=True, timeout=60
     )
     assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
+    # An exec the system refuses (EACCES here; a sandbox's EPERM): a PermissionError.
+    refused = f"import sys\nsys.executable = {os.devnull!r}\n"
+    out = subprocess.run(
+        [sys.executable, "-c", refused + PROGRAM],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (0, "the program ran\n"), out.stderr
 
 
 @restarts_here
@@ -246,3 +256,20 @@ def test_the_tunable_off_removes_it_and_keeps_the_others():
         hugepages.environ_with_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, on=False) == {}
     )
     assert hugepages.environ_with_tunable({}, on=True) == {"GLIBC_TUNABLES": hugepages.TUNABLE}
+
+
+@restarts_here
+def test_what_a_program_printed_before_the_restart_is_not_lost():
+    """The exec replaces the process, and with it what stdout buffered (a pipe: not
+    flushed at each line)."""
+    env = _env_without_tunable()
+    env.pop("PYTHONUNBUFFERED", None)  # buffered, as by default
+    out = subprocess.run(
+        [sys.executable, "-c", "print('said first')\n" + PROGRAM],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Said once by each of the two processes, then the program runs once.
+    assert (out.returncode, out.stdout) == (0, "said first\nsaid first\nthe program ran\n")
