@@ -866,8 +866,11 @@ def test_a_signal_while_the_study_imports_jax_stops_it_at_its_start(tmp_path, na
 
 # A study whose run is trained and whose evaluation gets a signal in a callback (where
 # Python only reports what a handler raises, as in JAX's gc callback): argv[1] names it.
+# It starts as the study's __main__ does: stop signals deferred while JAX loads.
 _SIGNALLED = """
 import os, signal, sys, time
+from lexjax import signals
+signals.defer()
 from lexjax.experiments import extrapolation as study
 
 class Callback:
