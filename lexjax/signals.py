@@ -17,6 +17,7 @@ A signal handler's exception that lands in a callback (a gc callback, a
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import sys
@@ -112,7 +113,10 @@ def restore_interrupt() -> None:
 
 
 def _end(signum, frame):
-    print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    # Said where it can be: its reader may be gone (`2>&1 | tee log`, tee ended by the
+    # same Ctrl-C), and the BrokenPipeError raised here ended the program with status 1.
+    with contextlib.suppress(OSError):
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

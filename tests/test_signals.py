@@ -5,11 +5,14 @@ tests/test_experiments.py, tests/test_eval_cli.py.)"""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from lexjax import signals
+from tests.processes import ROOT, interruptible
 
 
 @pytest.fixture
@@ -113,3 +116,42 @@ def test_a_swallowed_exception_goes_to_its_action_and_every_other_report_on(monk
         swallowed(kind)
     assert acted == ["handled", "handled", "declined"]
     assert reported == [_Declined, ValueError]
+
+
+# A program that stops at once on a Ctrl-C (argv[1]: "defer", the second one while
+# train.py starts; "end_on_interrupt", eval.py's first while it loads JAX).
+_STOPS_AT_ONCE = """
+import os, signal, sys, time
+from lexjax import signals
+if sys.argv[1] == "defer":
+    signals.defer()
+    os.kill(os.getpid(), signal.SIGINT)  # the first: only recorded
+else:
+    signals.end_on_interrupt()
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("start", ["defer", "end_on_interrupt"])
+def test_a_ctrl_c_that_stops_at_once_ends_by_sigint_also_when_stderr_is_gone(start):
+    """README: such a Ctrl-C ends the process by SIGINT, so a shell loop stops too.
+    With `2>&1 | tee log` the same Ctrl-C ends tee, and writing its line raised
+    BrokenPipeError: status 1 (a bug's), the loop went on."""
+    read_end, write_end = os.pipe()
+    child = subprocess.Popen(
+        interruptible([sys.executable, "-c", _STOPS_AT_ONCE, start]),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=write_end,
+        text=True,
+    )
+    os.close(write_end)
+    os.close(read_end)  # stderr's reader is gone before the Ctrl-C
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=60) == -signal.SIGINT
+    finally:
+        child.kill()
+        child.communicate()
