@@ -386,7 +386,10 @@ def report(program, *args, **kwargs) -> int:
         if ends:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a flush stuck on a pipe: Ctrl-C
             _flush(sys.stdout)  # what it printed, before the process ends
-        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        # Said where it can be: with `2>&1 | tee log` the same Ctrl-C ends tee, and the
+        # BrokenPipeError raised here replaced the interrupt (status 1, not by SIGINT).
+        with contextlib.suppress(OSError, ValueError):
+            print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.excepthook = _quiet_interrupt(sys.excepthook)
         if ends:
             os.kill(os.getpid(), signal.SIGINT)

@@ -155,3 +155,36 @@ def test_a_ctrl_c_that_stops_at_once_ends_by_sigint_also_when_stderr_is_gone(sta
     finally:
         child.kill()
         child.communicate()
+
+
+# errors.report running a program that a Ctrl-C interrupts (eval.py's, the study's).
+_REPORTED = """
+import time
+from lexjax import errors
+def program():
+    print("ready", flush=True)
+    time.sleep(30)
+errors.report(program)
+"""
+
+
+def test_a_reported_ctrl_c_ends_by_sigint_also_when_stderr_is_gone():
+    """errors.report's 'interrupted (Ctrl-C)' line, written to a stderr whose reader
+    is gone, raised BrokenPipeError in place of the interrupt: status 1, not SIGINT."""
+    read_end, write_end = os.pipe()
+    child = subprocess.Popen(
+        interruptible([sys.executable, "-c", _REPORTED]),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=write_end,
+        text=True,
+    )
+    os.close(write_end)
+    os.close(read_end)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=60) == -signal.SIGINT
+    finally:
+        child.kill()
+        child.communicate()
