@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -124,17 +125,28 @@ def _int_env(name: str) -> int:
         return 0
 
 
+def _tpu_runtime_installed() -> bool:
+    """Whether JAX can find a TPU runtime here (the ``libtpu`` package of ``jax[tpu]``,
+    or ``TPU_LIBRARY_PATH``). VFIO device files alone are no TPU: any host that passes
+    a device through to a VM has them, and a GPU machine taken for a Cloud TPU tried to
+    join a cluster that was not there."""
+    return (
+        bool(os.environ.get("TPU_LIBRARY_PATH")) or importlib.util.find_spec("libtpu") is not None
+    )
+
+
 def detect_cluster() -> str | None:
     """The multi-process launcher this process runs under, or None.
 
-    Detected: a Cloud TPU VM (TPU devices present, or the worker variables
-    GKE sets), a SLURM job step with more than one task (``srun``), Open MPI
+    Detected: a Cloud TPU VM (TPU devices present with a TPU runtime installed,
+    or the worker variables GKE sets), a SLURM job step with more than one task (``srun``), Open MPI
     (``mpirun``) with more than one rank, and a Kubernetes Indexed Job. JAX's
     ``jax.distributed.initialize()`` then finds the coordinator and this
     process's id by itself.
     """
     if os.environ.get("TPU_WORKER_HOSTNAMES") or (
         (glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+        and _tpu_runtime_installed()
         and not os.environ.get("TPU_SKIP_MDS_QUERY")
     ):
         return "Cloud TPU"

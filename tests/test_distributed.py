@@ -37,6 +37,7 @@ def no_cluster(monkeypatch):
     for name in CLUSTER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(distributed.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(distributed, "_tpu_runtime_installed", lambda: True)
     return monkeypatch
 
 
@@ -68,6 +69,26 @@ def test_detect_cluster_finds_the_launchers_its_docstring_names_and_no_other(
     accel = lambda pattern: ["/dev/accel0"] if pattern.startswith("/dev/accel") else []
     no_cluster.setattr(distributed.glob, "glob", accel if devices else lambda pattern: [])
     assert distributed.detect_cluster() == expected
+
+
+@pytest.mark.parametrize("device", ["/dev/accel0", "/dev/vfio/12"])
+def test_device_files_are_a_cloud_tpu_only_where_a_tpu_runtime_is_installed(monkeypatch, device):
+    """A GPU host passing devices to VMs has /dev/vfio/N: taken for a Cloud TPU, a
+    single process there tried to join a cluster that did not exist (exit 7). JAX
+    needs libtpu (jax[tpu]) or TPU_LIBRARY_PATH to use a TPU at all."""
+    for name in CLUSTER_VARIABLES + ("TPU_LIBRARY_PATH",):
+        monkeypatch.delenv(name, raising=False)
+    pattern = device.rstrip("0123456789") + "[0-9]*"
+    monkeypatch.setattr(distributed.glob, "glob", lambda p: [device] if p == pattern else [])
+    installed = set()
+    find_spec = lambda name: object() if name in installed else None
+    monkeypatch.setattr(distributed.importlib.util, "find_spec", find_spec)
+    assert distributed.detect_cluster() is None
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "/lib/libtpu.so")
+    assert distributed.detect_cluster() == "Cloud TPU"
+    monkeypatch.delenv("TPU_LIBRARY_PATH")
+    installed.add("libtpu")
+    assert distributed.detect_cluster() == "Cloud TPU"
 
 
 @pytest.mark.parametrize(
