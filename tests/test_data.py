@@ -753,6 +753,49 @@ def test_shards_split_one_global_stream():
         _assert_rows_of(resumed, after)
 
 
+class _ProcessView:
+    """``sharding`` as process ``index`` of ``count`` sees it: each process holds an
+    equal run of the mesh's devices in order (as on hosts of one slice), only those
+    addressable."""
+
+    def __init__(self, sharding, index, count):
+        devices = list(sharding.mesh.devices.flat)
+        per = len(devices) // count
+        self.sharding, self.mine = sharding, set(devices[index * per : (index + 1) * per])
+
+    def addressable_devices_indices_map(self, shape):
+        indices = self.sharding.devices_indices_map(shape)
+        return {d: i for d, i in indices.items() if d in self.mine}
+
+
+@pytest.mark.parametrize("processes,batch_size", [(2, 8), (4, 16), (8, 8)])
+def test_each_process_feeds_the_rows_its_devices_hold(processes, batch_size):
+    """A batch split over all 8 devices, held by 2, 4 or 8 processes of equal
+    device runs: process i feeds rows [i*b, (i+1)*b), b = batch_size / processes
+    (hand-worked: its devices are the i-th run), and the pipeline's shards of
+    those (index, count) put together give the global batch, no row twice."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from lexjax import sharding as shard_lib
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    batch = NamedSharding(mesh, PartitionSpec("data", None))
+    views = [_ProcessView(batch, i, processes) for i in range(processes)]
+    rows = [shard_lib.process_rows(view, batch_size) for view in views]
+    assert rows == [(i, processes) for i in range(processes)]
+    make = lambda index, count: data.make_train_iterator(
+        _documents(40), seq_len=SEQ_LEN, batch_size=batch_size, seed=3,
+        shard_index=index, shard_count=count,
+    )  # fmt: skip
+    (whole,) = _take(make(0, 1), 1)
+    parts = [_take(make(*r), 1)[0] for r in rows]
+    for key in whole:
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+    replicated = NamedSharding(mesh, PartitionSpec(None, None))  # every process holds all
+    assert shard_lib.process_rows(_ProcessView(replicated, 1, 2), batch_size) == (0, 1)
+
+
 @pytest.mark.slow
 def test_shards_split_one_global_stream_with_worker_processes():
     """The same with 2 grain workers per shard: the stream depends on worker_count,
