@@ -359,6 +359,53 @@ def test_iterator_state_of_other_process_counts_and_older_lexjax(
         assert next(resumed).tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(
+    "saved_by, peer_ok, expected",
+    [
+        ((1, True, None), True, [[12, 13, 14, 15], [16, 17, 18, 19]]),  # elastic 1 -> 2
+        ((2, False, None), True, [[16, 17, 18, 19], [20, 21, 22, 23]]),  # its own position
+        ((1, True, None), False, None),  # process 0's copy damaged: both stop reading
+        ((1, True, 2), True, "restart"),  # an older stream: process 0 alone says so
+    ],
+    ids=["one-process-save", "per-process-positions", "peer-damaged", "older-stream"],
+)
+def test_process_1_of_2_restores_the_position_meant_for_it(
+    tmp_path, caplog, monkeypatch, saved_by, peer_ok, expected
+):
+    """Process 1 of 2 (the agreement simulated, process 0's flag given): a shared
+    position is read from process 0's file, the same global stream (README: a
+    state saved by n processes restores on m); a per-process one from its own
+    (there next_index 4); a copy damaged on process 0 stops it too; the note of
+    a restarted older stream is process 0's alone."""
+    from lexjax import checkpoint as ckpt_lib
+    from lexjax import distributed
+
+    step_dir, _, _ = _iterator_records(tmp_path)
+    _as_if_saved_by(step_dir, *saved_by)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    integrity = ckpt._read_integrity(3)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(
+        distributed, "_gather_flags", lambda flag: np.array([int(peer_ok), int(flag)])
+    )
+    resumed = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
+    try:
+        with caplog.at_level(logging.WARNING, logger="lexjax.checkpoint"):
+            if expected is None:
+                with pytest.raises(ckpt_lib._IteratorDamaged, match="damaged on another process"):
+                    ckpt._restore_iterator(3, integrity, resumed)
+                return
+            ckpt._restore_iterator(3, integrity, resumed)
+    finally:
+        monkeypatch.undo()
+        ckpt.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "lexjax.checkpoint"] == []
+    if expected == "restart":
+        expected = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [next(resumed).tolist() for _ in range(2)] == expected
+
+
 def test_the_committed_older_checkpoint_restarts_its_data_stream(caplog):
     """tests/fixtures/run_v1 was written by one process before the row shuffle
     (stream 1): its parameters restore and its data stream restarts, with one line."""
