@@ -1134,3 +1134,43 @@ def test_each_record_holds_its_own_steps_loss_and_the_last_step_is_validated(tmp
     assert logged == {s: float(returned[s - 1]) for s in logged}
     assert len(set(logged.values())) == 3  # each step's own
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 5]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_processes_stop_together_at_a_log_or_checkpoint_step(monkeypatch, count):
+    """One process alone stops after the step that got the signal. With several
+    (the agreement simulated, the peer's flag given), all stop at one step, also
+    when only one got the signal: they agree at each log step and each checkpoint
+    step, and nowhere else (a collective every process must reach alike); before
+    the loop, a signal does not raise on one process alone."""
+    import types
+
+    from lexjax import distributed, training
+
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    peer, asked, at = [False], [], []
+    gather = lambda flag: asked.append(at[-1]) or np.array([int(flag), int(peer[0])])
+    monkeypatch.setattr(distributed, "_gather_flags", gather)
+    config = types.SimpleNamespace(log_every=10, checkpoint_every=25)
+    loop = types.SimpleNamespace(setup=types.SimpleNamespace(config=config))
+    stop = training._StopFlag()  # not entered: no handlers
+    stop.signal_name = "SIGTERM"
+
+    def stops(*steps):
+        return {at.append(s) or s: training._Loop._stop_requested(loop, stop, s) for s in steps}
+
+    if count == 1:
+        assert stops(3) == {3: True}
+        with pytest.raises(training._Stopped), stop.raising():
+            pass
+        assert asked == []
+        return
+    with stop.raising():  # the processes stop together, in the loop
+        pass
+    assert stops(3, 20) == {3: False, 20: True} and stop.signal_name == "SIGTERM"
+    stop.signal_name, peer[0] = None, True  # only the peer got a signal
+    assert stops(7, 25) == {7: False, 25: True}
+    assert stop.signal_name == "a signal to another process"
+    stop.signal_name, peer[0] = None, False
+    assert stops(30) == {30: False}
+    assert asked == [20, 25, 30]
