@@ -525,6 +525,26 @@ def test_the_heartbeat_keeps_a_lease_fresh_and_a_lost_lease_stops_saving(tmp_pat
     assert lease_record(tmp_path)["token"] == "new"  # never deleted by the old holder
 
 
+def test_a_lease_lost_on_process_0_stops_the_other_processes_saving_too(tmp_path, monkeypatch):
+    """Process 1 holds no lease (None): it learns from process 0 (the agreement
+    simulated, process 0's flag given) whether the lease is still held, so every
+    process stops before a save when process 0's was taken over."""
+    import jax
+
+    from lexjax import distributed
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    for held in (True, False):
+        gather = lambda flag, held=held: np.array([int(held), int(flag)], np.int32)
+        monkeypatch.setattr(distributed, "_gather_flags", gather)
+        if held:
+            lease_lib.check_held(None, str(tmp_path))
+            continue
+        with pytest.raises(CheckpointError, match="was taken over by another job"):
+            lease_lib.check_held(None, str(tmp_path))
+
+
 def test_a_takeover_that_comes_during_a_heartbeat_waits_for_it_and_then_holds(tmp_path):
     """The heartbeat checks the lease is its own, then writes the renewed one: another job
     replacing the lease meanwhile waits for the heartbeat to finish and is never written
