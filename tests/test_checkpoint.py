@@ -224,6 +224,32 @@ def test_keep_n_deletes_only_the_oldest(tmp_path):
     ckpt.close()
 
 
+def test_process_1_moves_and_deletes_no_step_process_0_does(tmp_path, monkeypatch):
+    """On a shared directory process 0 alone renames a step aside or deletes it
+    (README: orbax writes checkpoints cooperatively; a second rename of one step
+    fails); process 1 (simulated) waits at the barrier and finds them as
+    process 0 leaves them."""
+    from jax.experimental import multihost_utils
+
+    mesh = mesh_of(8)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=None)
+    for step in (1, 2):
+        ckpt.save(step, make_state(mesh, rows=8))
+    ckpt.wait()
+    barriers = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
+    try:
+        ckpt._delete([1])
+        ckpt._supersede([2])
+    finally:
+        monkeypatch.undo()
+    assert barriers == ["lexjax_delete_1", "lexjax_supersede_2"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
+    ckpt.close()
+
+
 def test_close_finishes_the_write_and_runs_no_collective(tmp_path, monkeypatch):
     """close() collected garbage, whose collectives (process 0's listing, the checks of
     the steps) hung a two-process run that one process left by an error: it waited
