@@ -1174,3 +1174,39 @@ def test_processes_stop_together_at_a_log_or_checkpoint_step(monkeypatch, count)
     stop.signal_name, peer[0] = None, False
     assert stops(30) == {30: False}
     assert asked == [20, 25, 30]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_batch_that_fails_is_saved_before_on_one_process_only(tmp_path, monkeypatch, count):
+    """One process saves the steps trained before a batch that failed, with the
+    position before it. With several (simulated) the failing process saves nothing
+    (a save is collective, and its peers may have read their batch): it stops with
+    the data's error as before."""
+    import types
+
+    from lexjax import training
+
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+
+    class Failing:
+        def get_state(self):
+            return {"next_index": 4}
+
+        def __next__(self):
+            raise DataError("record 4 is damaged")
+
+    saves = []
+    loop = training._Loop(
+        types.SimpleNamespace(config=None), None, Failing(), None, str(tmp_path),
+        print, None, None,
+    )  # fmt: skip
+    loop.summary["start_step"] = 0
+    loop._save = lambda step, state, position: saves.append((step, position.state))
+    loop.checkpointer = types.SimpleNamespace(wait=lambda: None, directory=tmp_path)
+    stop = training._StopFlag()  # not entered: no handlers
+    with pytest.raises(DataError) as raised:
+        loop._next_batch(stop)
+    error = loop._save_before(raised.value, 5, None, 3)
+    assert saves == ([(5, {"next_index": 4})] if count == 1 else [])
+    assert ("saved (checkpoint step 5" in str(error)) == (count == 1)
