@@ -358,6 +358,27 @@ def test_a_stop_token_ends_sampling_after_its_chunk_with_the_same_tokens(model_p
         np.testing.assert_array_equal(stopped, whole[:, :kept])
 
 
+def test_a_stop_asked_on_process_0_alone_stops_every_process_after_its_chunk(
+    model_params, monkeypatch
+):
+    """on_chunk (eval.py --generate's: process 0's reader went away) is true on
+    process 0 only; process 1 (the agreement simulated, process 0's flag given)
+    stops after the same chunk, or it would decode on alone while process 0 left."""
+    from lexjax import distributed
+
+    model, params = model_params
+    monkeypatch.setattr(generation, "CHUNK", 8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(distributed, "_gather_flags", lambda own: np.array([1, int(own)]))
+    seen = []
+    sampled = dict(block=W, max_new_tokens=24, rng=jax.random.key(5))
+    out = generation.generate(
+        model, params, jnp.ones((1, 3), jnp.int32), **sampled, on_chunk=lambda t: seen.append(t)
+    )
+    assert len(seen) == 1 and np.shape(out) == (1, 8)
+
+
 def test_complete_decodes_in_the_mode_asked():
     config = small_config()  # train_len 16 (w = 8), the bytes tokenizer's vocabulary
     model = Decoder(config.model)
