@@ -566,3 +566,12 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     with pytest.raises(DataError, match="^the textfiles corpus changed since this run trained"):
         run.evaluate([16])
     assert sorted((tmp_path / "tfds" / "textfiles").iterdir()) == builds
+
+
+def test_load_on_chosen_devices_is_refused_in_a_multi_process_job(tmp_path, monkeypatch):
+    """devices= names some devices of one process; in a job of 2 (simulated) a mesh of
+    them would leave the other process out of every collective: a one-line refusal."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    said = "^devices= is for one process; a multi-process job loads on all$"
+    with pytest.raises(ConfigError, match=said):
+        lexjax.load(tmp_path, devices=jax.devices()[:1])
