@@ -164,12 +164,13 @@ def run(args) -> dict:
         points["bca_scan"][length]["seconds"] = seconds
     # The longest length the caps let run: on a machine slow enough to skip 128×, the
     # ratio (and its unit) names the length it reached instead of failing on a key.
-    first, last = lengths[0], max(measured)
-    if last == first:
+    ran = sorted(measured)
+    if len(ran) < 2:
         raise TooFewLengths(
-            f"the block scan ran at {first} tokens only (the caps skipped every longer "
-            "length, see points): no throughput ratio to report on this machine"
+            f"the block scan ran at {f'{ran[0]} tokens only' if ran else 'no length'} (the "
+            "caps skipped the others): no throughput ratio to report on this machine"
         )
+    first, last = ran[0], ran[-1]
     ratio = common.ratios([last / s for s in measured[last]], [first / s for s in measured[first]])
     memory = [points["bca_scan"][n]["compiled_bytes"]["temp"] for n in lengths]
     flat = max(memory) <= 1.1 * min(memory)

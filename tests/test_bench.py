@@ -673,7 +673,12 @@ def test_eval_scalings_ratio_takes_the_longest_length_the_caps_let_run(monkeypat
     # The time cap of --quick (10 s) skips 2048 after a 20 s first call at 512.
     monkeypatch.setattr(common, "timed", lambda fn: 20.0)
     monkeypatch.setattr(common, "alternate", lambda timers, rounds, **_: {512: [1.0, 1.0]})
-    with pytest.raises(eval_scaling.TooFewLengths, match="at 512 tokens only"):
+    with pytest.raises(eval_scaling.TooFewLengths, match="^the block scan ran at 512 tokens only"):
+        eval_scaling.run(types.SimpleNamespace(quick=True))
+    # Nothing run at all (every length over the memory cap): said so, not max() of nothing.
+    monkeypatch.setattr(eval_scaling, "MEMORY_CAP", 0)
+    monkeypatch.setattr(common, "alternate", lambda timers, rounds, **_: {})
+    with pytest.raises(eval_scaling.TooFewLengths, match="^the block scan ran at no length"):
         eval_scaling.run(types.SimpleNamespace(quick=True))
     assert eval_scaling.TooFewLengths in eval_scaling.EXPECTED_ERRORS  # run.py: one line
 
