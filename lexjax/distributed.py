@@ -139,8 +139,9 @@ def detect_cluster() -> str | None:
     """The multi-process launcher this process runs under, or None.
 
     Detected: a Cloud TPU VM (TPU devices present with a TPU runtime installed,
-    or the worker variables GKE sets), a SLURM job step with more than one task (``srun``), Open MPI
-    (``mpirun``) with more than one rank, and a Kubernetes Indexed Job. JAX's
+    or the worker variables GKE sets), a SLURM job step with more than one task
+    (``srun``), Open MPI (``mpirun``) with more than one rank, and a Kubernetes
+    Indexed Job. JAX's
     ``jax.distributed.initialize()`` then finds the coordinator and this
     process's id by itself.
     """
