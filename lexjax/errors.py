@@ -44,6 +44,7 @@ import sys
 from absl import logging as absl_logging
 
 from lexjax.progress import end_open_line
+from lexjax.signals import say_interrupted
 
 __all__ = [
     "LexjaxError",
@@ -386,10 +387,7 @@ def report(program, *args, **kwargs) -> int:
         if ends:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a flush stuck on a pipe: Ctrl-C
             _flush(sys.stdout)  # what it printed, before the process ends
-        # Said where it can be: with `2>&1 | tee log` the same Ctrl-C ends tee, and the
-        # BrokenPipeError raised here replaced the interrupt (status 1, not by SIGINT).
-        with contextlib.suppress(OSError, ValueError):
-            print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        say_interrupted()
         sys.excepthook = _quiet_interrupt(sys.excepthook)
         if ends:
             os.kill(os.getpid(), signal.SIGINT)

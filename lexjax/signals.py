@@ -33,6 +33,7 @@ __all__ = [
     "end_deferral",
     "end_on_interrupt",
     "restore_interrupt",
+    "say_interrupted",
     "on_swallowed",
     "redeliver_swallowed_interrupts",
     "interrupt_main_later",
@@ -112,11 +113,16 @@ def restore_interrupt() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _end(signum, frame):
-    # Said where it can be: its reader may be gone (`2>&1 | tee log`, tee ended by the
-    # same Ctrl-C), and the BrokenPipeError raised here ended the program with status 1.
-    with contextlib.suppress(OSError):
+def say_interrupted() -> None:
+    """``interrupted (Ctrl-C)`` on stderr, where it can be said: its reader may be gone
+    (`2>&1 | tee log`, tee ended by the same Ctrl-C), and the BrokenPipeError raised
+    in its place ended the program with status 1, not by SIGINT."""
+    with contextlib.suppress(OSError, ValueError):
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+
+
+def _end(signum, frame):
+    say_interrupted()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
