@@ -333,7 +333,9 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
     return parse
 
 
-_HELP = {"h": True, "help": True, "helpshort": True, "helpfull": False, "helpxml": "xml"}
+# What each help flag prints: this program's flags, every module's, or every module's
+# as XML.
+_HELP = {"h": "short", "help": "short", "helpshort": "short", "helpfull": "full", "helpxml": "xml"}
 
 
 def exit_if_help(argv: list[str]) -> None:
@@ -355,7 +357,7 @@ def exit_if_help(argv: list[str]) -> None:
         flags.FLAGS.write_help_in_xml_format(sys.stdout)
         sys.exit(0)
     if asked:
-        app.usage(shorthelp=all(asked), writeto_stdout=True, exitcode=0)
+        app.usage(shorthelp=set(asked) == {"short"}, writeto_stdout=True, exitcode=0)
 
 
 def _load_file(path: str):
