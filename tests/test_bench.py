@@ -567,6 +567,20 @@ def test_the_accelerators_matmul_peak_multiplies_random_operands(monkeypatch):
     assert seen and all(np.unique(x).size > 64 for x in seen)
 
 
+def _stub_eval_scalings_model(monkeypatch) -> None:
+    """eval_scaling without its model: the tiny config, and a compiled function of the
+    tokens alone standing in for each mode's scoring (its timings are stubbed too)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import common, eval_scaling
+
+    config = common.tiny_config()
+    monkeypatch.setattr(eval_scaling, "_model_and_params", lambda: (config, None, {}))
+    scores = jax.jit(lambda params, tokens: tokens[:, 1:].astype(jnp.float32))
+    monkeypatch.setattr(eval_scaling, "_function", lambda mode, model, block: scores)
+
+
 def test_the_headline_ratios_are_medians_of_per_round_ratios(monkeypatch):
     """train_vs_reference, xpos_overhead and eval_scaling give under ``value`` (with its
     ``unit``) the median over rounds of each round's ratio, its sides timed in the same
@@ -574,9 +588,6 @@ def test_the_headline_ratios_are_medians_of_per_round_ratios(monkeypatch):
     differs. The timings are stubbed: what is checked is what is made of them."""
     sys.path.insert(0, str(ROOT))
     import types
-
-    import jax
-    import jax.numpy as jnp
 
     from bench import common, eval_scaling, run, train_vs_reference, xpos_overhead
 
@@ -629,10 +640,7 @@ def test_the_headline_ratios_are_medians_of_per_round_ratios(monkeypatch):
 
     # The block scan's tokens/s at 8× over 2× per round: 2048/4 over 512/1, then 2048/4
     # over 512/2: 1.0 and 2.0, median 1.5 (a ratio of the medians, 512 / 384: 1.33).
-    config = common.tiny_config()
-    monkeypatch.setattr(eval_scaling, "_model_and_params", lambda: (config, None, {}))
-    scores = jax.jit(lambda params, tokens: tokens[:, 1:].astype(jnp.float32))
-    monkeypatch.setattr(eval_scaling, "_function", lambda mode, model, block: scores)
+    _stub_eval_scalings_model(monkeypatch)
     timings.append({512: [1.0, 2.0], 2048: [4.0, 4.0]})
     entry = eval_scaling.run(args)
     assert entry["value"] == pytest.approx(1.5)
@@ -647,15 +655,9 @@ def test_eval_scalings_ratio_takes_the_longest_length_the_caps_let_run(monkeypat
     sys.path.insert(0, str(ROOT))
     import types
 
-    import jax
-    import jax.numpy as jnp
-
     from bench import common, eval_scaling
 
-    config = common.tiny_config()
-    monkeypatch.setattr(eval_scaling, "_model_and_params", lambda: (config, None, {}))
-    scores = jax.jit(lambda params, tokens: tokens[:, 1:].astype(jnp.float32))
-    monkeypatch.setattr(eval_scaling, "_function", lambda mode, model, block: scores)
+    _stub_eval_scalings_model(monkeypatch)
     monkeypatch.setattr(eval_scaling, "_rss", lambda mode, length: 0)
     monkeypatch.setattr(eval_scaling, "MULTIPLES", (2, 8, 32))
     # First calls: the scan at 512 tokens takes 1 s, at 2048 20 s, so 8192 would take
