@@ -66,8 +66,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from lexjax import signals
+    from lexjax import errors, signals
 
+    errors.closed_std_streams_to_devnull()  # before anything opens a file
     signals.end_on_interrupt()  # while JAX loads; run() hands Ctrl-C back to Python
 
 from absl import app, flags, logging

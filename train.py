@@ -24,8 +24,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from lexjax import hugepages, signals
+    from lexjax import errors, hugepages, signals
 
+    errors.closed_std_streams_to_devnull()  # before anything opens a file
     hugepages.reexec_with_hugepages()  # before JAX loads; see lexjax/hugepages.py
     signals.defer()  # a stop while JAX loads ends the run at its start (exit 0)
 

@@ -213,6 +213,32 @@ class StdoutClosed(Exception):
     """What a program printed to could not take it: stdout's reader went away."""
 
 
+def closed_std_streams_to_devnull() -> None:
+    """Gives a program started with stdin, stdout or stderr closed (``2>&-``) /dev/null
+    in its place, as ``2>/dev/null`` would: a program's first call.
+
+    Python leaves a closed standard descriptor free and its ``sys`` stream None. The next
+    file the program opened then took the descriptor (the lowest free one: train.py's
+    ArrayRecord shard became descriptor 2, where XLA's C++ code writes its warnings),
+    and ``print(..., file=sys.stderr)`` wrote to stdout: ``eval.py --generate 2>&-`` put
+    its mesh line, or its ``error:`` line, into the generated text."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+        if null != fd:  # (the lower ones are open by now, so it is fd unless a race)
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            mode = "r" if fd == 0 else "w"  # (the process's, open while it lives)
+            stream = open(fd, mode, buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+            setattr(sys, name, stream)  # and as the process's own (_ends_process compares)
+            setattr(sys, f"__{name}__", stream)
+
+
 def _to_devnull(fd: int) -> None:
     """Points file descriptor ``fd`` at /dev/null (no descriptor left open)."""
     null = os.open(os.devnull, os.O_WRONLY)

@@ -164,6 +164,50 @@ def test_eval_writes_the_table_json_and_figures(workdir, tmp_path):
     assert done.stdout.startswith("def ")
 
 
+def test_a_closed_stderr_is_dev_null_not_stdout_or_the_next_file(workdir):
+    """``eval.py --generate 2>&-``: Python's ``print(file=None)`` wrote the mesh line,
+    or the ``error:`` line, into the generated text on stdout; and the first file the
+    program opened became descriptor 2, where XLA's C++ code writes."""
+
+    def closed_stderr(*argv):  # the shell closes it: no preexec_fn, no fork in this process
+        return subprocess.run(
+            ["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, *argv],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+
+    flags = [f"--workdir={workdir}", "--generate", "--prompt=def ", "--max_new_tokens=4"]
+    made = closed_stderr("eval.py", *flags)
+    assert made.returncode == 0 and made.stdout.startswith("def "), made.stdout
+    assert made.stdout.count("\n") == 1 and "mesh" not in made.stdout, made.stdout
+    refused = closed_stderr("eval.py", f"--workdir={workdir}", "--generate", "--top_p=0")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    # What a program's first call leaves: stderr is /dev/null, a file opened next is not
+    # descriptor 2, and a printed error line goes there. (stdin and stdout closed too.)
+    check = """if True:
+        import os, sys
+        from lexjax import errors
+        errors.closed_std_streams_to_devnull()
+        with open(os.devnull) as f:
+            opened = f.fileno()
+        print("error: x", file=sys.stderr)
+        os.write(3, repr([os.readlink(f"/proc/self/fd/{fd}") for fd in (0, 1, 2)]).encode())
+        os.write(3, f" {opened > 2} {sys.stderr is sys.__stderr__}".encode())
+    """
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" 3>&1 <&- >&- 2>&-', "sh", sys.executable, "-c", check],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout == f"{[os.devnull] * 3!r} True True", done.stdout
+
+
 def test_generate_streams_its_text_and_ctrl_c_ends_it_with_a_newline(workdir, tmp_path):
     """The text comes while the model writes it; Ctrl-C then stops eval.py with one
     line and status 130, the text so far kept (and ended by a newline)."""

@@ -43,8 +43,9 @@ recorded in ``timing.json``, and the same command resumes.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before JAX loads, as train.py does
-    from lexjax import hugepages, signals
+    from lexjax import errors, hugepages, signals
 
+    errors.closed_std_streams_to_devnull()  # before anything opens a file
     hugepages.reexec_with_hugepages()  # see lexjax/hugepages.py
     signals.defer()  # a stop while JAX loads ends the study at its start (SIGTERM: exit 0)
 
