@@ -1302,6 +1302,22 @@ def test_sentencepiece_round_trips_any_text_and_counts_its_bytes(sentencepiece_c
     assert tok.decode(tok.encode(raw)) == f"{text}\ufffd{text}"
 
 
+def test_sentencepiece_learned_without_spaces_still_round_trips_a_space():
+    # Text with no space among its characters (Japanese, with ideographic spaces)
+    # gives a model without a "▁" piece; a space in other text (eval_files, a prompt)
+    # came back as "▁" from 3 byte ids and counted 3 bytes in bits per byte.
+    rng = np.random.default_rng(0)
+    kana = [chr(c) for c in range(0x3041, 0x3097)] + list("、。")
+    lines = ["\u3000" + "".join(rng.choice(kana, size=60)) for _ in range(2000)]
+    tok = tokenizer_lib.train_sentencepiece(lines, 400)
+    for text in ["Tokyo 2024 です", "  two  spaces ", " ", "あい う"]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.num_bytes(ids) == len(text.encode("utf-8"))
+    space = tok.encode("あい う")[len(tok.encode("あい"))]  # one id: the byte 0x20
+    assert tok.utf8([space]) == b" "
+
+
 def test_the_tokenizer_sample_takes_long_lines_in_pieces_within_each_budget():
     """A line longer than the trainer takes (4096 characters) is sampled whole, in
     consecutive pieces, up to the document's share of the budget; short lines are

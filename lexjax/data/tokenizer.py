@@ -185,6 +185,11 @@ class SentencePieceTokenizer(Tokenizer):
             for i in range(self.vocab_size)
         ]
         self._bytes_per_id = np.array([len(b) for b in self._utf8], dtype=np.int64)
+        # A model learned from text with no space among its covered characters (Japanese
+        # or Chinese text, or spaces rarer than the character coverage) has no "▁" piece:
+        # SentencePiece then makes each space the byte fallback of "▁", 3 ids that decode
+        # as "▁" and count 3 bytes. Such a model gets the space's own byte piece instead.
+        self._space = sp.piece_to_id("<0x20>") if sp.is_unknown(sp.piece_to_id("\u2581")) else None
 
     # grain's worker processes get the tokenizer by pickling; the C++ processor
     # is rebuilt from the model bytes.
@@ -197,7 +202,16 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text):
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = bytes(text).decode("utf-8", errors="replace")
-        return np.asarray(self._sp.encode(text), dtype=np.int32)
+        if self._space is None or " " not in text:
+            return np.asarray(self._sp.encode(text), dtype=np.int32)
+        # No piece holds a space (it is no covered character), so the text's pieces are
+        # those of its space-free parts; each space between them is its byte.
+        ids = []
+        for i, part in enumerate(self._sp.encode(text.split(" "))):
+            if i:
+                ids.append(self._space)
+            ids.extend(part)
+        return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
