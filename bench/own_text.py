@@ -56,13 +56,20 @@ def _files(pattern: str) -> dict:
 
 def _generate(python: str, workdir: str, prompt: str) -> dict:
     """``eval.py --generate`` on ``workdir``; its text is kept in WORKDIR.generate.txt
-    (as the other steps' outputs are, so the command resumes without it)."""
+    (as the other steps' outputs are, so the command resumes without it), written
+    under another name and renamed once the program succeeded: a failed or stopped
+    run leaves no text that the next one would take as the sample."""
     command = [python, "eval.py", f"--workdir={workdir}", "--generate", f"--prompt={prompt}"]
     command += ["--max_new_tokens=600", "--temperature=0.8", "--top_k=40", "--seed=0"]
     path = workdir + ".generate.txt"
     if not os.path.exists(path):
-        with open(path, "w", encoding="utf-8") as f:
-            subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.DEVNULL, check=True)
+        partial, log = path + ".partial", workdir + ".generate.log"
+        with open(partial, "w", encoding="utf-8") as f, open(log, "w", encoding="utf-8") as err:
+            done = subprocess.run(command, cwd=ROOT, stdout=f, stderr=err)
+        if done.returncode:
+            os.remove(partial)
+            sys.exit(f"error: {' '.join(command)} exited {done.returncode}; see {log}")
+        os.replace(partial, path)
     with open(path, encoding="utf-8") as f:
         text = f.read()
     shown = ["python", *command[1:]]

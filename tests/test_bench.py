@@ -207,6 +207,27 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path, capsys):
         assert err.startswith(f"error: {said}") and err.count("\n") == 1
 
 
+def test_own_text_keeps_no_sample_of_a_generation_that_failed(tmp_path):
+    """eval.py --generate stopped midway (Ctrl-C: status 130 after the text so far) left
+    its text in WORKDIR.generate.txt, which the next run, resuming, took as the sample
+    (and a failure was a CalledProcessError traceback)."""
+    module = programs.load_script("bench/own_text.py")
+    workdir = str(tmp_path / "sentencepiece_1")
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/sh\necho 'the text so far'\necho 'interrupted (Ctrl-C)' >&2\nexit 130\n"
+    )
+    stub.chmod(0o755)
+    with pytest.raises(SystemExit) as e:
+        module._generate(str(stub), workdir, "The")
+    assert str(e.value).startswith("error: ") and "exited 130; see " in str(e.value)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(workdir + ".generate.txt")
+    assert "interrupted" in (tmp_path / "sentencepiece_1.generate.log").read_text()
+    stub.write_text("#!/bin/sh\necho 'the whole text'\n")
+    assert module._generate(str(stub), workdir, "The")["text"] == "the whole text\n"
+
+
 def test_a_json_in_a_read_only_directory_is_refused_before_any_benchmark(tmp_path):
     """Was a traceback after the first benchmark, its results lost."""
     with P.tmpfs(tmp_path / "ro", "1m") as mount:
