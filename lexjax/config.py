@@ -266,10 +266,18 @@ def no_arguments(rest: list[str], path_flag: str = "workdir") -> list[str]:
     """``rest``, absl's leftover argv (the program name, then what is not a flag),
     if it holds nothing but the name: the programs take flags only, and one left
     over was ignored (``eval.py runs/x`` evaluated the default workdir). Else a
-    one-line ConfigError, suggesting ``--path_flag=`` for a path-like argument."""
+    one-line ConfigError, suggesting ``--path_flag=`` for a path-like argument, or
+    quotes for a file (``--config.data.files novels/*.txt``: the shell expanded the
+    glob, the flag took the first file and the others were left over)."""
     if len(rest) > 1:
         extra = rest[1]
         hint = "" if extra.startswith("-") else f" (did you mean --{path_flag}={extra}?)"
+        if os.path.isfile(extra):
+            example = os.path.join(os.path.dirname(extra), "*" + os.path.splitext(extra)[1])
+            hint = (
+                f" (a file: a glob the shell expanded? quote it, --FLAG='{example}', so that "
+                "the program reads every file it matches)"
+            )
         raise ConfigError(f"unexpected argument {extra!r}: flags are --name=value{hint}")
     return rest
 

@@ -884,3 +884,19 @@ def test_a_progress_display_off_a_terminal_always_prints_its_last_line():
     quiet.update(4, "loss 1.5")
     quiet.close()
     assert log.getvalue().count("\n") == 2
+
+
+def test_an_unquoted_glob_the_shell_expanded_is_told_to_be_quoted(tmp_path):
+    """``--config.data.files novels/*.txt``: the shell gave the flag the first file and
+    left the others over, which were taken for a workdir ("did you mean
+    --workdir=novels/b.txt?")."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text\n")
+    rest = ["train.py", str(tmp_path / "b.txt")]
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.no_arguments(rest)
+    said = str(e.value)
+    assert "--workdir" not in said and "\n" not in said
+    assert f"quote it, --FLAG='{tmp_path}/*.txt'" in said
+    with pytest.raises(cfg.ConfigError, match=r"did you mean --workdir=runs/x\?"):
+        cfg.no_arguments(["eval.py", "runs/x"])  # not a file: still a workdir
