@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,6 +317,7 @@ def test_runs_sharing_a_data_dir_learn_its_tokenizer_once(tmp_path):
 # A script's start: SIGTERM raises Stopped, as in train() while it sets up, and one
 # that a callback swallowed (TFDS's, a __del__) comes again, as train() has it.
 _STOP_ON_SIGTERM = """
+import shutil
 import signal
 from lexjax import signals
 
@@ -1611,3 +1613,22 @@ def test_evaluation_stops_at_a_damaged_test_split_instead_of_scoring_another(tmp
     with pytest.raises(DataError, match="is damaged; delete it and run again"):
         evaluation.held_out_documents(config, say=notes.append)
     assert not notes
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_build_file_cut_in_half_is_damage_not_a_traceback(tmp_path, split):
+    """An ArrayRecord file cut short past its first records (a copy of a data_dir that
+    stopped midway) reads its records as empty ones, whose text is None: a TypeError
+    traceback, exit 1, where a file cut to 100 bytes is the one-line damage error."""
+    from tests.processes import write_corpus
+
+    files = write_corpus(tmp_path / "corpus")
+    data_dir = tmp_path / "tfds"
+    data.load_source("textfiles", split, data_dir, files)
+    (records,) = data_dir.glob(f"textfiles/*/*/textfiles-{split}.array_record-*")
+    os.truncate(records, records.stat().st_size // 2)
+    with pytest.raises(DataError, match="is damaged; delete it and run again") as e:
+        data.load_source("textfiles", split, data_dir, files)
+    assert f"{records.parent} is damaged" in str(e.value) and "\n" not in str(e.value)
+    shutil.rmtree(records.parent)  # as the line says: the next use builds it again
+    assert len(data.load_source("textfiles", split, data_dir, files)) > 0

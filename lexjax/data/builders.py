@@ -1021,9 +1021,14 @@ class TextSource:
         try:
             text = self._records[index][self._text_feature]
         except RuntimeError as e:  # array_record: a truncated or corrupted file
-            info = self._records.dataset_info
-            raise _damaged(os.fspath(info.data_dir), info.name, e) from e
+            raise self._damaged(e) from e
+        if text is None:  # a file cut short past its first records: they read as empty
+            raise self._damaged(ValueError(f"record {index} has no {self._text_feature!r}"))
         return text.encode("utf-8") if isinstance(text, str) else bytes(text)
+
+    def _damaged(self, error: Exception) -> DataError:
+        info = self._records.dataset_info
+        return _damaged(os.fspath(info.data_dir), info.name, error)
 
     def __repr__(self) -> str:
         return f"TextSource({self._records!r}, text_feature={self._text_feature!r})"
