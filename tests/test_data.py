@@ -1632,3 +1632,25 @@ def test_a_build_file_cut_in_half_is_damage_not_a_traceback(tmp_path, split):
     assert f"{records.parent} is damaged" in str(e.value) and "\n" not in str(e.value)
     shutil.rmtree(records.parent)  # as the line says: the next use builds it again
     assert len(data.load_source("textfiles", split, data_dir, files)) > 0
+
+
+def test_a_build_without_its_dataset_info_is_damage_not_an_empty_build(tmp_path, capfd):
+    """TFDS takes the directory of a build without dataset_info.json as built: the build
+    line said "done" having written nothing, then no split could be read ("`splits` is
+    empty"; exit 3 with no advice, and eval.py fell back to the validation split)."""
+    from tests.processes import write_corpus
+
+    files = write_corpus(tmp_path / "corpus")
+    data_dir = tmp_path / "tfds"
+    data.load_source("textfiles", "train", data_dir, files)
+    (info,) = data_dir.glob("textfiles/*/*/dataset_info.json")
+    info.unlink()
+    capfd.readouterr()
+    for split in ("train", "test"):
+        with pytest.raises(DataError) as e:
+            data.load_source("textfiles", split, data_dir, files)
+        assert str(e.value).startswith(f"the corpus build {info.parent} is damaged")
+        assert str(e.value).endswith("(it has no dataset_info.json)")
+    assert "building" not in capfd.readouterr().out
+    shutil.rmtree(info.parent)  # as the line says: the next use builds it again
+    assert len(data.load_source("textfiles", "test", data_dir, files)) > 0

@@ -837,7 +837,16 @@ def prepare(
                 if not os.path.exists(os.path.join(build_dir, "dataset_info.json")):
                     raise
                 raise _damaged(build_dir, name, e) from e
-            return builder, builder.is_prepared()
+            prepared = builder.is_prepared()
+            # TFDS renames a build into place once its dataset_info.json is written, and
+            # takes a directory there as built: one without it (removed, or a copy of
+            # data_dir that stopped midway) was "built" again in no time, then no split
+            # could be read ("`splits` is empty"; eval.py fell back to validation).
+            build_dir = os.fspath(builder.data_path)
+            info = os.path.join(build_dir, "dataset_info.json")
+            if not prepared and os.path.isdir(build_dir) and not os.path.exists(info):
+                raise _damaged(build_dir, name, ValueError("it has no dataset_info.json"))
+            return builder, prepared
 
     builder, prepared = builder_of_plan()
     if prepared:  # (the rebuild after a kill, within the hour, left the dead one's copy)
