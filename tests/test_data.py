@@ -1654,3 +1654,40 @@ def test_a_build_without_its_dataset_info_is_damage_not_an_empty_build(tmp_path,
     assert "building" not in capfd.readouterr().out
     shutil.rmtree(info.parent)  # as the line says: the next use builds it again
     assert len(data.load_source("textfiles", "test", data_dir, files)) > 0
+
+
+def _as_other_dataset(build_dir, root, version: str) -> None:
+    """A copy of the textfiles build at ``build_dir`` as version ``version`` of the TFDS
+    dataset ``mycorp/cfg`` under ``root`` (a dataset lexjax reads, not one it builds)."""
+    target = root / "mycorp" / "cfg" / version
+    shutil.copytree(build_dir, target)
+    for path in target.glob("textfiles-*"):
+        path.rename(target / path.name.replace("textfiles", "mycorp"))
+    info = json.loads((target / "dataset_info.json").read_text())
+    info.update(name="mycorp", version=version, configName="cfg")
+    (target / "dataset_info.json").write_text(json.dumps(info))
+
+
+def test_another_datasets_tokenizer_is_stored_with_the_version_it_was_learned_from(tmp_path):
+    """Of two prepared versions, TFDS reads the newest (10.0.0), and the tokenizer learned
+    from it was stored in the last dataset_info.json's directory in path order (2.0.0's):
+    a run on version 2.0.0 then took that tokenizer, learned from other text, as its own."""
+    built = {}
+    for version, letters in (("2.0.0", "abcdefghij"), ("10.0.0", "KLMNOPQRST")):
+        corpus = tmp_path / f"corpus-{version}"
+        corpus.mkdir()
+        rng = np.random.default_rng(0)
+        for i in range(3):
+            words = ["".join(rng.choice(list(letters), size=4)) for _ in range(4000)]
+            lines = [" ".join(words[j : j + 10]) for j in range(0, len(words), 10)]
+            (corpus / f"{i}.txt").write_text("\n".join(lines) + "\n")
+        built[version] = data.prepare("textfiles", tmp_path / "tfds", str(corpus / "*")).data_dir
+    other = tmp_path / "other"
+    for version, build_dir in built.items():
+        _as_other_dataset(build_dir, other, version)
+    newest = data.load_tokenizer("sentencepiece", 300, "mycorp/cfg", other)
+    assert (other / "mycorp/cfg/10.0.0/sentencepiece-300.model").exists()
+    assert not (other / "mycorp/cfg/2.0.0/sentencepiece-300.model").exists()
+    older = data.load_tokenizer("sentencepiece", 300, "mycorp/cfg:2.0.0", other)
+    assert older.fingerprint != newest.fingerprint
+    assert "K" in newest.decode(newest.encode("KLMN")) and "a" in older.decode(older.encode("ab"))

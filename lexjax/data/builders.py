@@ -1082,7 +1082,16 @@ def _open(
     def records(split):
         return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
 
-    return records, os.path.dirname(sorted(infos)[-1])
+    # The build TFDS reads (a name without a version: its newest; without a config: its
+    # default), where its tokenizer is stored: the last dataset_info.json in path order
+    # was another version's or config's (10.0.0 sorts before 2.0.0), whose tokenizer,
+    # learned from other text, another run of the same vocab_size then took as its own.
+    try:
+        with _quiet_tfds():
+            build_dir = os.fspath(tfds.builder(name, data_dir=data_dir).data_dir)
+    except (ValueError, KeyError, NotImplementedError, FileNotFoundError):
+        build_dir = os.path.dirname(sorted(infos)[-1])  # (reading a split says what is wrong)
+    return records, build_dir
 
 
 def load_source(
