@@ -131,7 +131,8 @@ def context(
             extension = dict(inv_freq=jnp.zeros(head_dim // 2, jnp.float32))
         elif rope_scaling != "none":
             if rope_scaling == "dynamic_ntk":
-                seen = jnp.max(q_positions) + 1 if rope_length is None else rope_length
+                # initial=0: no query (a zero-length call) is s = 1, as is n ≤ L.
+                seen = jnp.max(q_positions, initial=0) + 1 if rope_length is None else rope_length
                 rope_factor = pos_lib.length_factor(seen, train_len)
             scaled = pos_lib.rope_scaling(
                 rope_scaling, rope_factor, head_dim, theta=theta, train_len=train_len
@@ -145,8 +146,7 @@ def context(
         # range, and the rotary angles keep positions.angles' accuracy (|p| ≤ 2^24)
         # for twice as many tokens. Per row, since rows may sit at different
         # offsets; written so that no int32 sum overflows.
-        low = jnp.min(k_positions, axis=-1, keepdims=True)
-        shift = low + (jnp.max(q_positions, axis=-1, keepdims=True) - low) // 2
+        shift = _centre(q_positions, k_positions)
         if position == "rope":  # a new paired kind needs its own branch (tested)
             q_rotary = pos_lib.rotary_tables(
                 q_positions - shift, head_dim, theta=theta, **extension
@@ -170,6 +170,19 @@ def context(
         bias = logit_bias(q_positions, k_positions, num_heads, position=position)
     q_segments, kv_segments = (None, None) if segment_ids is None else segment_ids
     return Context(q_rotary, k_rotary, bias, mask, q_segments, kv_segments, block, halves=halves)
+
+
+def _centre(q_positions, k_positions):
+    """The integer per row that :func:`context` subtracts from both position sets:
+    midway between the lowest key and the highest query. A side with no positions
+    (zero tokens) takes the other's ends, and neither gives 0: a reduction over
+    nothing has no value."""
+    lows = k_positions if k_positions.shape[-1] else q_positions
+    highs = q_positions if q_positions.shape[-1] else k_positions
+    if not highs.shape[-1]:
+        return 0
+    low = jnp.min(lows, axis=-1, keepdims=True)
+    return low + (jnp.max(highs, axis=-1, keepdims=True) - low) // 2
 
 
 def encode(q, k, ctx: Context):

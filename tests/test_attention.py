@@ -204,6 +204,32 @@ class MultiheadAttentionTest(chex.TestCase):
         chex.assert_trees_all_equal(one.q_rotary, many.q_rotary)
         chex.assert_trees_all_equal(one.k_rotary, many.k_rotary)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(*config.RELATIVE_ENCODINGS, "none")
+    def test_zero_queries_or_zero_keys_attend_as_jax_numpy_does(self, position):
+        # xpos, rope and "none" take zero tokens; the rotary kinds' centring shift was
+        # a min/max over no positions: "zero-size array to reduction operation min".
+        q, k, v = _qkv(7)
+        run = self.variant(functools.partial(attention.multihead_attention, position=position))
+        no_queries, logits = run(q[:, :0], k, v, np.arange(0), np.arange(TK))
+        self.assertEqual(no_queries.shape, (B, 0, H, D))
+        self.assertEqual(logits.shape, (B, H, 0, TK))
+        # No key to see: the weighted sum over nothing, zeros (finite, far queries too).
+        no_keys, _ = run(q, k[:, :0], v[:, :0], np.arange(TQ) + 10**6, np.arange(0))
+        np.testing.assert_array_equal(np.asarray(no_keys), np.zeros((B, TQ, H, D)))
+        nothing, _ = run(q[:, :0], k[:, :0], v[:, :0], np.arange(0), np.arange(0))
+        self.assertEqual(nothing.shape, (B, 0, H, D))
+        scaled = attention.context(
+            np.arange(0),
+            np.arange(TK),
+            num_heads=H,
+            head_dim=D,
+            position="rope",
+            rope_scaling="dynamic_ntk",
+            train_len=4,
+        )
+        self.assertEqual(scaled.k_rotary[0].shape, (TK, 1, D // 2))
+
     def test_a_mask_that_is_not_boolean_is_refused(self):
         # Flax's and PyTorch's additive 0/−inf mask was taken as True where it is −inf:
         # query 0 attended only to the future keys it hides.
