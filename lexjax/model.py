@@ -419,6 +419,8 @@ class Decoder(nn.Module):
             )
         _check_auto_axes(tokens_BxT, self.rules)
         B, T = tokens_BxT.shape
+        if T == 0:  # was "q_len must be a positive integer, got 0", from the causal mask
+            raise ValueError(f"tokens of shape {(B, T)} hold no token; give at least one per row")
         if positions_BxT is None:
             if c.position == "learned" and c.max_len < T:
                 raise ValueError(

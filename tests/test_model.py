@@ -273,6 +273,8 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
         # One position for a whole row (a scalar, [B, 1]) put every token at it.
         (jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 1), jnp.int32), r"shape \(2, 1\) do not"),
         (jnp.zeros((1, 8), jnp.int32), 3, r"positions of shape \(\) do not broadcast"),
+        # Zero tokens were refused as "q_len must be a positive integer, got 0".
+        (jnp.zeros((2, 0), jnp.int32), None, r"tokens of shape \(2, 0\) hold no token"),
     ):
         with pytest.raises(ValueError, match=message):
             model.apply(variables, tokens, positions)
