@@ -428,8 +428,8 @@ class Decoder(nn.Module):
                     f"{c.max_len}; pass at most {c.max_len} tokens or explicit positions"
                 )
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        else:
-            positions_BxT = _rows("positions", positions_BxT, B, T)
+        else:  # floats were refused as "q_positions must be integers", a name not the caller's
+            positions_BxT = pos_lib.as_positions(_rows("positions", positions_BxT, B, T))
         if segment_ids_BxT is not None:
             segment_ids_BxT = _rows("segment ids", segment_ids_BxT, B, T)
 

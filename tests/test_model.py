@@ -275,6 +275,8 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
         (jnp.zeros((1, 8), jnp.int32), 3, r"positions of shape \(\) do not broadcast"),
         # Zero tokens were refused as "q_len must be a positive integer, got 0".
         (jnp.zeros((2, 0), jnp.int32), None, r"tokens of shape \(2, 0\) hold no token"),
+        # Float positions were refused as "q_positions must be integers".
+        (jnp.zeros((1, 8), jnp.int32), jnp.arange(8.0), r"^positions must be integers"),
     ):
         with pytest.raises(ValueError, match=message):
             model.apply(variables, tokens, positions)
