@@ -128,6 +128,18 @@ def positive_int(name: str, value) -> int:
     return size
 
 
+def check_positive(**values) -> None:
+    """ValueError naming the first of ``values`` (scalars) that is not positive, NaN
+    included; a traced one (under jax.jit, vmap or grad) is not checked."""
+    for name, value in values.items():
+        try:
+            bad = not value > 0
+        except jax.errors.ConcretizationTypeError:
+            bad = False
+        if bad:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % 2:
         raise ValueError(
@@ -190,6 +202,7 @@ def _materialize(table):
 def rotary_frequencies(head_dim: int, theta: float = 10000.0) -> np.ndarray:
     """θ_i = theta^(−2i/d) for i = 0 … d/2 − 1 (float64, shape [d/2])."""
     _check_head_dim(head_dim)
+    check_positive(theta=theta)  # 0 or less: inf or NaN frequencies, NaN encodings
     return theta ** (-2.0 * np.arange(head_dim // 2) / head_dim)
 
 
@@ -396,13 +409,7 @@ def xpos_tables(
     with ``downscale`` (keys). ``inv_freq`` and ``scale`` as there: zero
     frequencies give the decay without rotation (Table 4's θ_i = 0)."""
     _check_head_dim(head_dim)
-    for name, value in (("scale_base", scale_base), ("gamma", gamma)):
-        try:  # a traced value (under vmap or grad) is not checked
-            bad = not value > 0
-        except jax.errors.TracerBoolConversionError:
-            bad = False
-        if bad:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_positive(scale_base=scale_base, gamma=gamma)
     log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma))) / scale_base
     return rotary_tables(
         positions,

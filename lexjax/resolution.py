@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lexjax.positions import xpos_decay_base
+from lexjax.positions import check_positive, positive_int, rotary_frequencies, xpos_decay_base
 
 __all__ = ["attention_resolution", "expected_scores", "xpos_expectation"]
 
@@ -81,10 +80,10 @@ def xpos_expectation(
     oscillates; XPOS's decays smoothly.
     """
     distances = jnp.asarray(distances, jnp.float32)
-    half = head_dim // 2
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    inv_freq = jnp.asarray(theta ** (-2.0 * np.arange(half) / head_dim), jnp.float32)
+    # As xpos refuses them: a gamma or scale_base ≤ 0 gave NaN, head_dim ≤ 0 zeros.
+    head_dim = positive_int("head_dim", head_dim)
+    check_positive(scale_base=scale_base, **({} if gamma is None else {"gamma": gamma}))
+    inv_freq = jnp.asarray(rotary_frequencies(head_dim, theta), jnp.float32)
     terms = jnp.cos(distances[..., None] * inv_freq)
     if gamma is not None:
         log_zeta = jnp.log(jnp.asarray(xpos_decay_base(head_dim, gamma)))

@@ -469,6 +469,18 @@ class BadArgumentsTest(parameterized.TestCase):
             lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale_base=math.nan),
             "scale_base must be positive",
         ),
+        # theta ≤ 0 gave inf or NaN frequencies: NaN at every position, where the
+        # other parameters ≤ 0 were refused.
+        (
+            "zero_theta",
+            lambda: positions.xpos(jnp.ones((1, 2, 1, 4)), jnp.arange(2), theta=0.0),
+            "theta must be positive",
+        ),
+        (
+            "negative_theta",
+            lambda: positions.rope(jnp.ones((1, 2, 1, 4)), jnp.arange(2), theta=-1e4),
+            "theta must be positive",
+        ),
         # An int x came back as truncated ints (3 → [0, 4]), not rotated floats.
         (
             "integer_x",

@@ -183,6 +183,18 @@ class XposExpectationTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "head_dim must be even"):
             resolution.xpos_expectation(np.arange(3), 7)
 
+    @parameterized.named_parameters(
+        # Figure 1's curve took what lexjax.xpos refuses: NaN for these, zeros for
+        # head_dim 0.
+        ("zero_gamma", dict(gamma=0.0), "gamma must be positive"),
+        ("negative_scale_base", dict(scale_base=-512.0), "scale_base must be positive"),
+        ("zero_theta", dict(theta=0.0, gamma=None), "theta must be positive"),
+        ("no_head_dim", dict(head_dim=0), "head_dim must be a positive integer, got 0"),
+    )
+    def test_parameters_outside_their_domain_are_refused(self, change, message):
+        with self.assertRaisesRegex(ValueError, message):
+            resolution.xpos_expectation(np.arange(3), **{"head_dim": 8, **change})
+
 
 if __name__ == "__main__":
     absltest.main()
