@@ -21,8 +21,10 @@ def attention_resolution(s):
     used to compute it without overflow.
     """
     s = jnp.asarray(s, jnp.float32)
-    if s.shape[-1] < 2:
-        raise ValueError(f"attention_resolution needs at least 2 distances, got {s.shape[-1]}")
+    if s.ndim == 0 or s.shape[-1] < 2:  # a scalar was an IndexError
+        raise ValueError(
+            f"attention_resolution needs at least 2 distances on the last axis, got shape {s.shape}"
+        )
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     numerator = jnp.sum(e[..., :-1] * (e[..., :-1] - e[..., 1:]), axis=-1)
     return numerator / jnp.square(jnp.sum(e, axis=-1))
@@ -42,13 +44,27 @@ def expected_scores(scores, mask=None):
       with ``i + k − q − j = n``; NaN where no pair has that distance.
     """
     scores = jnp.asarray(scores, jnp.float32)
+    # A 1-D array was "not enough values to unpack"; a mask of another shape a
+    # broadcasting TypeError, and no query a ZeroDivisionError.
+    if scores.ndim < 2 or scores.shape[-1] < scores.shape[-2]:
+        raise ValueError(f"scores must be [..., q, k] with k ≥ q, got shape {scores.shape}")
     q_len, k_len = scores.shape[-2:]
-    if k_len < q_len:
-        raise ValueError(f"scores must be [..., q, k] with k ≥ q, got {scores.shape}")
+    if mask is not None:
+        mask = jnp.asarray(mask, bool)
+        try:
+            fits = jnp.broadcast_shapes(mask.shape, scores.shape) == scores.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"the mask of shape {mask.shape} does not broadcast to the scores' {scores.shape}"
+            )
+    if q_len == 0:  # no pair at any distance
+        return jnp.full(scores.shape[:-2] + (k_len,), jnp.nan, jnp.float32)
     distance = (jnp.arange(q_len)[:, None] + (k_len - q_len)) - jnp.arange(k_len)[None, :]
     valid = distance >= 0
     if mask is not None:
-        valid = valid & jnp.asarray(mask, bool)
+        valid = valid & mask
     valid = jnp.broadcast_to(valid, scores.shape)
     flat_distance = jnp.broadcast_to(jnp.where(distance >= 0, distance, k_len), scores.shape)
     lead = scores.shape[:-2]

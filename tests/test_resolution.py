@@ -141,6 +141,27 @@ class ExpectedScoresTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "k ≥ q"):
             resolution.expected_scores(np.zeros((5, 3)))
 
+    def test_shapes_outside_the_contract_are_one_value_error_naming_them(self):
+        # They were "not enough values to unpack", a broadcasting TypeError and, for
+        # attention_resolution of a scalar, an IndexError.
+        for call, message in (
+            (lambda: resolution.expected_scores(np.zeros(5)), r"got shape \(5,\)"),
+            (
+                lambda: resolution.expected_scores(np.zeros((2, 4, 4)), np.ones((3, 3), bool)),
+                r"mask of shape \(3, 3\) does not broadcast to the scores' \(2, 4, 4\)",
+            ),
+            (lambda: resolution.attention_resolution(3.0), r"got shape \(\)"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_no_query_has_no_pair_at_any_distance(self):
+        # Was a ZeroDivisionError (integer modulo by zero) reshaping q·k = 0 scores.
+        got = self.variant(resolution.expected_scores)(np.zeros((2, 0, 3), np.float32))
+        self.assertEqual(got.shape, (2, 3))
+        self.assertTrue(np.all(np.isnan(np.asarray(got))))
+
 
 def _largest_rise(g):
     """max over n1 < n2 of g[n2] − g[n1]: how far a curve ever climbs back."""
