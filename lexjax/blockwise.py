@@ -255,6 +255,7 @@ def block_step(
 def pad_to(x_BxN, multiple: int):
     """Zero-pads the token axis (1) to a multiple of ``multiple``: on the host for a
     numpy array (a device's pad compiles once per length, and keeps it)."""
+    check_int(arg("multiple"), multiple)  # 0 was a ZeroDivisionError
     widths = ((0, 0), (0, -x_BxN.shape[1] % multiple))
     return np.pad(x_BxN, widths) if isinstance(x_BxN, np.ndarray) else jnp.pad(x_BxN, widths)
 

@@ -13,6 +13,7 @@ from lexjax import generation, masks
 from lexjax.blockwise import (
     KVCache,
     block_step,
+    pad_to,
     scan_blocks,
     scan_prefix,
     scan_sinks,
@@ -72,6 +73,8 @@ def test_a_write_past_the_cache_or_a_step_of_another_block_size_is_refused():
         scan_blocks(model, params, jnp.ones((1, 3 * W - 1), jnp.int32), W)
     # A block of 0 was a ZeroDivisionError in each of them.
     tokens = jnp.ones((1, 2 * W), jnp.int32)
+    with pytest.raises(ConfigError, match="^multiple=0 must be a positive integer$"):
+        pad_to(tokens, 0)
     for run in (
         lambda: scan_blocks(model, params, tokens, 0),
         lambda: scan_sinks(model, params, tokens, 0, 0),
