@@ -106,6 +106,9 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, size: int) -> KVCache:
         """``size`` invalid slots per layer: zeros at position 0, in the compute dtype."""
+        if not isinstance(config, ModelConfig):  # the whole Config was an AttributeError
+            given = "the whole Config: give config.model" if hasattr(config, "model") else config
+            raise ConfigError(f"KVCache.empty takes a ModelConfig (a Config's .model), got {given}")
         shape = (config.num_layers, batch, size, config.num_heads, config.head_dim)
         zeros = jnp.zeros(shape, _DTYPES[config.dtype])
         return cls(

@@ -20,7 +20,7 @@ from lexjax.blockwise import (
     window_mask,
     window_positions,
 )
-from lexjax.config import ModelConfig
+from lexjax.config import Config, ModelConfig
 from lexjax.errors import ConfigError
 from lexjax.model import Decoder
 
@@ -75,6 +75,9 @@ def test_a_write_past_the_cache_or_a_step_of_another_block_size_is_refused():
     tokens = jnp.ones((1, 2 * W), jnp.int32)
     with pytest.raises(ConfigError, match="^multiple=0 must be a positive integer$"):
         pad_to(tokens, 0)
+    # The whole Config (a run's .config, not its .model) was an AttributeError.
+    with pytest.raises(ConfigError, match=r"^KVCache.empty takes a ModelConfig .* give config"):
+        KVCache.empty(Config(model=CONFIG), 1, W)
     for run in (
         lambda: scan_blocks(model, params, tokens, 0),
         lambda: scan_sinks(model, params, tokens, 0, 0),
