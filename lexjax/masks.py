@@ -50,7 +50,10 @@ def same_segment(q_segment_ids, k_segment_ids):
 
     Segment id 0 marks padding, which attends to nothing and is seen by nothing.
     """
-    q_segment_ids, k_segment_ids = jnp.asarray(q_segment_ids), jnp.asarray(k_segment_ids)
+    # A scalar is one token, as a scalar position is in attention.context (it was an
+    # IndexError).
+    q_segment_ids = jnp.atleast_1d(jnp.asarray(q_segment_ids))
+    k_segment_ids = jnp.atleast_1d(jnp.asarray(k_segment_ids))
     same = q_segment_ids[..., :, None] == k_segment_ids[..., None, :]
     return same & (q_segment_ids[..., :, None] > 0)
 
@@ -64,8 +67,9 @@ def causal_by_position(q_positions, k_positions, window: int | None = None):
     expresses the causal, blockwise and sliding-window patterns without
     materialising them.
     """
-    q_positions = as_positions(q_positions, "q_positions")  # unsigned: q − k wrapped
-    k_positions = as_positions(k_positions, "k_positions")
+    # Unsigned: q − k wrapped. A scalar is one position (it was an IndexError).
+    q_positions = jnp.atleast_1d(as_positions(q_positions, "q_positions"))
+    k_positions = jnp.atleast_1d(as_positions(k_positions, "k_positions"))
     distance = q_positions[..., :, None] - k_positions[..., None, :]
     if window is None:
         return distance >= 0

@@ -2,6 +2,7 @@
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -86,6 +87,17 @@ class CausalByPositionTest(chex.TestCase):
             np.testing.assert_array_equal(
                 got[row], _enumerate(2, 5, lambda i, j, r=row: k_pos[r, j] <= q_pos[r, i])
             )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_a_scalar_is_one_query_or_key(self):
+        # One decoding query at position 5, as attention.context takes it; a scalar
+        # was an IndexError here and in same_segment.
+        got = self.variant(masks.causal_by_position)(jnp.int32(5), jnp.arange(8))
+        np.testing.assert_array_equal(got, masks.causal_by_position(jnp.array([5]), jnp.arange(8)))
+        got = self.variant(masks.causal_by_position)(jnp.arange(3), 1)
+        np.testing.assert_array_equal(got, [[False], [True], [True]])
+        segments = self.variant(masks.same_segment)(jnp.int32(2), jnp.array([1, 2, 0]))
+        np.testing.assert_array_equal(segments, [[False, True, False]])
 
     def test_unsigned_positions_mask_as_signed_ones(self):
         # q − k wrapped for unsigned positions: every key was visible, future ones too.
