@@ -50,7 +50,13 @@ def expected_scores(scores, mask=None):
         raise ValueError(f"scores must be [..., q, k] with k ≥ q, got shape {scores.shape}")
     q_len, k_len = scores.shape[-2:]
     if mask is not None:
-        mask = jnp.asarray(mask, bool)
+        # An additive 0/−inf mask became True where it is −inf: the pairs it hides.
+        if jnp.result_type(mask) != jnp.bool_:
+            raise ValueError(
+                f"the mask is {jnp.result_type(mask)}; give a boolean mask, True where a pair "
+                "counts (an additive 0/-inf mask m: m == 0)"
+            )
+        mask = jnp.asarray(mask)
         try:
             fits = jnp.broadcast_shapes(mask.shape, scores.shape) == scores.shape
         except ValueError:

@@ -155,6 +155,13 @@ class ExpectedScoresTest(chex.TestCase):
             with self.assertRaisesRegex(ValueError, message):
                 call()
 
+    def test_a_mask_that_is_not_boolean_is_refused(self):
+        # An additive 0/-inf mask (Flax's, PyTorch's) became True where it is -inf:
+        # the means were over exactly the pairs it hides.
+        additive = np.where(np.tril(np.ones((4, 4), bool)), 0.0, -np.inf)
+        with self.assertRaisesRegex(ValueError, r"^the mask is float(32|64); give a boolean"):
+            resolution.expected_scores(np.zeros((4, 4), np.float32), additive)
+
     @chex.variants(with_jit=True, without_jit=True)
     def test_no_query_has_no_pair_at_any_distance(self):
         # Was a ZeroDivisionError (integer modulo by zero) reshaping q·k = 0 scores.
