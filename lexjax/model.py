@@ -65,6 +65,26 @@ def _rows(name: str, value, B: int, T: int) -> jax.Array:
         ) from None
 
 
+def _check_cache(name: str, cache, c: ModelConfig, B: int) -> None:
+    """One ValueError where ``cache`` is not a KVCache of this model for ``B`` rows: its
+    layer axis was indexed per layer, so fewer layers than the model's read the last
+    one again (JAX clamps the index) and more were ignored, with no error; another
+    batch or head count was a concatenation TypeError inside attention."""
+    fields = ("k", "v", "positions", "valid")
+    if not all(hasattr(cache, f) for f in fields):
+        raise ValueError(f"{name} must be a lexjax.blockwise.KVCache, got {type(cache).__name__}")
+    k, v, positions, valid = (jnp.shape(getattr(cache, f)) for f in fields)
+    S = valid[-1] if len(valid) == 2 else None
+    want = (c.num_layers, B, S, c.num_heads, c.head_dim)
+    if S is None or k != want or v != want or positions != (B, S):
+        raise ValueError(
+            f"the {name} holds k {k}, v {v}, positions {positions}, valid {valid}; this "
+            f"model and batch need k, v [layers, batch, slots, heads, head_dim] = [{c.num_layers}"
+            f", {B}, S, {c.num_heads}, {c.head_dim}] and positions, valid [{B}, S]: "
+            f"KVCache.empty(config, {B}, S)"
+        )
+
+
 def _check_config(c) -> None:
     """A ModelConfig built by hand (not by :func:`lexjax.make_config`, which
     checks everything) fails here with one line, not deep inside Flax (an unknown
@@ -432,6 +452,9 @@ class Decoder(nn.Module):
             positions_BxT = pos_lib.as_positions(_rows("positions", positions_BxT, B, T))
         if segment_ids_BxT is not None:
             segment_ids_BxT = _rows("segment ids", segment_ids_BxT, B, T)
+        for name, kv_cache in (("cache", cache), ("sinks", sinks)):
+            if kv_cache is not None:
+                _check_cache(name, kv_cache, c, B)
 
         embed = nn.Embed(
             c.vocab_size,

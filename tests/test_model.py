@@ -286,6 +286,16 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
         model.apply(
             variables, jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache=cache
         )
+    # A cache of another model or batch: fewer layers than the model's read the last
+    # one again (JAX clamps the index), more were ignored, both with no error; another
+    # batch or head count was a concatenation TypeError inside attention.
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    for other, rows in (({"num_layers": 1}, 2), ({"num_layers": 3}, 2), ({}, 1)):
+        other = dataclasses.replace(config.model, **other)
+        with pytest.raises(ValueError, match=r"^the cache holds k .* need k, v \[layers,"):
+            model.apply(variables, tokens, jnp.arange(4), cache=KVCache.empty(other, rows, 4))
+    with pytest.raises(ValueError, match="^sinks must be a lexjax.blockwise.KVCache, got tuple"):
+        model.apply(variables, tokens, jnp.arange(4), cache=cache, window=2, sinks=(1, 2))
     # Segment ids of another shape were a TypeError from jnp's `and` of the masks.
     with pytest.raises(ValueError, match=r"segment ids of shape \(1, 7\) do not broadcast"):
         model.apply(variables, jnp.zeros((1, 8), jnp.int32), None, jnp.ones((1, 7), jnp.int32))
