@@ -455,6 +455,14 @@ class Decoder(nn.Module):
         for name, kv_cache in (("cache", cache), ("sinks", sinks)):
             if kv_cache is not None:
                 _check_cache(name, kv_cache, c, B)
+        if (sinks is None) != (sink_positions_BxT is None):
+            # Sinks alone were "None is not a valid value for jnp.array"; positions
+            # alone were ignored.
+            raise ValueError("sinks and sink_positions_BxT come together: give both or neither")
+        if sinks is not None:  # was "the context's q tables hold 3 positions …"
+            sink_positions_BxT = pos_lib.as_positions(
+                _rows("sink positions", sink_positions_BxT, B, T), "sink positions"
+            )
 
         embed = nn.Embed(
             c.vocab_size,

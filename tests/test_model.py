@@ -296,6 +296,25 @@ def test_inputs_of_the_wrong_shape_or_beyond_the_learned_table_are_value_errors(
             model.apply(variables, tokens, jnp.arange(4), cache=KVCache.empty(other, rows, 4))
     with pytest.raises(ValueError, match="^sinks must be a lexjax.blockwise.KVCache, got tuple"):
         model.apply(variables, tokens, jnp.arange(4), cache=cache, window=2, sinks=(1, 2))
+    # Sinks without their query positions, or these without sinks, or of another shape.
+    sinks = KVCache.empty(config.model, 2, 2)
+    for sink_positions, message in (
+        (None, "^sinks and sink_positions_BxT come together"),
+        (jnp.arange(3), r"^sink positions of shape \(3,\) do not broadcast"),
+        (jnp.arange(4.0), "^sink positions must be integers"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            model.apply(
+                variables,
+                tokens,
+                jnp.arange(4),
+                cache=cache,
+                window=2,
+                sinks=sinks,
+                sink_positions_BxT=sink_positions,
+            )
+    with pytest.raises(ValueError, match="^sinks and sink_positions_BxT come together"):
+        model.apply(variables, tokens, jnp.arange(4), cache=cache, sink_positions_BxT=[0] * 4)
     # Segment ids of another shape were a TypeError from jnp's `and` of the masks.
     with pytest.raises(ValueError, match=r"segment ids of shape \(1, 7\) do not broadcast"):
         model.apply(variables, jnp.zeros((1, 8), jnp.int32), None, jnp.ones((1, 7), jnp.int32))
