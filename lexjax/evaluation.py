@@ -102,7 +102,7 @@ from lexjax.config import (
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError, arg, counted, one_line
 from lexjax.model import Decoder
-from lexjax.progress import Progress
+from lexjax.progress import Progress, note
 
 __all__ = [
     "MODES",
@@ -154,7 +154,7 @@ DEFAULT_MAX_DOCS = 20
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    note(message)  # a stderr whose reader went away stops no evaluation
 
 
 def _check_block(block: int):

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -55,7 +54,7 @@ from lexjax.blockwise import bca_problem
 from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
 from lexjax.errors import DataError, EvaluationError, arg, counted
 from lexjax.model import Decoder
-from lexjax.progress import Progress
+from lexjax.progress import Progress, note
 
 __all__ = [
     "FILLER",
@@ -111,7 +110,7 @@ COPY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    note(message)  # a stderr whose reader went away stops no evaluation
 
 
 class Sample(NamedTuple):

@@ -6,15 +6,20 @@ and an ETA). When the stream is neither (Colab's ``!python``, nohup, CI logs) it
 prints plain ``label done/total ...`` lines, at most one per
 ``min_interval_s`` seconds and always the last one, so a long evaluation is
 never silent and a log holds no escape codes.
+
+What it prints is a view of the work, never the work: a stream that fails (its
+reader gone, ``eval.py 2>&1 | head``) ends the display, and the program goes on
+to its results and its own status (the stdout it shares fails there too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TextIO
 
-__all__ = ["Progress", "end_open_line"]
+__all__ = ["Progress", "end_open_line", "note"]
 
 # The display whose line is drawn on a terminal and not yet ended (see end_open_line).
 _open: Progress | None = None
@@ -73,21 +78,37 @@ class Progress:
             # left the end of the one before on the screen.
             line = f"[{bar}] {status} "
             self._width = max(self._width, len(line))
-            print("\r" + line.ljust(self._width), end="", file=self.stream, flush=True)
-            self._drawn = True
+            self._drawn = self._print("\r" + line.ljust(self._width), end="")
             global _open
-            _open = self
+            _open = self if self._drawn else None
         elif now - self._last_line >= self.min_interval_s or done >= self.total:
-            print(status, file=self.stream, flush=True)
+            self._print(status)
             self._last_line = now
 
     def close(self) -> None:
         global _open
         if self.tty and self._drawn:
-            print(file=self.stream, flush=True)
+            self._print()
         self._drawn = False
         if _open is self:
             _open = None
+
+    def _print(self, *text: str, end: str = "\n") -> bool:
+        """Prints ``text``; where the stream fails, the display ends (returns False)."""
+        try:
+            print(*text, end=end, file=self.stream, flush=True)
+            return True
+        except (OSError, ValueError):  # its reader gone, a full disk, a closed file
+            self.enabled = self.tty = False
+            return False
+
+
+def note(message: str) -> None:
+    """``message`` as a line on stderr, where it can still be said: like the display,
+    a note is not the work, and a stderr whose reader went away
+    (``eval.py 2>&1 | head``) is no reason to stop it."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=sys.stderr, flush=True)
 
 
 def end_open_line() -> None:

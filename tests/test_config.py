@@ -900,3 +900,39 @@ def test_an_unquoted_glob_the_shell_expanded_is_told_to_be_quoted(tmp_path):
     assert f"quote it, --FLAG='{tmp_path}/*.txt'" in said
     with pytest.raises(cfg.ConfigError, match=r"did you mean --workdir=runs/x\?"):
         cfg.no_arguments(["eval.py", "runs/x"])  # not a file: still a workdir
+
+
+def test_a_progress_display_or_note_on_a_gone_stderr_stops_no_work(monkeypatch):
+    """`eval.py 2>&1 | head`: a progress line or a note written after the reader went
+    away raised BrokenPipeError from inside the evaluation (exit 1, results lost). The
+    display ends there instead, silently, and a note is dropped."""
+    import io
+
+    from lexjax import progress
+    from lexjax.progress import Progress
+
+    class Gone(io.StringIO):
+        writes = 0
+
+        def isatty(self):
+            return self.tty
+
+        def write(self, text):
+            Gone.writes += 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+    for tty in (False, True):
+        stream = Gone()
+        stream.tty = tty
+        bar = Progress(4, label="tokens", stream=stream, min_interval_s=0)
+        for done in range(1, 5):
+            bar.update(done, "bca 16")
+        bar.close()
+        assert Gone.writes == 1, tty  # the first failed; none was tried after it
+        Gone.writes = 0
+    monkeypatch.setattr(sys, "stderr", Gone())
+    progress.note("note: 1 of 2 documents is shorter than the budget")
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    progress.note("note: a closed stderr")

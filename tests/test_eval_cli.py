@@ -428,6 +428,35 @@ def test_a_stdout_closed_early_keeps_the_results(workdir, tmp_path, kind, flags,
     assert (copy / "eval" / written).is_file()
 
 
+@pytest.mark.parametrize(
+    "flags, written",
+    [
+        (["--lengths=32", "--max_length=32", "--max_docs=1"], "perplexity.json"),
+        (["--generate", "--max_new_tokens=200"], None),
+    ],
+)
+def test_a_merged_stderr_closed_early_ends_quietly_too(workdir, tmp_path, flags, written):
+    """`eval.py 2>&1 | head -n 1`: the reader also of stderr went away, and the next
+    progress line (or note) on it was a BrokenPipeError, exit 1, no results kept. The
+    display and the notes are not the work: the run goes on, keeps its results and ends
+    as with stdout alone closed (141)."""
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval"))
+    proc = subprocess.Popen(
+        [sys.executable, "eval.py", f"--workdir={copy}", *flags],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout.readline().startswith("mesh ")  # what `head -n 1` takes
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 141
+    if written:
+        assert (copy / "eval" / written).is_file()
+
+
 def test_a_stdout_that_cannot_take_the_tables_is_one_line(workdir, tmp_path):
     """`eval.py > /dev/full`: was an OSError traceback, exit 1. Its first line (the
     mesh) fails already, before any computation."""
