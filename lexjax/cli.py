@@ -175,6 +175,7 @@ def run_eval(
         uses = {"lengths", "seed", *_KEYED, *(("eval_files", "max_docs") if text else ())}
     if not (generate or passkey_run):
         evaluation.check_modes(modes, sinks=sinks)
+        evaluation.check_resolution_modes(resolution, modes)
     if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")

@@ -110,6 +110,7 @@ __all__ = [
     "DEFAULT_SINKS",
     "DEFAULT_MAX_DOCS",
     "check_settings",
+    "check_resolution_modes",
     "at_length",
     "block_scan_logprobs",
     "sinks_logprobs",
@@ -914,6 +915,18 @@ def check_modes(modes, *, sinks: int = DEFAULT_SINKS, allowed=MODES) -> tuple[st
     return modes
 
 
+def check_resolution_modes(resolution: bool, modes: Sequence[str]) -> None:
+    """A :class:`ConfigError` where ``resolution`` is asked with none of the modes it is
+    measured in (:data:`RESOLUTION_MODES`): the settings contradict each other, so
+    eval.py refuses them before the run loads (exit 2), as the API does."""
+    if resolution and not set(modes) & set(RESOLUTION_MODES):
+        raise ConfigError(
+            f"{arg('resolution')} is measured in {' or '.join(RESOLUTION_MODES)} mode, which "
+            f"{arg('modes')}={','.join(modes)} leaves out; add one or leave "
+            f"{arg('resolution')} out"
+        )
+
+
 def check_settings(
     lengths: Sequence[int] | None = None,
     max_length: int | None = None,
@@ -1111,12 +1124,8 @@ def evaluate_run(
     train_len, position = config.train_len, config.model.position
     if "sinks" in modes:
         sink_window(config.block, sinks)
+    check_resolution_modes(resolution, modes)
     resolution_modes = [m for m in modes if m in RESOLUTION_MODES]
-    if resolution and not resolution_modes:
-        raise EvaluationError(
-            f"resolution is measured in {' or '.join(RESOLUTION_MODES)} mode; add one to the "
-            "modes or leave resolution out"
-        )
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"
     given, max_length = max_length is not None, budget(train_len, lengths, max_length)

@@ -529,6 +529,30 @@ def test_a_flag_the_run_would_ignore_is_refused_before_it_loads(tmp_path, flags,
         cli.run_eval(str(tmp_path / "never-read"), **{**generation.SAMPLING, **flags})
 
 
+def test_resolution_without_a_mode_it_measures_is_refused_before_it_loads(tmp_path):
+    """`--resolution --modes=sinks`: refused only after the checkpoint had loaded, exit 6,
+    though the flags alone contradict each other (exit 2, as a flag the run ignores).
+    The API says the same with its own names, a ConfigError too."""
+    from lexjax import cli, evaluation, generation, make_config
+    from lexjax.errors import ConfigError
+
+    message = (
+        "--resolution is measured in bca or full mode, which --modes=sinks leaves out; "
+        "add one or leave --resolution out"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        cli.run_eval(
+            str(tmp_path / "never-read"), modes=["sinks"], resolution=True, **generation.SAMPLING
+        )
+    api = message.replace("--", "")
+    with pytest.raises(ConfigError, match=f"^{re.escape(api)}$"):
+        evaluation.evaluate_run(
+            make_config({"train_len": 32}), None, 0, str(tmp_path), modes=["sinks"], resolution=True
+        )
+    # With a mode it measures beside sinks, nothing is refused before the run loads.
+    evaluation.check_resolution_modes(True, ["sinks", "full"])
+
+
 def test_passkey_and_generate_modes_name_only_the_modes_they_decode_in(tmp_path):
     """`--passkey --modes=dense` suggested sinks, which passkey then refused; so did
     `--generate --modes=dense`. Each names its run, as test_fuzz.py asks of each flag."""
