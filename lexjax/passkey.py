@@ -651,7 +651,7 @@ def evaluate_passkey(
     def show():
         print(
             f"passkey retrieval of {workdir} (step {step}, position={position}, "
-            f"train_len={train_len}): {trials} keys per cell, filler: {source}\n"
+            f"train_len={train_len}): {counted(trials, 'key')} per cell, filler: {source}\n"
         )
         print(reports.passkey_table(results, position, skipped=skipped))
 

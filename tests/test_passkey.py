@@ -400,6 +400,17 @@ def test_cells_generation_cannot_decode_are_skipped_with_a_reason(model_params, 
             passkey.passkey_accuracy(model, params, block=24, lengths=lengths, modes=modes)
 
 
+def test_the_passkey_title_counts_one_key_as_one(model_params, tmp_path, capsys):
+    """`--passkey_trials=1` printed "1 keys per cell"."""
+    config, _, params = model_params
+    for trials, said in ((1, "1 key per cell"), (2, "2 keys per cell")):
+        passkey.evaluate_passkey(
+            config, params, 5, str(tmp_path), lengths=[96], depths=[0.0], trials=trials,
+            modes=["bca"],
+        )  # fmt: skip
+        assert f"train_len={TRAIN_LEN}): {said}, filler: " in capsys.readouterr().out
+
+
 def test_evaluate_passkey_writes_the_json_the_heat_maps_and_a_table(model_params, tmp_path, capsys):
     config, _, params = model_params
     workdir = str(tmp_path / "run")
