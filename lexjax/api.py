@@ -253,7 +253,7 @@ class Run:
         seed: int = 0,
         mode: str = "bca",
         on_text=None,
-        progress: bool = True,
+        progress: bool | None = None,
     ) -> str:
         """The text the model writes after ``prompt``, up to its first end-of-document.
 
@@ -263,9 +263,11 @@ class Run:
         is greedy; ``top_k`` 0 and ``top_p`` 1 mean no limit. ``mode="full"``
         decodes without BCA: plain causal attention over every earlier token,
         whose cache grows with the text (:func:`lexjax.generation.generate`).
-        More than ``generation.CHUNK`` (1024) tokens show progress on stderr
-        (``progress=False``: not). ``on_text`` (e.g. ``functools.partial(print,
-        end="")``) is given the text as it comes, in pieces that join to the result
+        More than ``generation.CHUNK`` (1024) tokens show progress on stderr, unless
+        ``on_text`` takes the text, which is its own progress (``progress=True``: shown
+        then too, every 64 tokens; ``False``: never). ``on_text`` (e.g.
+        ``functools.partial(print, end="")``) is given the text as it comes, in pieces
+        that join to the result
         (on every process of a multi-process run), e.g. ``sys.stdout.write``; where it
         returns ``True`` (or numpy's; any other value goes on), on any process, the writing ends
         there (every process stops after that chunk).

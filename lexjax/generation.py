@@ -527,7 +527,7 @@ def complete(
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     mode: str = "bca",
     on_text=None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> str:
     """The text a run's model writes after ``prompt`` (from BOS), up to its first EOS,
     in the run's ``tokenizer`` (:func:`lexjax.checkpoint.load_tokenizer`), decoding
@@ -538,11 +538,15 @@ def complete(
     back until it is whole): joined, they are the returned text. Where it returns
     ``True`` (or numpy's, on any process), the writing ends there and the text so
     far is returned; any other value goes on (a writer's ``write`` returns a count).
-    ``progress``: the progress display on stderr of more than one chunk.
+    ``progress``: the progress display on stderr of more than one chunk; None (the
+    default): only where no ``on_text`` takes the text, which shows its own progress
+    as it comes (on a terminal the display's redrawn line wrote over that text).
     """
     check_sampling(prompt=prompt)
     if on_text is not None and not callable(on_text):
         raise ConfigError(f"on_text must be a function of the text or None, got {on_text!r}")
+    if progress is None:
+        progress = on_text is None
     stream = TextStream(tokenizer)
 
     def show(tokens_BxC) -> bool:

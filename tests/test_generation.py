@@ -649,6 +649,25 @@ def test_a_text_stream_joins_to_the_decoded_text_however_the_ids_are_split():
             assert joined == tokenizer.decode(ids)
 
 
+def test_text_handed_on_as_it_comes_draws_no_progress_over_it(capsys):
+    """`run.generate(..., on_text=functools.partial(print, end=""))` on a terminal: the
+    progress display's line, redrawn from column 0 every 64 tokens, wrote over the text
+    printed on it, though the docstring promised a display only past 1024 tokens. The
+    text is its own progress; progress=True still asks for the display (eval.py's
+    --generate into a file)."""
+    config = small_config()
+    model = Decoder(config.model)
+    params = nn.unbox(model.init(jax.random.key(2), jnp.zeros((1, 16), jnp.int32))["params"])
+    sampled = dict(max_new_tokens=100, seed=0, temperature=0.0)
+    pieces = []
+    text = generation.complete(config, params, "ab", on_text=pieces.append, **sampled)
+    assert "".join(pieces) == text
+    assert capsys.readouterr().err == ""
+    generation.complete(config, params, "ab", on_text=pieces.append, progress=True, **sampled)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("generated 64/100 ") and lines[-1].startswith("generated 100/100 ")
+
+
 def test_complete_hands_on_the_text_chunk_by_chunk(monkeypatch):
     config = small_config()
     model = Decoder(config.model)
