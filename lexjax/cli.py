@@ -17,6 +17,7 @@ from lexjax import api, checkpoint, distributed, errors, evaluation, generation,
 from lexjax import config as cfg
 from lexjax.config import ConfigError, from_configdict
 from lexjax.errors import one_line, report
+from lexjax.progress import note
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
 
@@ -199,10 +200,13 @@ def run_eval(
             new = sampling.get("max_new_tokens", generation.SAMPLING["max_new_tokens"])
             check = lambda config: generation.check_stored_run(config, prompt, new, modes[0])
         run = api.load(workdir, check=check)
-        # Like train.py's; on stderr with --generate, whose stdout is the text alone.
-        print(
-            f"mesh {dict(run.mesh.shape)}", file=sys.stderr if generate else sys.stdout, flush=True
-        )
+        # Like train.py's; on stderr with --generate, whose stdout is the text alone (a
+        # note there: a stderr that cannot take it stops no generation).
+        mesh = f"mesh {dict(run.mesh.shape)}"
+        if generate:
+            note(mesh)
+        else:
+            print(mesh, flush=True)
         if generate:  # the text as it comes; on a terminal it shows the progress itself
             sampling.update(progress=not sys.stdout.isatty())
             generation.print_continuation(

@@ -43,7 +43,7 @@ import sys
 
 from absl import logging as absl_logging
 
-from lexjax.progress import end_open_line
+from lexjax.progress import end_open_line, note
 from lexjax.signals import say_interrupted
 
 __all__ = [
@@ -425,8 +425,9 @@ def report(program, *args, **kwargs) -> int:
     except LexjaxError as e:
         end_open_line()
         # Whole: the message is ours, and its advice comes last, after paths that may
-        # be long (a foreign reason inside it was cut already).
-        print(f"error: {one_line(e, limit=4000)}", file=sys.stderr, flush=True)
+        # be long (a foreign reason inside it was cut already). A stderr whose reader
+        # went away (`2>&1 | head`) takes no line, and the status still says the kind.
+        note(f"error: {one_line(e, limit=4000)}")
         return e.exit_code
     except SystemExit as e:  # absl's app.run ends its program so, with its status
         if _stopped_mid_work and _ends_process() and isinstance(e.code, int | None):

@@ -936,3 +936,23 @@ def test_a_progress_display_or_note_on_a_gone_stderr_stops_no_work(monkeypatch):
     closed.close()
     monkeypatch.setattr(sys, "stderr", closed)
     progress.note("note: a closed stderr")
+
+
+def test_an_error_line_stderr_cannot_take_still_ends_with_its_kinds_status(monkeypatch):
+    """`eval.py --eval_files=GONE 2>&1 | head -n 1`: the error line, written after the
+    reader went away, raised BrokenPipeError inside report(): exit 1 (a bug) instead of
+    the error's own status (3)."""
+    import io
+
+    from lexjax import errors
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Gone())
+
+    def program():
+        raise errors.DataError("--eval_files='gone/*' matches no files")
+
+    assert errors.report(program) == 3

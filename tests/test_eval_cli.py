@@ -457,6 +457,23 @@ def test_a_merged_stderr_closed_early_ends_quietly_too(workdir, tmp_path, flags,
         assert (copy / "eval" / written).is_file()
 
 
+def test_generate_writes_its_text_where_stderr_cannot_take_the_mesh_line(workdir):
+    """`eval.py --generate 2>/dev/full`: its mesh line goes to stderr, and a stderr that
+    could not take it ended the run before any text, exit 1."""
+    args = [f"--workdir={workdir}", "--generate", "--prompt=ab", "--max_new_tokens=3"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "eval.py", *args, "--temperature=0"],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=full,
+            text=True,
+            timeout=300,
+        )
+    assert done.returncode == 0 and done.stdout.startswith("ab") and done.stdout.endswith("\n")
+
+
 def test_a_stdout_that_cannot_take_the_tables_is_one_line(workdir, tmp_path):
     """`eval.py > /dev/full`: was an OSError traceback, exit 1. Its first line (the
     mesh) fails already, before any computation."""
