@@ -14,7 +14,6 @@ to its results and its own status (the stdout it shares fails there too).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from typing import TextIO
@@ -95,20 +94,32 @@ class Progress:
 
     def _print(self, *text: str, end: str = "\n") -> bool:
         """Prints ``text``; where the stream fails, the display ends (returns False)."""
-        try:
-            print(*text, end=end, file=self.stream, flush=True)
+        if _said(self.stream, *text, end=end):
             return True
-        except (OSError, ValueError):  # its reader gone, a full disk, a closed file
-            self.enabled = self.tty = False
+        self.enabled = self.tty = False
+        return False
+
+
+def _said(stream, *text: str, end: str = "\n") -> bool:
+    """Prints ``text`` on ``stream``; False where the stream cannot take it (its reader
+    gone, a full disk, a closed file). Another error is raised: a guarded stdout's own
+    one-line error (:mod:`lexjax.errors`, a ValueError) stays the program's."""
+    try:
+        print(*text, end=end, file=stream, flush=True)
+        return True
+    except OSError:
+        return False
+    except ValueError:
+        if getattr(stream, "closed", False):
             return False
+        raise
 
 
 def note(message: str) -> None:
     """``message`` as a line on stderr, where it can still be said: like the display,
     a note is not the work, and a stderr whose reader went away
     (``eval.py 2>&1 | head``) is no reason to stop it."""
-    with contextlib.suppress(OSError, ValueError):
-        print(message, file=sys.stderr, flush=True)
+    _said(sys.stderr, message)
 
 
 def end_open_line() -> None:

@@ -956,3 +956,26 @@ def test_an_error_line_stderr_cannot_take_still_ends_with_its_kinds_status(monke
         raise errors.DataError("--eval_files='gone/*' matches no files")
 
     assert errors.report(program) == 3
+
+
+def test_a_guarded_stdouts_own_error_is_not_taken_for_a_gone_reader(tmp_path):
+    """A display on a guarded stdout with no fallback (errors.stdout_failures; a full
+    disk) meets its one-line EvaluationError, a ValueError: that error is the program's
+    and is raised, where only a closed stream's ValueError ends the display quietly."""
+    import io
+
+    from lexjax import errors
+    from lexjax.progress import Progress
+
+    full = open("/dev/full", "w")  # noqa: SIM115 (its close fails too: what it holds)
+    guarded = errors._GuardedStdout(full)
+    with pytest.raises(errors.EvaluationError, match="^cannot write to stdout"):
+        Progress(2, label="step", stream=guarded, min_interval_s=0).update(1)
+    with contextlib.suppress(OSError):
+        full.close()
+    closed = io.StringIO()
+    bar = Progress(2, label="step", stream=closed, min_interval_s=0)
+    closed.close()
+    bar.update(1)
+    bar.update(2)
+    assert not bar.enabled
