@@ -53,8 +53,9 @@ class Progress:
     ):
         self.total, self.label, self.start = max(int(total), 1), label, start
         self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and _redraws_lines(self.stream)
+        # None: the program started without a stderr (`2>&-`), and there is nowhere to draw.
+        self.enabled = enabled and self.stream is not None
+        self.tty = self.enabled and _redraws_lines(self.stream)
         self.min_interval_s = min_interval_s
         self.t0 = time.perf_counter()
         self._last_line = -float("inf")
@@ -118,8 +119,10 @@ def _said(stream, *text: str, end: str = "\n") -> bool:
 def note(message: str) -> None:
     """``message`` as a line on stderr, where it can still be said: like the display,
     a note is not the work, and a stderr whose reader went away
-    (``eval.py 2>&1 | head``) is no reason to stop it."""
-    _said(sys.stderr, message)
+    (``eval.py 2>&1 | head``) is no reason to stop it. Without a stderr (`2>&-`), nowhere
+    (print would take stdout instead)."""
+    if sys.stderr is not None:
+        _said(sys.stderr, message)
 
 
 def end_open_line() -> None:

@@ -979,3 +979,19 @@ def test_a_guarded_stdouts_own_error_is_not_taken_for_a_gone_reader(tmp_path):
     bar.update(1)
     bar.update(2)
     assert not bar.enabled
+
+
+def test_without_a_stderr_the_display_and_notes_go_nowhere(monkeypatch, capsys):
+    """`eval.py 2>&- | tail`: sys.stderr is None, and the display's first question
+    (is it a terminal?) was an AttributeError, exit 1; a note went to stdout, among
+    the tables (print with file=None writes there)."""
+    from lexjax import progress
+    from lexjax.progress import Progress
+
+    monkeypatch.setattr(sys, "stderr", None)
+    bar = Progress(2, label="tokens", min_interval_s=0)
+    bar.update(1)
+    bar.update(2)
+    bar.close()
+    progress.note("note: 1 of 2 documents is shorter than the budget")
+    assert not bar.enabled and capsys.readouterr().out == ""
