@@ -175,8 +175,7 @@ def run_eval(
         verb = "--passkey" + ("" if text else " with --passkey_filler=repeat")
         uses = {"lengths", "seed", *_KEYED, *(("eval_files", "max_docs") if text else ())}
     if not (generate or passkey_run):
-        evaluation.check_modes(modes, sinks=sinks)
-        evaluation.check_resolution_modes(resolution, modes)
+        evaluation.check_modes(modes, sinks=sinks, resolution=resolution)
     if names := [f"--{name}" for name, value in given.items() if value and name not in uses]:
         them = "it" if len(names) == 1 else "them"
         raise ConfigError(f"{verb} does not use {', '.join(names)}; leave {them} out")
@@ -200,19 +199,15 @@ def run_eval(
             new = sampling.get("max_new_tokens", generation.SAMPLING["max_new_tokens"])
             check = lambda config: generation.check_stored_run(config, prompt, new, modes[0])
         run = api.load(workdir, check=check)
-        # Like train.py's; on stderr with --generate, whose stdout is the text alone (a
-        # note there: a stderr that cannot take it stops no generation).
-        mesh = f"mesh {dict(run.mesh.shape)}"
-        if generate:
+        mesh = f"mesh {dict(run.mesh.shape)}"  # as train.py's; --generate's stdout is its text:
+        if generate:  # the mesh a note on stderr (which may fail), then the text as it comes
             note(mesh)
-        else:
-            print(mesh, flush=True)
-        if generate:  # the text as it comes; on a terminal it shows the progress itself
-            sampling.update(progress=not sys.stdout.isatty())
+            sampling.update(progress=not sys.stdout.isatty())  # (a terminal's text: progress)
             generation.print_continuation(
                 prompt, lambda show: run.generate(prompt, mode=modes[0], on_text=show, **sampling)
             )
             return 0
+        print(mesh, flush=True)
         if passkey_run:
             settings = dict(depths=depths, trials=passkey_trials, filler=passkey_filler)
             settings.update(eval_files=eval_files, seed=sampling.get("seed", 0))

@@ -110,7 +110,6 @@ __all__ = [
     "DEFAULT_SINKS",
     "DEFAULT_MAX_DOCS",
     "check_settings",
-    "check_resolution_modes",
     "at_length",
     "block_scan_logprobs",
     "sinks_logprobs",
@@ -894,11 +893,15 @@ def default_lengths(train_len: int) -> list[int]:
     return [m * train_len for m in (1, 2, 4, 8, 16)]
 
 
-def check_modes(modes, *, sinks: int = DEFAULT_SINKS, allowed=MODES) -> tuple[str, ...]:
+def check_modes(
+    modes, *, sinks: int = DEFAULT_SINKS, allowed=MODES, resolution: bool = False
+) -> tuple[str, ...]:
     """``modes`` in their order without repeats, some of ``allowed`` (else a
     :class:`ConfigError`: none, or one unknown); a sink count other than the
-    default (``sinks``) only with mode ``"sinks"``, the one that uses it. The
-    message names the API's arguments, or eval.py's flags (:func:`lexjax.errors.arg`)."""
+    default (``sinks``) only with mode ``"sinks"``, the one that uses it, and
+    ``resolution`` only with a mode it is measured in (:data:`RESOLUTION_MODES`;
+    eval.py refuses it before the run loads, exit 2). The message names the API's
+    arguments, or eval.py's flags (:func:`lexjax.errors.arg`)."""
     use = f"use some of {', '.join(allowed)}"
     if not isinstance(modes, (str, Iterable)):
         raise ConfigError(f"{arg('modes')}={modes!r}: {use}")
@@ -912,19 +915,13 @@ def check_modes(modes, *, sinks: int = DEFAULT_SINKS, allowed=MODES) -> tuple[st
             f"{arg('sinks')}={sinks} is the sink count of mode sinks, which {arg('modes')}="
             f"{','.join(modes)} leaves out; add sinks to {arg('modes')} or leave {arg('sinks')} out"
         )
-    return modes
-
-
-def check_resolution_modes(resolution: bool, modes: Sequence[str]) -> None:
-    """A :class:`ConfigError` where ``resolution`` is asked with none of the modes it is
-    measured in (:data:`RESOLUTION_MODES`): the settings contradict each other, so
-    eval.py refuses them before the run loads (exit 2), as the API does."""
     if resolution and not set(modes) & set(RESOLUTION_MODES):
         raise ConfigError(
             f"{arg('resolution')} is measured in {' or '.join(RESOLUTION_MODES)} mode, which "
             f"{arg('modes')}={','.join(modes)} leaves out; add one or leave "
             f"{arg('resolution')} out"
         )
+    return modes
 
 
 def check_settings(
@@ -1111,7 +1108,7 @@ def evaluate_run(
     eval_files = None if eval_files is None else os.fspath(eval_files)
     names = (arg("rope_scaling"), arg("rope_factor"))  # eval.py's flags, or the API's
     check_rope_scaling(rope_scaling, rope_factor, config.model.position, names=names)
-    modes = check_modes(modes, sinks=sinks)
+    modes = check_modes(modes, sinks=sinks, resolution=resolution)
     if rope_scaling != "none":
         scaled = dataclasses.replace(
             config.model, rope_scaling=rope_scaling, rope_factor=float(rope_factor)
@@ -1124,7 +1121,6 @@ def evaluate_run(
     train_len, position = config.train_len, config.model.position
     if "sinks" in modes:
         sink_window(config.block, sinks)
-    check_resolution_modes(resolution, modes)
     resolution_modes = [m for m in modes if m in RESOLUTION_MODES]
     # The tables' and figures' name of the model: the position and its extension.
     label = position if rope_scaling == "none" else f"{position}+{rope_scaling}"

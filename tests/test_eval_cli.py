@@ -567,7 +567,7 @@ def test_resolution_without_a_mode_it_measures_is_refused_before_it_loads(tmp_pa
             make_config({"train_len": 32}), None, 0, str(tmp_path), modes=["sinks"], resolution=True
         )
     # With a mode it measures beside sinks, nothing is refused before the run loads.
-    evaluation.check_resolution_modes(True, ["sinks", "full"])
+    assert evaluation.check_modes(["sinks", "full"], resolution=True) == ("sinks", "full")
 
 
 def test_passkey_and_generate_modes_name_only_the_modes_they_decode_in(tmp_path):
