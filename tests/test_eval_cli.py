@@ -400,6 +400,18 @@ def test_a_ctrl_c_a_callback_swallowed_still_ends_the_program():
     assert done.stderr == "interrupted (Ctrl-C)\n" and time.monotonic() - started < 110
 
 
+def _head_n_1(workdir, flags, stderr) -> subprocess.Popen:
+    """eval.py on ``workdir`` whose stdout is closed after its first line, the mesh line,
+    as ``eval.py | head -n 1`` closes it (``stderr``: where its stderr goes)."""
+    argv = [sys.executable, "eval.py", f"--workdir={workdir}", *flags]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
+    assert proc.stdout.readline().startswith("mesh ")  # what `head -n 1` takes
+    proc.stdout.close()
+    return proc
+
+
 @pytest.mark.parametrize(
     "kind, flags, written",
     [
@@ -412,17 +424,8 @@ def test_a_stdout_closed_early_keeps_the_results(workdir, tmp_path, kind, flags,
     reader going away was a BrokenPipeError traceback, exit 1, and no results kept."""
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval"))
-    args = [sys.executable, "eval.py", f"--workdir={copy}", *flags]
-    proc = subprocess.Popen(
-        [*args, "--passkey_trials=1"] if kind == "passkey" else [*args, "--max_docs=1"],
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout.readline().startswith("mesh ")  # what `head -n 1` takes
-    proc.stdout.close()
+    more = ["--passkey_trials=1"] if kind == "passkey" else ["--max_docs=1"]
+    proc = _head_n_1(copy, [*flags, *more], stderr=subprocess.PIPE)
     err = proc.communicate(timeout=300)[1]
     assert proc.returncode == 141 and "Traceback" not in err, err[-3000:]
     assert (copy / "eval" / written).is_file()
@@ -442,17 +445,7 @@ def test_a_merged_stderr_closed_early_ends_quietly_too(workdir, tmp_path, flags,
     as with stdout alone closed (141)."""
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("eval"))
-    proc = subprocess.Popen(
-        [sys.executable, "eval.py", f"--workdir={copy}", *flags],
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout.readline().startswith("mesh ")  # what `head -n 1` takes
-    proc.stdout.close()
-    assert proc.wait(timeout=300) == 141
+    assert _head_n_1(copy, flags, stderr=subprocess.STDOUT).wait(timeout=300) == 141
     if written:
         assert (copy / "eval" / written).is_file()
 
