@@ -868,9 +868,10 @@ def _first_long(documents, length: int, count: int) -> tuple[list, int, int]:
     return chosen, seen, longest
 
 
-def select_documents(documents, max_length: int, *, max_docs: int, where: str):
+def select_documents(documents, max_length: int, *, max_docs: int, where: str, lengths=()):
     """The first ``max_docs`` documents with at least ``max_length + 1`` tokens (the
-    budget and the token after it); :class:`DataError` when there is none."""
+    budget and the token after it); :class:`DataError` when there is none, whose advice
+    names a budget and the asked ``lengths`` that fit and divide it."""
     chosen, seen, longest = _first_long(documents, max_length + 1, max_docs)
     if 0 < len(chosen) < seen:
         among = seen if seen == len(documents) else f"the first {seen}"
@@ -879,11 +880,22 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str):
             f"the budget of {max_length} tokens + 1 and are left out"
         )
     if not chosen:
+        fit = max(longest - 1, 1)
+        # The default lengths (1…16 × train_len) left the advice to the user, whose budget
+        # then held not the largest one: a second error. Here, those of the asked lengths
+        # that fit, and the largest budget they all divide (or the largest of them).
+        fitting = [n for n in lengths if n <= fit]
+        such = ""
+        if fitting:
+            most = fit // math.lcm(*fitting) * math.lcm(*fitting) or max(fitting)
+            fitting = [n for n in fitting if most % n == 0]
+            such = f", such as {arg('max_length')}={most} {arg('lengths')}="
+            such += ",".join(map(str, fitting))
         raise DataError(
             f"no document is long enough for the budget of {max_length} tokens (in {where}: "
             f"{counted(len(documents), 'document')}, the longest {longest} tokens); pass "
-            f"{arg('max_length')}={max(longest - 1, 1)} or less (with {arg('lengths')} that "
-            f"divide it) or other {arg('eval_files')}"
+            f"{arg('max_length')}={fit} or less (with {arg('lengths')} that "
+            f"divide it{such}) or other {arg('eval_files')}"
         )
     return chosen
 
@@ -1140,7 +1152,9 @@ def evaluate_run(
     where, documents = held_out_documents(
         config, eval_files, say, tokenizer=tokenizer, corpus=corpus, max_tokens=needed
     )
-    chosen = select_documents(documents, max_length, max_docs=max_docs, where=where)
+    chosen = select_documents(
+        documents, max_length, max_docs=max_docs, where=where, lengths=lengths
+    )
     if resolution:  # refused before the perplexity run, not after it
         measured_docs = resolution_documents(documents, train_len, max_docs=max_docs, where=where)
     out_dir = reports.output_dir(workdir, out_dir)  # every setting checked: before computing

@@ -608,3 +608,22 @@ def test_no_document_long_enough_says_where_how_many_and_the_largest_budget():
     ), e.value
     # 19 is enough: the budget and the token after it.
     assert evaluation.select_documents(documents, 19, max_docs=5, where="x") == [[1] * 20]
+    # With the lengths asked, the advice names a budget and lengths that work as given:
+    # "19 or less" alone, followed with the default lengths, was the next error (the
+    # budget must hold the largest length and be divided by one).
+    for lengths, such in (
+        ([4, 8, 16, 32, 64], "max_length=16 lengths=4,8,16"),
+        ([3, 4, 6, 40], "max_length=12 lengths=3,4,6"),
+        ([7, 9, 30], "max_length=9 lengths=9"),  # lcm 63 > 19: the largest that fits
+        ([20, 40], ""),  # none fits: no example
+    ):
+        with pytest.raises(DataError) as e:
+            evaluation.select_documents(documents, 30, max_docs=5, where="x", lengths=lengths)
+        assert str(e.value).endswith(
+            f"(with lengths that divide it{such and ', such as ' + such}) or other eval_files"
+        ), e.value
+        if such:
+            budget, asked = (part.split("=")[1] for part in such.split())
+            asked = [int(n) for n in asked.split(",")]
+            assert evaluation.check_settings(asked, int(budget)) == asked
+            assert evaluation.select_documents(documents, int(budget), max_docs=5, where="x")
