@@ -95,9 +95,8 @@ def perplexity_table(
     lines += [
         "",
         f"every cell: {counted(some.documents, 'document')} × the first "
-        f"{some.max_length} tokens = "
-        f"{some.tokens} scored tokens"
-        + (f" ({some.bytes} bytes of text)" if some.bytes is not None else ""),
+        f"{counted(some.max_length, 'token')} = {counted(some.tokens, 'scored token')}"
+        + (f" ({counted(some.bytes, 'byte')} of text)" if some.bytes is not None else ""),
     ]
     lines += [f"— {m['mode']} {m['length']}: {m['reason']}" for m in missing]
     if position in ABSOLUTE_ENCODINGS and "bca" in modes:

@@ -593,6 +593,11 @@ def test_the_table_counts_one_document_in_the_singular():
     assert "every cell: 1 document × the first 64 tokens = 64 scored tokens" in (
         reports.perplexity_table([one], "xpos")
     )
+    # And one token, one byte (--lengths=1 --max_length=1): it said "1 scored tokens".
+    single = evaluation.PerplexityResult("bca", 1, 2.0, 0.69, 1, 1, 0.1, 1, bytes=1)
+    assert "1 document × the first 1 token = 1 scored token (1 byte of text)" in (
+        reports.perplexity_table([single], "xpos")
+    )
 
 
 def test_no_document_long_enough_says_where_how_many_and_the_largest_budget():
