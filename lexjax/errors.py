@@ -38,6 +38,7 @@ import contextvars
 import fnmatch
 import io
 import os
+import re
 import signal
 import sys
 
@@ -66,9 +67,21 @@ __all__ = [
 
 
 class LexjaxError(Exception):
-    """Something the user can change; the message says what."""
+    """Something the user can change; the message says what, on one line.
+
+    A message's line breaks (a value's repr, such as a JAX key array's or a 2-D
+    NumPy array's, spans lines) become single spaces: ``run.generate(seed=key)``
+    was refused in two lines, and ``error:`` showed the first only."""
 
     exit_code = 1
+
+    def __init__(self, *args):
+        super().__init__(*(_one_line_text(a) if isinstance(a, str) else a for a in args))
+
+
+def _one_line_text(text: str) -> str:
+    """``text`` with each line break (and the spaces around it) as one space."""
+    return re.sub(r"\s*[\r\n]\s*", " ", text) if "\n" in text or "\r" in text else text
 
 
 class ConfigError(LexjaxError, ValueError):

@@ -94,6 +94,20 @@ def test_make_config_takes_a_config_and_shows_a_long_value_short():
     assert len(str(e.value)) < 160 and str(e.value).startswith("config=[0, 1, 2")
 
 
+def test_a_value_whose_repr_spans_lines_is_refused_in_one_line(tmp_path):
+    """A JAX key passed as a seed, or a 2-D NumPy array where a number goes: the
+    message showed the value's repr, which spans lines (``Array((), dtype=key<fry>)
+    overlaying:`` then its data), so the error was two lines or more."""
+    with pytest.raises(ConfigError) as e:
+        lexjax.make_config({"seed": jax.random.key(0)})
+    assert "\n" not in str(e.value) and str(e.value).endswith("expected an integer")
+    with pytest.raises(ConfigError) as e:
+        config = {**TINY, "data": {**TINY["data"], "files": str(tmp_path / "*.txt")}}
+        lexjax.train(config, str(tmp_path / "run"), stop_after=np.ones((2, 20), np.int32))
+    assert "\n" not in str(e.value) and "must be a positive integer or None" in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     config = lexjax.make_config({"train_len": np.int64(32), "learning_rate": np.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
