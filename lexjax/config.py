@@ -35,6 +35,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lexjax import errors as errors_lib
 from lexjax.errors import ConfigError, LexjaxError, one_line
 
 __all__ = [
@@ -946,9 +947,9 @@ def _validated(config: Config) -> Config:
             f"with data.passkey_fraction={d.passkey_fraction} they must sum to less than 1"
         )
     if d.name == "textfiles" and not d.files:
-        raise ConfigError(
-            "data.name=textfiles needs data.files, a glob such as '--config.data.files=/path/*.txt'"
-        )
+        # The API's argument, or train.py's flag (it was the flag in make_config's error too).
+        example = errors_lib.arg("data.files='/path/*.txt'", "'--config.data.files=/path/*.txt'")
+        raise ConfigError(f"data.name=textfiles needs data.files, a glob such as {example}")
     # Fixed where the config is made, so a run (stored with them) and a loaded Run still
     # find their corpus and its build once the working directory changes (a notebook's
     # %cd). A URL (gs://…) stays as it is.

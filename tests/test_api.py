@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import lexjax
-from lexjax import checkpoint, cli
+from lexjax import checkpoint, cli, errors
 from lexjax.errors import CheckpointError, ConfigError, DataError
 from tests.processes import write_corpus
 
@@ -106,6 +106,17 @@ def test_a_value_whose_repr_spans_lines_is_refused_in_one_line(tmp_path):
         lexjax.train(config, str(tmp_path / "run"), stop_after=np.ones((2, 20), np.int32))
     assert "\n" not in str(e.value) and "must be a positive integer or None" in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_textfiles_without_files_names_the_api_setting_not_the_flag():
+    """make_config({"data": {"name": "textfiles"}}) said to pass
+    '--config.data.files=/path/*.txt', a train.py flag, in a notebook."""
+    with pytest.raises(ConfigError) as e:
+        lexjax.make_config({"data": {"name": "textfiles"}})
+    assert str(e.value).endswith("a glob such as data.files='/path/*.txt'")
+    with errors.naming_flags(), pytest.raises(ConfigError) as e:  # train.py's wording
+        lexjax.make_config({"data": {"name": "textfiles"}})
+    assert str(e.value).endswith("a glob such as '--config.data.files=/path/*.txt'")
 
 
 def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
