@@ -107,7 +107,9 @@ class Run:
 
     workdir: str
     config: Config
-    params: Any
+    # Not in the repr: a notebook showing ``run`` printed every parameter array
+    # (17,874 characters on 307 lines for a model of 18,720 parameters).
+    params: Any = dataclasses.field(repr=False)
     step: int
     tokenizer: Tokenizer  # the one it was trained with: encode, decode, bos, eos, num_bytes
     mesh: jax.sharding.Mesh  # the run's mesh re-fitted to the devices here; params live on it

@@ -119,6 +119,16 @@ def test_textfiles_without_files_names_the_api_setting_not_the_flag():
     assert str(e.value).endswith("a glob such as '--config.data.files=/path/*.txt'")
 
 
+def test_a_run_shows_itself_without_its_parameters(tmp_path):
+    """A notebook cell ending in ``run`` printed the repr of every parameter array."""
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), tmp_path / "run")
+    run = lexjax.load(tmp_path / "run")
+    shown = repr(run)
+    assert shown.startswith(f"Run(workdir={str(tmp_path / 'run')!r}, config=Config(")
+    assert "params" not in shown and "Array(" not in shown and "\n" not in shown
+    assert f"step={run.step}," in shown
+
+
 def test_make_config_takes_numpy_numbers_and_train_takes_a_dict(tmp_path):
     config = lexjax.make_config({"train_len": np.int64(32), "learning_rate": np.float32(0.5)})
     assert (config.train_len, config.learning_rate) == (32, 0.5)
