@@ -157,6 +157,20 @@ class MetricsWriter:
                     "free space or fix the directory"
                 ) from None
 
+    def settle_at(self, step: int) -> None:
+        """A run that resumes at checkpoint ``step`` with nothing left to train
+        ("already trained") writes no record, so the records and events of later steps
+        a killed run left are dropped here (they are of steps no checkpoint holds, and
+        ``Run.metrics()`` and TensorBoard showed them as the run's last). Only where
+        there are any: an untouched file and no new event file otherwise."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            later = any(_record_step(line) > step for line in f if line.strip())
+        if later:
+            self.start_at(step)
+            self.open()
+
     def _drop_records_after(self, step: int) -> None:
         """Rewrites metrics.jsonl (atomically) without the records of steps after
         ``step`` and torn lines, if it has any."""

@@ -631,6 +631,8 @@ class _Loop:
         total = config.num_train_steps
         self.summary["start_step"] = step
         self.writer.start_at(step)
+        if step >= total:  # already trained: drop what a killed run left after `step`
+            self.writer.settle_at(step)
         self.last = (time.perf_counter(), step)
         # On stdout with the other log lines; one line per log step off a terminal.
         self.bar = Progress(

@@ -579,6 +579,30 @@ def test_a_damaged_config_record_falls_back_to_the_step_before(tmp_path, caplog)
     assert starts == [4], starts
 
 
+def test_an_already_trained_resume_drops_the_records_a_killed_run_left_after_it(tmp_path):
+    """A run killed after its last checkpoint (step 6) left records of steps 7–8; the
+    next run, asked for no more than 6 steps, trains nothing ("already trained") and
+    drops them, as a resume that trains does: metrics.jsonl and TensorBoard showed
+    steps no checkpoint holds as the run's last."""
+    config = _train_config(tmp_path)
+    workdir = str(tmp_path / "run")
+    train(config, workdir, log=lambda _: None, progress=False)
+    first = metrics.read_metrics(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        for step in (7, 8):  # the killed run of num_train_steps=20
+            f.write(json.dumps({"step": step, "loss": 0.5}) + "\n")
+    again = train(config, workdir, log=lambda _: None, progress=False)
+    assert again["start_step"] == again["step"] == 6
+    assert metrics.read_metrics(workdir) == first
+    events = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*")))
+    starts = [e.step for e in _tensorboard_events(events[-1]) if e.session_log.status == 1]
+    assert len(events) == 2 and starts == [7], (events, starts)
+    # With nothing after its checkpoint, an already-trained run changes nothing.
+    train(config, workdir, log=lambda _: None, progress=False)
+    assert len(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))) == 2
+    assert metrics.read_metrics(workdir) == first
+
+
 def _tensorboard_events(path):
     """The events of a TensorBoard file: TFRecords of length, its CRC, an Event, its CRC."""
     from tensorboardX.proto import event_pb2
