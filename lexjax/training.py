@@ -40,7 +40,7 @@ from lexjax.config import (
     field_at,
     from_configdict,
     is_real,
-    model_differences,
+    model_changes,
     to_dict,
     upgraded,
 )
@@ -517,12 +517,11 @@ def _restore_or_init(setup: TrainSetup, checkpointer, data_iter, tokenizer, say)
         return setup.init_state(), 0
 
     def same_model(stored: dict | None) -> None:
-        if diff := model_differences(stored or {}, config):
+        if diff := model_changes(stored or {}, config):
             raise CheckpointError(
                 f"workdir {os.path.dirname(checkpointer.directory)} holds checkpoints of "
-                "another model "
-                f"(differs in {', '.join(diff)}); use a new {arg('workdir')} or "
-                "the same model config"
+                f"another model ({'; '.join(diff)}); use a new {arg('workdir')} or "
+                "the checkpoint's values"
             )
 
     state, stored, step = checkpointer.restore(

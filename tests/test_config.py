@@ -555,6 +555,27 @@ def test_a_changed_model_is_named_by_the_field_the_user_sets():
     assert cfg.model_differences(older, config(**{"model.d_model": 64})) == ["model.d_model"]
 
 
+def test_a_changed_model_is_said_with_the_value_to_resume_with():
+    """The refusal said only "differs in model.d_model": a user who forgot the value
+    the run was trained with had no way to learn it from the message."""
+    stored = cfg.to_dict(small_config(**{"model.max_len": None}))
+    d_model = stored["model"]["d_model"]
+    changed = small_config(**{"model.max_len": None, "model.d_model": 2 * d_model})
+    assert cfg.model_changes(stored, changed) == [
+        f"model.d_model is {d_model} there, {2 * d_model} here"
+    ]
+    train_len = stored["train_len"]
+    changed = small_config(**{"model.max_len": None, "train_len": 2 * train_len})
+    assert cfg.model_changes(stored, changed) == [
+        f"train_len is {train_len} there, {2 * train_len} here"
+    ]
+    older = cfg.to_dict(small_config(**{"model.max_len": None, "model.position": "rope"}))
+    del older["model"]["max_len"]  # an older lexjax's record: the default follows train_len
+    assert cfg.model_changes(older, small_config(**{"model.max_len": None})) == [
+        "model.position is rope there, xpos here"
+    ]
+
+
 def test_dotted_field_names_as_the_flags_and_messages_write_them():
     """``make_config({"model.num_layers": 1})`` was "unknown config field
     model.num_layers; known: model, data, …", though every message names fields so."""

@@ -915,7 +915,9 @@ def test_checkpoints_of_another_model_shape(ctx, reference):
     result = P.run(args(ctx, workdir, **{"model.d_model": 64}), ctx[3])
     line = one_error_line(result)
     # The workdir named, not its checkpoints directory.
-    said = f"workdir {workdir} holds checkpoints of another model (differs in model.d_model)"
+    said = (
+        f"workdir {workdir} holds checkpoints of another model (model.d_model is 32 there, 64 here)"
+    )
     assert said in line, line
     assert tree_digest(workdir) == before
 
