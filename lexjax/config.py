@@ -336,10 +336,30 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
         try:
             rest = flags.FLAGS(rest)
         except flags.Error as e:
-            raise ConfigError(one_line(e)) from None
+            field_flag = _field_as_flag(config, e)
+            raise field_flag or ConfigError(one_line(e)) from None
         return no_arguments(rest, path_flag)
 
     return parse
+
+
+def _field_as_flag(config, error) -> ConfigError | None:
+    """The error for a config field given as a flag of its own (``--num_train_steps=3``,
+    ``--d_model=64``) without ``--config.``: absl said "Unknown command line flag
+    'num_train_steps'. Did you mean: num_processes ?", a flag of another meaning."""
+    from absl import flags
+
+    if not isinstance(error, flags.UnrecognizedFlagError):
+        return None
+    name, leaves = error.flagname, list(_leaf_paths(config))
+    fields = [p for p in leaves if p == name] or [p for p in leaves if p.endswith("." + name)]
+    if not fields:
+        return None
+    _, given, value = str(error.flagvalue).partition("=")
+    meant = " or ".join(f"--config.{f}={value if given else 'VALUE'}" for f in fields)
+    return ConfigError(
+        f"unknown flag --{name}: config fields are set as --config.FIELD (did you mean {meant}?)"
+    )
 
 
 # What each help flag prints: this program's flags, every module's, or every module's

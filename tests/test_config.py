@@ -132,6 +132,19 @@ def _hint(dotted: str):
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
         ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),
+        # A field without --config.: absl suggested another flag ("Did you mean:
+        # num_processes ?"), which a user then tried.
+        (
+            "--num_train_steps=3",
+            "unknown flag --num_train_steps: config fields are set as --config.FIELD "
+            "(did you mean --config.num_train_steps=3?)",
+        ),
+        (
+            "--d_model=64",
+            "unknown flag --d_model: config fields are set as --config.FIELD "
+            "(did you mean --config.model.d_model=64?)",
+        ),
+        ("--num_procesess=2", "Unknown command line flag 'num_procesess'. Did you mean"),
     ],
 )
 def test_command_line_config_errors_are_one_line_exit_2(tmp_path, flag, expected, program, capsys):
