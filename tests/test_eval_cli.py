@@ -755,9 +755,10 @@ def test_bad_input_is_one_line(workdir, tmp_path, program, capsys):
     too_many = _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--sinks=17")
     _one_line_error(too_many, 2, "error: --sinks=17 must be an integer in [0, 16]")
     assert "mesh" not in too_many.stdout  # refused before the parameters were loaded
-    _one_line_error(
-        _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--resolution"), 6, "resolution"
-    )
+    # Before the parameters were loaded too, exit 2 (it was 6, after loading).
+    unmeasured = _run("eval.py", f"--workdir={workdir}", "--modes=sinks", "--resolution")
+    _one_line_error(unmeasured, 2, "--resolution is measured in bca or full mode")
+    assert "mesh" not in unmeasured.stdout
 
     # A checkpoint whose stored config does not describe its arrays.
     stored = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
