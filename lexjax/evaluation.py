@@ -153,10 +153,6 @@ DEFAULT_SINKS = 4
 DEFAULT_MAX_DOCS = 20
 
 
-def _stderr(message: str) -> None:
-    note(message)  # a stderr whose reader went away stops no evaluation
-
-
 def _check_block(block: int):
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise EvaluationError(f"block must be a positive integer, got {block!r}")
@@ -510,7 +506,7 @@ def perplexity(
     tokens_per_batch: int = 8192,
     progress: bool = False,
     strict: bool = True,
-    say: Callable[[str], None] = _stderr,
+    say: Callable[[str], None] = note,
     tokenizer: data_lib.Tokenizer | None = None,
     batch_sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[PerplexityResult]:
@@ -753,7 +749,7 @@ def _check_same_corpus(name: str, trained: str, now: str | None, split: str) -> 
 def held_out_documents(
     config: Config,
     eval_files: str | None = None,
-    say=_stderr,
+    say=note,
     splits=("test", "validation"),
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     corpus: str | None = None,
@@ -875,7 +871,7 @@ def select_documents(documents, max_length: int, *, max_docs: int, where: str, l
     chosen, seen, longest = _first_long(documents, max_length + 1, max_docs)
     if 0 < len(chosen) < seen:
         among = seen if seen == len(documents) else f"the first {seen}"
-        _stderr(
+        note(
             f"note: {seen - len(chosen)} of {among} documents of {where} are shorter than "
             f"the budget of {max_length} tokens + 1 and are left out"
         )
@@ -1049,7 +1045,7 @@ def resolution_protocol(
     modes: Sequence[str] = RESOLUTION_MODES,
     max_docs: int,
     where: str = "the held-out text",
-    say: Callable[[str], None] = _stderr,
+    say: Callable[[str], None] = note,
     skipped: list[dict] | None = None,
 ) -> list[ResolutionResult]:
     """Attention resolution at 1× and 2× ``train_len`` (paper Table 3) over the
@@ -1088,7 +1084,7 @@ def evaluate_run(
     max_docs: int = 20,
     resolution: bool = False,
     figure: bool = False,
-    say: Callable[[str], None] = _stderr,
+    say: Callable[[str], None] = note,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     corpus: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -1306,14 +1302,14 @@ def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | N
 
     loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
     if (holder := lease_lib.live_holder(workdir)) is not None:
-        _stderr(
+        note(
             f"note: {workdir} is still being trained by {holder}: this reads step "
             f"{loaded.step} of {loaded.config.num_train_steps}, its newest complete "
             "checkpoint, and no later one"
         )
     here = _runnable_here(loaded.config)
     if here != loaded.config:
-        _stderr(
+        note(
             f"note: this run trained with model.attention_impl=splash, a TPU kernel; on "
             f"{jax.default_backend()} it is evaluated with {here.model.attention_impl} "
             "(the same attention)"

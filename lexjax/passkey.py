@@ -109,10 +109,6 @@ COPY_SPAN = (8, 40)
 COPY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
-def _stderr(message: str) -> None:
-    note(message)  # a stderr whose reader went away stops no evaluation
-
-
 class Sample(NamedTuple):
     prompt: np.ndarray  # int32 [N − len(answer)]: BOS … the question
     answer: np.ndarray  # int32: the key's ids
@@ -451,7 +447,7 @@ def passkey_accuracy(
     tokens_per_batch: int = 8192,
     strict: bool = True,
     progress: bool = False,
-    say: Callable[[str], None] = _stderr,
+    say: Callable[[str], None] = note,
     batch_sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[PasskeyResult]:
     """Passkey accuracy per (mode, length, depth) by greedy decoding
@@ -558,7 +554,7 @@ def evaluate_passkey(
     seed: int = 0,
     tokenizer: data_lib.Tokenizer = data_lib.BYTES,
     corpus: str | None = None,
-    say: Callable[[str], None] = _stderr,
+    say: Callable[[str], None] = note,
     mesh: jax.sharding.Mesh | None = None,
     out_dir: str | None = None,
 ) -> tuple[list[PasskeyResult], list[str]]:
