@@ -29,7 +29,7 @@ import jax
 
 from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
-from lexjax.config import Config, as_python, check_path, from_configdict, is_real
+from lexjax.config import Config, as_python, check_path, from_configdict, is_real, is_sequence
 from lexjax.data import Tokenizer
 from lexjax.errors import ConfigError, EvaluationError, arg, one_line, out_of_memory
 from lexjax.metrics import read_metrics
@@ -91,7 +91,7 @@ def _elements(value):
     numbers in a list; anything else as :func:`lexjax.config.as_python` gives it (a
     string stays one, to be refused where a sequence is asked)."""
     value = as_python(value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if not is_sequence(value):
         return value
     return [as_python(v) for v in value]
 

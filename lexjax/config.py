@@ -31,7 +31,7 @@ import runpy
 import sys
 import traceback
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -762,6 +762,15 @@ def as_python(value):
         return value.tolist()
     except Exception:  # a tracer has no value; the caller's check names it
         return value
+
+
+def is_sequence(value) -> bool:
+    """Whether ``value`` holds a sequence of values: iterable, yet not a str or bytes
+    and not a 0-d array (a PRNG key, ``np.array(256)``), whose ``__iter__`` raises
+    TypeError."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return False
+    return getattr(value, "ndim", None) != 0
 
 
 def is_real(value) -> bool:

@@ -98,6 +98,7 @@ from lexjax.config import (
     check_bool,
     check_int,
     check_rope_scaling,
+    is_sequence,
 )
 from lexjax.data.builders import distinct_files, file_document, glob_files, text_files_of
 from lexjax.errors import DataError, EvaluationError, LexjaxError, arg, counted, one_line
@@ -911,7 +912,7 @@ def check_modes(
     eval.py refuses it before the run loads, exit 2). The message names the API's
     arguments, or eval.py's flags (:func:`lexjax.errors.arg`)."""
     use = f"use some of {', '.join(allowed)}"
-    if not isinstance(modes, (str, Iterable)):
+    if not isinstance(modes, str) and not is_sequence(modes):
         raise ConfigError(f"{arg('modes')}={modes!r}: {use}")
     modes = tuple(dict.fromkeys([modes] if isinstance(modes, str) else modes))
     if not all(isinstance(m, str) for m in modes):
@@ -944,7 +945,7 @@ def check_settings(
     :func:`lexjax.errors.arg` names) accepts them: sorted distinct ``lengths`` (None: the
     default), else a one-line :class:`ConfigError`. Integers may be numpy's."""
     if lengths is not None:
-        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+        if not is_sequence(lengths):
             raise ConfigError(
                 f"{arg('lengths')}={lengths!r} must be a sequence of lengths such as 256,1024"
             )

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -51,7 +51,15 @@ from lexjax import data as data_lib
 from lexjax import evaluation, generation, reports
 from lexjax import sharding as shard_lib
 from lexjax.blockwise import bca_problem
-from lexjax.config import Config, ConfigError, ModelConfig, check_int, check_seed, is_real
+from lexjax.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    check_int,
+    check_seed,
+    is_real,
+    is_sequence,
+)
 from lexjax.errors import DataError, EvaluationError, arg, counted
 from lexjax.model import Decoder
 from lexjax.progress import Progress, note
@@ -375,7 +383,7 @@ def check_settings(
 
 def _sorted_depths(depths: Sequence[float]) -> list[float]:
     one = is_real(depths) or isinstance(depths, str)
-    if one or not isinstance(depths, Iterable):
+    if one or not is_sequence(depths):
         raise ConfigError(f"depths must be a sequence of numbers in [0, 1], got {depths!r}")
     depths = list(depths)
     if not all(is_real(d) for d in depths):

@@ -543,6 +543,11 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
     for verb, args, kwargs, message in [
         (run.evaluate, (True,), {}, "lengths=True must be a sequence of lengths"),
         (run.evaluate, ([16],), {"modes": None}, "modes=None: use some of"),
+        # A PRNG key where a Flax habit puts one: "iteration over a 0-d key array".
+        (run.evaluate, (jax.random.key(0),), {}, "lengths=Array((), dtype=key"),
+        (run.evaluate, ([16],), {"modes": jax.random.key(0)}, "modes=Array((), dtype=key"),
+        (run.passkey, (jax.random.key(0),), {}, "lengths=Array((), dtype=key"),
+        (run.passkey, ([80],), {"depths": jax.random.key(0)}, "depths must be a sequence of"),
         (run.evaluate, ([16],), {"rope_scaling": "pi", "rope_factor": "2"}, "rope_factor=2 must"),
         (run.passkey, ([80],), {"depths": "0.5"}, "depths must be a sequence of numbers"),
         (run.passkey, ([80],), {"depths": ["x"]}, "depths must be numbers in [0, 1]"),
@@ -558,8 +563,9 @@ def test_what_a_notebook_passes_is_taken_or_refused_in_one_line(tmp_path, monkey
         (run.evaluate, ([16],), {"figure": 1}, "figure=1 must be True or False"),
         (run.generate, ("x",), {"progress": "off"}, "progress='off' must be True or False"),
     ]:
-        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}") as refused:
             verb(*args, **kwargs)
+        assert "\n" not in str(refused.value)
     assert not (tmp_path / "run" / "eval").exists()
 
     glob = docs / "*.txt"  # a pathlib.Path, numpy integers, lengths from a generator
