@@ -16,7 +16,7 @@ from absl import flags as absl_flags
 from lexjax import api, checkpoint, distributed, errors, evaluation, generation, passkey, signals
 from lexjax import config as cfg
 from lexjax.config import ConfigError, from_configdict
-from lexjax.errors import one_line, report
+from lexjax.errors import report
 from lexjax.progress import note
 
 __all__ = ["main", "parse_flags", "run_training", "run_eval", "parse_lengths", "parse_modes"]
@@ -40,8 +40,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     cfg.exit_if_help(argv)
     try:
         return cfg.no_arguments(absl_flags.FLAGS(argv))
-    except absl_flags.Error as e:
-        raise ConfigError(one_line(e)) from None
+    except (absl_flags.Error, ValueError) as e:  # (absl's ValueError: --noresolution=x)
+        raise cfg.flag_error(e) from None
 
 
 @errors.naming_flags()  # the library's messages name train.py's flags

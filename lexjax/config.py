@@ -335,12 +335,32 @@ def flags_parser(default_file: str, path_flag: str = "workdir"):
         exit_if_help(rest)
         try:
             rest = flags.FLAGS(rest)
-        except flags.Error as e:
+        except (flags.Error, ValueError) as e:  # (absl's ValueError: --noremat=x)
             field_flag = _field_as_flag(config, e)
-            raise field_flag or ConfigError(one_line(e)) from None
+            raise field_flag or flag_error(e) from None
         return no_arguments(rest, path_flag)
 
     return parse
+
+
+def flag_error(error: Exception) -> ConfigError:
+    """absl's error for a bad flag value as a one-line :class:`ConfigError`; a
+    switch's says what it takes (absl wrote the tuple ``('Non-boolean argument to
+    boolean flag', 'maybe')``, and a ValueError traceback for ``--noremat=maybe``)."""
+    message = one_line(error)
+    pattern = r"flag --(\S+?)=(.*): \('Non-boolean argument to boolean flag', .*\)"
+    if switch := re.fullmatch(pattern, message):
+        name, value = switch.groups()
+        message = (
+            f"flag --{name}={value}: a switch is true or false "
+            f"(--{name}, --no{name} or --{name}=false)"
+        )
+    elif negated := re.fullmatch(r"--no(\S+?)=(.*) does not take an argument", message):
+        name, value = negated.groups()
+        message = (
+            f"flag --no{name}={value}: --no{name} takes no value; give --no{name} or --{name}=false"
+        )
+    return ConfigError(message)
 
 
 def _field_as_flag(config, error) -> ConfigError | None:

@@ -131,6 +131,17 @@ def _hint(dotted: str):
         ),
         ("--config=configs/nope.py", "--config=configs/nope.py: there is no file configs/nope.py"),
         ("--config.batch_size=abc", "flag --config.batch_size=abc: invalid literal for int()"),
+        # It ended in absl's tuple "('Non-boolean argument to boolean flag', 'maybe')".
+        (
+            "--config.model.remat=maybe",
+            "flag --config.model.remat=maybe: a switch is true or false (--config.model.remat, "
+            "--noconfig.model.remat or --config.model.remat=false)",
+        ),
+        (  # It was a ValueError traceback, exit 1.
+            "--noconfig.model.remat=true",
+            "flag --noconfig.model.remat=true: --noconfig.model.remat takes no value; give "
+            "--noconfig.model.remat or --config.model.remat=false",
+        ),
         ("--config.optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number"),
         # A field without --config.: absl suggested another flag ("Did you mean:
         # num_processes ?"), which a user then tried.

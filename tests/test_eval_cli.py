@@ -687,6 +687,18 @@ def test_bad_input_is_one_line(workdir, tmp_path, program, capsys):
     )
     _one_line_error(refused("--lengths=64,0"), 2, "positive")
     _one_line_error(refused("--max_docs=0"), 2, "max_docs")
+    _one_line_error(  # it was absl's tuple "('Non-boolean argument to boolean flag', 'no')"
+        refused("--resolution=no"),
+        2,
+        "flag --resolution=no: a switch is true or false (--resolution, --noresolution or "
+        "--resolution=false)",
+    )
+    _one_line_error(  # it was a ValueError traceback, exit 1
+        refused("--noresolution=maybe"),
+        2,
+        "flag --noresolution=maybe: --noresolution takes no value; give --noresolution or "
+        "--resolution=false",
+    )
     _one_line_error(refused("--generate", "--top_p=0"), 2, "top_p")
     # Mode full cannot place XPOS positions that far: refused before the run loads (no
     # mesh line), naming the flags to change; it said "length 200003 …; use BCA".
