@@ -467,6 +467,15 @@ def test_bad_input_says_what_to_change(tmp_path):
         f"'[', which glob reads as a set of characters; escape it: data.files='{escaped}'"
     )
     assert builders.glob_files(escaped)[1] == ["[2024] books/one.txt"]  # the advice works
+    # A shell's braces, quoted: glob read them as literal characters.
+    braces = str(tmp_path / "{a,b}" / "*.txt")
+    with pytest.raises(DataError) as e:
+        data.plan_corpus("textfiles", braces)
+    assert str(e.value) == (
+        f"data.files={braces!r} matches no files; a glob does not expand {{a,b}} as a shell "
+        "does; pass one glob that matches every file, such as their common directory's "
+        "/**/*.txt"
+    )
     with pytest.raises(DataError, match="tfds build pg19 --file_format=array_record"):
         data.load_source("pg19", "train", tmp_path)
     with pytest.raises(DataError, match="^data.files is read by data.name=textfiles only; set"):

@@ -69,6 +69,7 @@ import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import stat
 import sysconfig
@@ -182,6 +183,11 @@ def glob_files(pattern: str, what: str = "data.files") -> tuple[str, list[str]]:
             hint = (
                 "a directory or file name in it holds '[', which glob reads as a set of "
                 f"characters; escape it: {what}='{escaped}'"
+            )
+        elif re.search(r"\{[^{}]*,[^{}]*\}", pattern):  # a shell's {a,b}, quoted
+            hint = (
+                "a glob does not expand {a,b} as a shell does; pass one glob that matches "
+                "every file, such as their common directory's /**/*.txt"
             )
         raise NoFiles(what, pattern, hint)
     return root, sorted(_relative(p, root) for p in matches)
