@@ -248,3 +248,43 @@ def test_committed_study_results_hold_the_comparisons_their_runs_give(tmp_path):
         fresh = tmp_path / "fresh.json"  # written as the study writes JSON (NaN: null)
         reports.write_json(str(fresh), reports.variant_stats(stored["runs"], stored["lengths"]))
         assert reports.read_json(str(fresh)) == stored["variants"], path
+
+
+def _verdicts(comparisons):
+    """(|diff| / two_se, diff, two_se) of every "lower" or "higher" cell of ``comparisons``
+    ({mode: {length: compare(...)}}), the smallest first."""
+    found = [
+        (abs(c["diff"]) / c["two_se"], c["diff"], c["two_se"])
+        for cells in comparisons.values()
+        for c in cells.values()
+        if c and c["verdict"] in ("lower", "higher")
+    ]
+    return sorted(found)
+
+
+def test_the_seed_noise_paragraph_holds_for_every_committed_study():
+    """docs/results.md says how far past its ± each verdict lies, so that a reader can
+    apply the t distribution's 95% cutoff (2.15 times the ± shown) instead: the
+    perplexity tables' XPOS − RoPE verdicts are at least 2.4 times (the closest
+    quoted), resolution's 2.3 times; the sinks − BCA verdict it quotes from the
+    `text` study is only 1.95 times, which the paragraph now says too."""
+    from lexjax import reports
+
+    tables, resolution, sinks = [], [], []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "results*", "results.json"))):
+        for v in reports.read_json(path)["variants"]:
+            tables += _verdicts(v.get("minus_rope", {}))
+            resolution += _verdicts(v.get("resolution_minus_rope", {}))
+            if path.endswith(os.path.join("results_text", "results.json")) and v.get("minus_rope"):
+                sinks += _verdicts({"sinks": v["minus_bca"]["sinks"]})
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    ratio, diff, two_se = min(tables)
+    assert ratio >= 2.4
+    assert f"at least 2.4 times its ± (the closest: −{-diff:.3f} ± {two_se:.3f})" in text
+    ratio, diff, two_se = min(resolution)
+    assert ratio >= 2.15 and round(ratio, 1) == 2.3
+    assert f"verdict below (+{diff:.3f} ± {two_se:.3f}) 2.3 times" in text
+    ratio, diff, two_se = min(sinks)
+    assert ratio < 2.15 and f"+{diff:.3f} ± {two_se:.3f}" in text
+    assert f"{ratio:.2f} times its ±" in text
