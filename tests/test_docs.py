@@ -2,6 +2,7 @@
 
 import ast
 import glob
+import json
 import os
 import re
 import warnings
@@ -288,3 +289,42 @@ def test_the_seed_noise_paragraph_holds_for_every_committed_study():
     ratio, diff, two_se = min(sinks)
     assert ratio < 2.15 and f"+{diff:.3f} ± {two_se:.3f}" in text
     assert f"{ratio:.2f} times its ±" in text
+
+
+def test_own_texts_table_is_its_json():
+    """docs/own_text.md's bits-per-byte table was copied by hand from
+    docs/own_text.json (bench/own_text.py writes no markdown); each row must be
+    what that JSON holds, rounded as printed."""
+    with open(os.path.join(ROOT, "docs", "own_text.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    rows = []
+    for run in data["runs"]:
+        bpb = {(p["mode"], p["length"]): p["bits_per_byte"] for p in run["perplexity"]}
+        lengths = sorted({n for _, n in bpb})
+        cells = [run["train"]["loss"], run["train"]["val_loss"]]
+        cells += [bpb["bca", n] for n in lengths]
+        cells += [run["bpb_8x_over_1x_bca"], bpb["full", lengths[0]], bpb["full", lengths[-1]]]
+        rows.append(" | ".join([run["tokenizer"], run["corpus"], *(f"{c:.3f}" for c in cells)]))
+    table = [
+        r
+        for r in _table_rows(os.path.join(ROOT, "docs", "own_text.md"))
+        if "| bytes" in r or "| sentencepiece" in r
+    ]
+    assert table == [f"| {r} |" for r in rows]
+    # The paragraph under it: the 8×/1× range and the no-BCA change from 1× to 16×.
+    with open(os.path.join(ROOT, "docs", "own_text.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    ratios = [run["bpb_8x_over_1x_bca"] for run in data["runs"]]
+    assert f"(8×/1× from {min(ratios):.3f} to {max(ratios):.3f}," in text
+    change = []
+    for run in data["runs"]:
+        full = sorted(
+            (p["length"], p["bits_per_byte"]) for p in run["perplexity"] if p["mode"] == "full"
+        )
+        change.append(full[-1][1] - full[0][1])
+    lower, higher = [-c for c in change if c < 0], [c for c in change if c > 0]
+    assert max(map(abs, change)) < 0.05 and len(lower) == len(higher) == 3
+    assert (
+        f"(three models lower, by up to {max(lower):.3f}; "
+        f"three higher, by at most {max(higher):.2f})" in text
+    )
