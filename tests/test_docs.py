@@ -328,3 +328,12 @@ def test_own_texts_table_is_its_json():
         f"(three models lower, by up to {max(lower):.3f}; "
         f"three higher, by at most {max(higher):.2f})" in text
     )
+
+
+def test_the_benchmark_logs_range_names_its_last_section():
+    """benchmarks.md's introduction said sections 1–16 were the log after §17–§20
+    had been added; the range it gives ends at its last numbered section."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        text = f.read()
+    last = max(int(n) for n in re.findall(r"^## (\d+)\. ", text, re.M))
+    assert f"Sections 1–{last} are the log" in text
