@@ -337,3 +337,31 @@ def test_the_benchmark_logs_range_names_its_last_section():
         text = f.read()
     last = max(int(n) for n in re.findall(r"^## (\d+)\. ", text, re.M))
     assert f"Sections 1–{last} are the log" in text
+
+
+def test_the_studys_cost_figures_are_its_timing_files():
+    """The study's stated costs, computed from the JSON its runs wrote: the default
+    study's wall time (README and results.md) from results/timing.json, and the ten
+    `text` runs' estimate on idle cores from one run's stage times (results_cost/):
+    every stage for each run, the four RoPE extensions for two of them."""
+    with open(os.path.join(ROOT, "docs", "results", "timing.json"), encoding="utf-8") as f:
+        minutes = sum(i["wall_seconds"] for i in json.load(f)["invocations"]) / 60
+    pages = {}
+    for page in ("README.md", os.path.join("docs", "results.md")):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            pages[page] = " ".join(f.read().split())
+    assert f"It took {minutes:.1f} minutes on 2 idle cores" in pages["README.md"]
+    results = pages[os.path.join("docs", "results.md")]
+    assert f"**{minutes:.1f} minutes**, within the 90" in results
+    stages = {}
+    for path in glob.glob(os.path.join(ROOT, "docs", "results_cost", "runs", "*", "*.json")):
+        with open(path, encoding="utf-8") as f:
+            stages[os.path.basename(path)[:-5]] = json.load(f)["seconds"]
+    extensions = sum(s for name, s in stages.items() if name.startswith("perplexity_full_"))
+    estimate = (10 * sum(stages.values()) - 8 * extensions) / 60
+    assert len(stages) == 10 and f"the ten runs need about {estimate:.0f} minutes" in results
+    training = round(10 * stages["train"] / 60, -1)  # "about 70": to ten minutes
+    assert f"with training alone about {training:.0f} of them" in results
+    with open(os.path.join(ROOT, "docs", "results_cost", "timing.json"), encoding="utf-8") as f:
+        wall = sum(i["wall_seconds"] for i in json.load(f)["invocations"])
+    assert f"{wall:.1f} s in all, of which training {stages['train']:.1f} s" in results
