@@ -382,3 +382,22 @@ def test_what_is_said_to_agree_with_the_paper_holds_no_contrast_with_it():
     for text in agrees:
         flat = " ".join(text.split())
         assert not re.search(r"where (the paper's|ours|its)", flat), flat
+
+
+def test_the_text_studys_xpos_lower_in_every_mode_names_its_exception():
+    """results.md: in the `text` study XPOS is lower than RoPE at every length with
+    BCA, without it and with sinks (each a paired "lower"); under position
+    interpolation (one seed) it is not everywhere, and the sentence says where."""
+    from lexjax import reports
+
+    stored = reports.read_json(os.path.join(ROOT, "docs", "results_text", "results.json"))
+    xpos = next(v for v in stored["variants"] if v.get("minus_rope"))["minus_rope"]
+    for mode in ("bca", "full", "sinks"):
+        assert {c["verdict"] for c in xpos[mode].values()} == {"lower"}, mode
+    worse = [(int(n), c["diff"]) for n, c in xpos["full+pi"].items() if c and c["diff"] > 0]
+    assert [n // stored["train_len"] for n, _ in worse] == [2, 4]
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    shown = " and ".join(f"+{d:.3f}" for _, d in worse)
+    assert "XPOS is better than RoPE at every length in every mode (with BCA, without," in text
+    assert f"where it is worse at 2× and 4×: {shown})" in text
