@@ -1303,10 +1303,12 @@ def load_on_mesh(workdir: str, devices=None, check: Callable[[Config], None] | N
 
     loaded = checkpoint.load_params_and_tokenizer(workdir, sharding=shardings)
     if (holder := lease_lib.live_holder(workdir)) is not None:
+        # A step saved as its run's last, read while a job extends the run, is not "S of S".
+        steps = loaded.config.num_train_steps
+        of = f" of {steps}" if loaded.step < steps else ""
         note(
             f"note: {workdir} is still being trained by {holder}: this reads step "
-            f"{loaded.step} of {loaded.config.num_train_steps}, its newest complete "
-            "checkpoint, and no later one"
+            f"{loaded.step}{of}, its newest complete checkpoint, and no later one"
         )
     here = _runnable_here(loaded.config)
     if here != loaded.config:

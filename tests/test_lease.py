@@ -718,3 +718,33 @@ def test_try_flock_tells_held_busy_and_no_flock_apart(tmp_path, monkeypatch, fai
                 lease_lib.try_flock(lock)
         else:
             assert lease_lib.try_flock(lock) is want
+
+
+def test_a_reader_of_a_run_being_extended_does_not_call_its_last_step_the_end(tmp_path, capsys):
+    """A run of 2 steps resumed to train on: its step 2 was saved as "2 of 2", but the
+    job now extending it trains past it, so the note says only the step it reads."""
+    for i in range(4):
+        (tmp_path / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 40)
+    config = cfg.from_configdict(
+        {
+            "model": {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32},
+            "data": {"name": "textfiles", "files": str(tmp_path / "*.txt")},
+            "train_len": 16,
+            "batch_size": 8,
+            "num_train_steps": 2,
+            "checkpoint_every": 2,
+            "eval_every": 2,
+            "eval_batches": 1,
+        }
+    )
+    workdir = str(tmp_path / "run")
+    training.train(config, workdir, progress=False)
+    capsys.readouterr()
+    with lease_lib.WorkdirLease(workdir, log=lambda _: None):  # the job extending the run
+        started = lease_record(workdir)["started"]
+        loaded, _ = evaluation.load_on_mesh(workdir)
+    assert loaded.step == loaded.config.num_train_steps == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: {workdir} is still being trained by host {HOST} pid {os.getpid()} (started "
+        f"{started}): this reads step 2, its newest complete checkpoint, and no later one"
+    ]
