@@ -31,7 +31,14 @@ from lexjax import checkpoint, evaluation, generation, passkey, training
 from lexjax import sharding as shard_lib
 from lexjax.config import Config, as_python, check_path, from_configdict, is_real, is_sequence
 from lexjax.data import Tokenizer
-from lexjax.errors import ConfigError, EvaluationError, arg, one_line, out_of_memory
+from lexjax.errors import (
+    CheckpointError,
+    ConfigError,
+    EvaluationError,
+    arg,
+    one_line,
+    out_of_memory,
+)
 from lexjax.metrics import read_metrics
 from lexjax.model import Decoder
 
@@ -179,6 +186,7 @@ class Run:
         max_length, sinks, max_docs, rope_factor = map(
             as_python, (max_length, sinks, max_docs, rope_factor)
         )
+        self._check_there(out_dir)
         with _on_mesh(self.mesh, f"{arg('lengths')} and {arg('max_length')}"):
             results, _ = evaluation.evaluate_run(
                 self.config,
@@ -202,6 +210,19 @@ class Run:
             )
         return results
 
+    def _check_there(self, out_dir) -> None:
+        """Refuses to write WORKDIR/eval where the run loaded is gone (renamed, deleted):
+        making it would put the reports in an empty directory beside no run."""
+        if out_dir is None and not os.path.isdir(self.workdir):
+            again = arg(
+                "lexjax.load the run again where it is now, or pass out_dir=DIR",
+                "run eval.py again with --workdir where the run is now",
+            )
+            raise CheckpointError(
+                f"workdir {self.workdir} is gone (moved or deleted since its run was loaded); "
+                + again
+            )
+
     def passkey(
         self,
         lengths: Sequence[int] | None = None,
@@ -223,6 +244,7 @@ class Run:
         writes ``WORKDIR/eval/passkey.json`` and a heat map per mode
         (:func:`lexjax.passkey.evaluate_passkey`), or in ``out_dir``."""
         depths, trials, max_docs, seed = map(as_python, (depths, trials, max_docs, seed))
+        self._check_there(out_dir)
         with _on_mesh(self.mesh, arg("lengths")):
             results, _ = passkey.evaluate_passkey(
                 self.config,

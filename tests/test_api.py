@@ -475,7 +475,7 @@ def test_train_load_evaluate_generate(tmp_path, capfd, monkeypatch):
     assert passkey_with_text() == 0 and len(named() - before) == 1
 
 
-def test_running_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch):
+def test_running_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch, tmp_path):
     """An allocation XLA cannot make (a long length without BCA) was its traceback,
     and eval.py's exit 1. The failure is injected where the work runs: the message
     XLA gives (RESOURCE_EXHAUSTED on GPU/TPU, "Out of memory" on CPU)."""
@@ -483,7 +483,7 @@ def test_running_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch):
     from lexjax.errors import EvaluationError, naming_flags
 
     config = lexjax.make_config({**TINY, "data": {**TINY["data"], "files": "/none/*.txt"}})
-    run = api.Run("run", config, None, 1, None, jax.make_mesh((1,), ("data",)))
+    run = api.Run(str(tmp_path), config, None, 1, None, jax.make_mesh((1,), ("data",)))
 
     def fail(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2^40 B")
@@ -616,3 +616,26 @@ def test_load_on_chosen_devices_is_refused_in_a_multi_process_job(tmp_path, monk
     said = "^devices= is for one process; a multi-process job loads on all$"
     with pytest.raises(ConfigError, match=said):
         lexjax.load(tmp_path, devices=jax.devices()[:1])
+
+
+def test_a_run_moved_after_loading_is_not_evaluated_into_a_new_directory(tmp_path):
+    """A notebook loads a run, then the run is renamed (mv runs/a runs/b): evaluating
+    made a fresh runs/a/eval with the results, beside no run; it now says the run is
+    gone before computing anything; out_dir= still writes where it is asked."""
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), tmp_path / "a")
+    run = lexjax.load(tmp_path / "a")
+    os.rename(tmp_path / "a", tmp_path / "b")
+    calls = (
+        lambda: run.evaluate([32], max_length=64, max_docs=1, modes=["bca"]),
+        lambda: run.passkey([128], depths=[0.5], trials=1, modes=["bca"]),
+    )
+    for evaluate in calls:
+        with pytest.raises(CheckpointError) as e:
+            evaluate()
+        assert str(e.value) == (
+            f"workdir {tmp_path / 'a'} is gone (moved or deleted since its run was loaded); "
+            "lexjax.load the run again where it is now, or pass out_dir=DIR"
+        )
+    assert not (tmp_path / "a").exists()
+    run.evaluate([32], max_length=64, max_docs=1, modes=["bca"], out_dir=tmp_path / "out")
+    assert (tmp_path / "out" / "perplexity.json").exists()
