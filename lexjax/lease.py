@@ -39,6 +39,7 @@ import datetime
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import threading
@@ -367,7 +368,7 @@ class WorkdirLease:
             if reason is None and holder:
                 if record.get("host") == self._record["host"] and not self._pids_comparable(record):
                     raise _Unverifiable(record)
-                raise self._in_use(record)
+                raise self._in_use(record, copy_hint=True)
             if reason is None:
                 raise CheckpointError(
                     f"the workdir lease {self.path} cannot be read; it is taken over once it "
@@ -380,10 +381,22 @@ class WorkdirLease:
                 return True
         return False
 
-    def _in_use(self, record: dict) -> CheckpointError:
+    def _in_use(self, record: dict, copy_hint: bool = False) -> CheckpointError:
+        """``copy_hint``: the lease was not seen renewed. Another host's may have come with
+        a copy of the workdir that job trains (cp -r, rsync): then it goes stale unrenewed,
+        and the message says when, not only "wait for it to finish"."""
+        hint = ""
+        if copy_hint and record.get("host") != self._record["host"]:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
+                left = max(beat + timeout - time.time(), 0.0) + 1.5 * timeout / 4 + 1.0
+                hint = (
+                    "; if this is a copy of that job's workdir, the lease copied with it goes "
+                    f"stale unrenewed: training here can start in about {math.ceil(left)} s"
+                )
         return CheckpointError(
             f"workdir {os.path.dirname(self.path)} is in use by a training job on "
-            f"{_describe(record)}; wait for it to finish or use another {arg('workdir')}"
+            f"{_describe(record)}; wait for it to finish or use another {arg('workdir')}{hint}"
         )
 
     def _judged_by_clock(self, record: dict) -> bool:

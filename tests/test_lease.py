@@ -748,3 +748,22 @@ def test_a_reader_of_a_run_being_extended_does_not_call_its_last_step_the_end(tm
         f"note: {workdir} is still being trained by host {HOST} pid {os.getpid()} (started "
         f"{started}): this reads step 2, its newest complete checkpoint, and no later one"
     ]
+
+
+def test_a_workdir_copied_from_another_hosts_live_run_says_when_it_frees(tmp_path):
+    """rsync of a run another host trains brings its lease along: training the copy was
+    "in use …; wait for it to finish" (the original's job, days perhaps), though the
+    copied lease goes stale unrenewed after its timeout and 1.5 heartbeats watched."""
+    write_lease(tmp_path, host="elsewhere", heartbeat=time.time() - 20, timeout_s=60.0)
+    said = str(refused(tmp_path))
+    assert said.startswith(
+        f"workdir {tmp_path} is in use by a training job on host elsewhere pid {os.getpid()} "
+        "(started then); wait for it to finish or use another workdir; if this is a copy of "
+        "that job's workdir, the lease copied with it goes stale unrenewed: training here can "
+        "start in about "
+    ), said
+    assert 60 - 20 + 22.5 + 1 - 5 <= int(said.split()[-2]) <= 60 - 20 + 22.5 + 2, said
+    (tmp_path / lease_lib.LEASE_FILE).unlink()
+    with lease_lib.WorkdirLease(tmp_path) as held:  # this host's live holder: no such advice
+        assert "copy" not in str(refused(tmp_path))
+        assert lease_record(tmp_path)["token"] == held.token
