@@ -1196,6 +1196,10 @@ def _open_run(workdir) -> Checkpointer:
         if os.path.exists(workdir) and not os.path.isdir(workdir):  # training there fails too
             raise CheckpointError(f"workdir {workdir} is not a directory; give the run's directory")
         if meant := misplaced_workdir(workdir):  # "train first" would make a run in there
+            # checkpoints/20: the run it names is read at its newest step, maybe not 20
+            step = os.path.basename(os.path.normpath(workdir))
+            if step.isdigit() and _holds_steps(os.path.dirname(os.path.abspath(workdir))):
+                meant += f" (read at its newest good step; step {int(step)} cannot be chosen)"
             raise CheckpointError(f"no checkpoint in {workdir}: {meant}")
         raise CheckpointError(
             f"no checkpoint in {workdir} ({directory} does not exist); train first: "

@@ -221,6 +221,16 @@ def test_load_without_checkpoints_is_a_checkpoint_error(tmp_path):
         f"no checkpoint in {run / 'checkpoints'}: {run / 'checkpoints'} is a run's "
         f"checkpoint directory; the run is {run}"
     )
+    # A step's own directory: the run is read at its newest step, which the user who
+    # asked for step 2 was not told (and evaluated step 6 believing it step 2).
+    shutil.copytree(run / "checkpoints" / "6", run / "checkpoints" / "2")
+    with pytest.raises(CheckpointError) as e:
+        lexjax.load(run / "checkpoints" / "2")
+    assert str(e.value) == (
+        f"no checkpoint in {run / 'checkpoints' / '2'}: {run / 'checkpoints'} is a run's "
+        f"checkpoint directory; the run is {run} (read at its newest good step; step 2 "
+        "cannot be chosen)"
+    )
     (tmp_path / "study" / "runs" / "rope_s0" / "checkpoints").mkdir(parents=True)
     (tmp_path / "study" / "runs" / "xpos_s0" / "checkpoints").mkdir(parents=True)
     with pytest.raises(CheckpointError, match=r"is a study's output with runs rope_s0, xpos_s0; "):
