@@ -649,3 +649,26 @@ def test_a_run_moved_after_loading_is_not_evaluated_into_a_new_directory(tmp_pat
     assert not (tmp_path / "a").exists()
     run.evaluate([32], max_length=64, max_docs=1, modes=["bca"], out_dir=tmp_path / "out")
     assert (tmp_path / "out" / "perplexity.json").exists()
+    # Its loss curve read from where the run was: no records, as if it had trained none.
+    with pytest.raises(CheckpointError) as e:
+        run.metrics()
+    assert str(e.value) == (
+        f"workdir {tmp_path / 'a'} is gone (moved or deleted since its run was loaded); "
+        "lexjax.load the run again where it is now"
+    )
+
+
+def test_a_run_copied_without_its_metrics_says_so(tmp_path, caplog):
+    """rsync --exclude='*.jsonl' (or only checkpoints/ copied): run.metrics() was [] in
+    silence, and the quickstart's loss plot failed on it in the user's own code."""
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "run_v1"), tmp_path / "a")
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    caplog.clear()
+    assert lexjax.load(tmp_path / "a").metrics() == [{"step": 1, "loss": 5.0}]
+    assert not [r for r in caplog.records if "metrics" in r.getMessage()]
+    (tmp_path / "a" / "metrics.jsonl").unlink()
+    caplog.clear()
+    assert lexjax.load(tmp_path / "a").metrics() == []
+    assert [r.getMessage() for r in caplog.records if "metrics" in r.getMessage()] == [
+        f"note: {tmp_path / 'a'} has no metrics.jsonl (copied without it?): no records"
+    ]
