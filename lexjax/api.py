@@ -137,11 +137,7 @@ class Run:
         their earlier records, so each step has one. A record torn by a killed
         writer is skipped, with a note. A run copied without its metrics.jsonl gives
         none, with a note; one moved since it was loaded, a CheckpointError."""
-        self._check_there(None, "metrics")
-        if not os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
-            logging.getLogger("lexjax.metrics").warning(
-                "note: %s has no metrics.jsonl (copied without it?): no records", self.workdir
-            )
+        self._check_there(writes=False)
         return read_metrics(self.workdir)
 
     def evaluate(
@@ -216,14 +212,15 @@ class Run:
             )
         return results
 
-    def _check_there(self, out_dir, reads: str = "") -> None:
-        """Refuses to write WORKDIR/eval where the run loaded is gone (renamed, deleted):
-        making it would put the reports in an empty directory beside no run (or, with
-        ``reads``, to read that of it as if it had none)."""
+    def _check_there(self, out_dir=None, *, writes: bool = True) -> None:
+        """Refuses a run whose workdir is gone (renamed, deleted since it was loaded):
+        writing WORKDIR/eval would put the reports in an empty directory beside no run,
+        and reading the workdir would find nothing there as if the run had none.
+        ``writes``: the call writes WORKDIR/eval, which ``out_dir`` replaces."""
         if out_dir is None and not os.path.isdir(self.workdir):
-            again = "lexjax.load the run again where it is now" + ", or pass out_dir=DIR" * (
-                not reads
-            )
+            again = "lexjax.load the run again where it is now"
+            if writes:
+                again += ", or pass out_dir=DIR"
             again = arg(again, "run eval.py again with --workdir where the run is now")
             raise CheckpointError(
                 f"workdir {self.workdir} is gone (moved or deleted since its run was loaded); "

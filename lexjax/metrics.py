@@ -219,9 +219,11 @@ def _record_step(line: str) -> float:
 def read_metrics(workdir: str) -> list[dict[str, float]]:
     """The records of ``workdir/metrics.jsonl`` in the order they were written.
     A line that is not JSON (a record torn when its writer was killed) is
-    skipped, with one note."""
+    skipped, with one note; a workdir without the file (copied without it) gives
+    none, with a note."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
+        log.warning("note: %s has no metrics.jsonl (copied without it?): no records", workdir)
         return []
     records, torn = [], 0
     with open(path, encoding="utf-8", errors="replace") as f:
