@@ -190,6 +190,12 @@ def _describe(record: dict) -> str:
     return f"host {record['host']} pid {record['pid']} (started {record.get('started')})"
 
 
+def _renewal_wait(timeout: float) -> float:
+    """Seconds a newcomer watches another host's lease, stale by this host's clock, for
+    a renewal before taking it over: 1.5 heartbeat intervals (``timeout_s / 4`` each)."""
+    return 1.5 * max(timeout, 0.0) / 4 + 1.0
+
+
 class WorkdirLease:
     """The lease of one training job on ``workdir`` (a context manager).
 
@@ -389,7 +395,7 @@ class WorkdirLease:
         if copy_hint and record.get("host") != self._record["host"]:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 beat, timeout = float(record["heartbeat"]), float(record["timeout_s"])
-                left = max(beat + timeout - time.time(), 0.0) + 1.5 * timeout / 4 + 1.0
+                left = max(beat + timeout - time.time(), 0.0) + _renewal_wait(timeout)
                 hint = (
                     "; if this is a copy of that job's workdir, the lease copied with it goes "
                     f"stale unrenewed: training here can start in about {math.ceil(left)} s"
@@ -415,8 +421,7 @@ class WorkdirLease:
         """Waits 1.5 heartbeat intervals (``timeout_s / 4`` each) by this host's clock:
         raises the in-use CheckpointError if the holder renews its lease meanwhile;
         else the lease is judged again, now as stale as its heartbeat says."""
-        timeout = float(record["timeout_s"])
-        wait = 1.5 * max(timeout, 0.0) / 4 + 1.0
+        wait = _renewal_wait(float(record["timeout_s"]))
         self.log(
             f"note: the lease of {os.path.dirname(self.path)} held by {_describe(record)} "
             f"looks stale by this host's clock; watching it {wait:.1f} s for a heartbeat "
