@@ -598,13 +598,15 @@ def model_differences(stored: dict, config: Config) -> list[str]:
 def model_changes(stored: dict, config: Config) -> list[str]:
     """:func:`model_differences` as "<field> is A there, B here", the stored value first,
     so that a refusal says which value to resume with (it named only the field)."""
+    names = model_differences(stored, config)
+    if not names:  # (every resume of the same model: no second conversion)
+        return []
     theirs = stored
     with contextlib.suppress(ConfigError):  # as model_differences compares them
         theirs = to_dict(from_configdict(upgraded(stored)))
     now = to_dict(config)
     return [
-        f"{name} is {field_at(theirs, name)} there, {field_at(now, name)} here"
-        for name in model_differences(stored, config)
+        f"{name} is {field_at(theirs, name)} there, {field_at(now, name)} here" for name in names
     ]
 
 
