@@ -251,6 +251,13 @@ def test_committed_study_results_hold_the_comparisons_their_runs_give(tmp_path):
         assert reports.read_json(str(fresh)) == stored["variants"], path
 
 
+def _prose(page: str) -> str:
+    """The text of ``page`` (from the repository root) with each run of whitespace as
+    one space, so that a sentence is found whatever its line breaks."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return " ".join(f.read().split())
+
+
 def _verdicts(comparisons):
     """(|diff| / two_se, diff, two_se) of every "lower" or "higher" cell of ``comparisons``
     ({mode: {length: compare(...)}}), the smallest first."""
@@ -278,8 +285,7 @@ def test_the_seed_noise_paragraph_holds_for_every_committed_study():
             resolution += _verdicts(v.get("resolution_minus_rope", {}))
             if path.endswith(os.path.join("results_text", "results.json")) and v.get("minus_rope"):
                 sinks += _verdicts({"sinks": v["minus_bca"]["sinks"]})
-    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
-        text = " ".join(f.read().split())
+    text = _prose(os.path.join("docs", "results.md"))
     ratio, diff, two_se = min(tables)
     assert ratio >= 2.4
     assert f"at least 2.4 times its ± (the closest: −{-diff:.3f} ± {two_se:.3f})" in text
@@ -312,8 +318,7 @@ def test_own_texts_table_is_its_json():
     ]
     assert table == [f"| {r} |" for r in rows]
     # The paragraph under it: the 8×/1× range and the no-BCA change from 1× to 16×.
-    with open(os.path.join(ROOT, "docs", "own_text.md"), encoding="utf-8") as f:
-        text = " ".join(f.read().split())
+    text = _prose(os.path.join("docs", "own_text.md"))
     ratios = [run["bpb_8x_over_1x_bca"] for run in data["runs"]]
     assert f"(8×/1× from {min(ratios):.3f} to {max(ratios):.3f}," in text
     change = []
@@ -346,10 +351,7 @@ def test_the_studys_cost_figures_are_its_timing_files():
     every stage for each run, the four RoPE extensions for two of them."""
     with open(os.path.join(ROOT, "docs", "results", "timing.json"), encoding="utf-8") as f:
         minutes = sum(i["wall_seconds"] for i in json.load(f)["invocations"]) / 60
-    pages = {}
-    for page in ("README.md", os.path.join("docs", "results.md")):
-        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-            pages[page] = " ".join(f.read().split())
+    pages = {page: _prose(page) for page in ("README.md", os.path.join("docs", "results.md"))}
     assert f"It took {minutes:.1f} minutes on 2 idle cores" in pages["README.md"]
     results = pages[os.path.join("docs", "results.md")]
     assert f"**{minutes:.1f} minutes**, within the 90" in results
@@ -396,8 +398,7 @@ def test_the_text_studys_xpos_lower_in_every_mode_names_its_exception():
         assert {c["verdict"] for c in xpos[mode].values()} == {"lower"}, mode
     worse = [(int(n), c["diff"]) for n, c in xpos["full+pi"].items() if c and c["diff"] > 0]
     assert [n // stored["train_len"] for n, _ in worse] == [2, 4]
-    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
-        text = " ".join(f.read().split())
+    text = _prose(os.path.join("docs", "results.md"))
     shown = " and ".join(f"+{d:.3f}" for _, d in worse)
     assert "XPOS is better than RoPE at every length in every mode (with BCA, without," in text
     assert f"where it is worse at 2× and 4×: {shown})" in text
