@@ -6,25 +6,28 @@ import tempfile
 
 import pytest
 
+from tests.processes import FAST_COMPILE
+
 # Added to flags set for other reasons (a dump flag gave 1 device: the mesh tests skipped).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-# XLA:CPU's backend optimization level 0 (LLVM's code generation; XLA's HLO passes are
-# the same) for the programs the tests compile in this process: the suite is CPU-bound
-# and mostly compiles small programs; test_passkey.py took 39.0 s of CPU instead of
-# 56.6 s, cold cache. The children of tests/processes.py, test_experiments, test_bench
-# and test_notebook get level 0 too (tests/processes.py's xla_flags): the smoke study
-# compiles ~130 programs of its own, and test_experiments.py + test_notebook.py took 151 s
-# of CPU instead of 201 s. test_eval_cli's eval.py children keep the default level:
+# The programs the tests compile in this process are compiled for compile speed
+# (tests/processes.py's FAST_COMPILE: XLA:CPU's backend optimization level 0 and, on
+# jaxlib 0.10, its element-wise emitters): the suite is CPU-bound and mostly compiles
+# small programs. Level 0: test_passkey.py took 39.0 s of CPU instead of 56.6 s, cold
+# cache. The children of tests/processes.py, test_experiments, test_bench and
+# test_notebook get the same (tests/processes.py's xla_flags): the smoke study compiles
+# ~130 programs of its own, and test_experiments.py + test_notebook.py took 151 s of CPU
+# instead of 201 s at level 0. test_eval_cli's eval.py children keep the default level:
 # their evaluations run long enough that level 0's slower code cost more than it saved
 # (232 s of CPU at level 0 against 217 s). A child given a copy of this environment
 # (test_training's train.py run, the quick checks of test_config, test_fuzz, test_api)
 # inherits it. The tests check meaning (equalities, oracles within tolerances), not
-# generated code; the memory-use tests pass at level 0.
+# generated code; the memory-use tests pass compiled so.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per pytest run, shared by its xdist workers (they
 # inherit this environment) and by the train.py/eval.py subprocesses the tests start,

@@ -315,7 +315,7 @@ def test_elastic_resume_2_to_1_to_2_processes_continues_the_token_stream(ctx, tw
                 checkpoint_every=STEPS,
             ),
         ],
-        {**environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        {**environ, "XLA_FLAGS": P.xla_flags(8)},
         program=RECORDER,
     )
     assert one.returncode == 0, one.stderr[-3000:]
