@@ -42,7 +42,7 @@ TINY = [
 def _env(**environ) -> dict:
     """The environment of an eval.py child: one CPU device (no simulated ones), XLA's
     default optimization level (see tests/conftest.py) with the element-wise emitters
-    (tests/processes.py; this file's children took 242.2 s of user time instead of
+    (tests/processes.py; with them this file's tests took 242.2 s of user time instead of
     265.4 s)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
     env.pop("XLA_FLAGS", None)
