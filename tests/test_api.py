@@ -649,7 +649,8 @@ def test_a_run_moved_after_loading_is_not_evaluated_into_a_new_directory(tmp_pat
     assert not (tmp_path / "a").exists()
     run.evaluate([32], max_length=64, max_docs=1, modes=["bca"], out_dir=tmp_path / "out")
     assert (tmp_path / "out" / "perplexity.json").exists()
-    # Its loss curve read from where the run was: no records, as if it had trained none.
+    # Its loss curve, read from where the run was, used to be [] in silence, as if the run
+    # had trained nothing.
     with pytest.raises(CheckpointError) as e:
         run.metrics()
     assert str(e.value) == (
